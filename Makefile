@@ -1,0 +1,40 @@
+# gorun — see README.md.
+GO        ?= go
+BIN       ?= bin
+GOFLAGS   ?=
+# The launcher is one static binary.
+export CGO_ENABLED ?= 0
+
+.PHONY: all build test test-deps test-short bench lint fuzz clean
+
+all: build
+
+build:
+	$(GO) build $(GOFLAGS) -o $(BIN)/gorun ./cmd/gorun
+
+# test installs what the tests need (as root, from Debian) and runs them all.
+test: test-deps
+	CGO_ENABLED=1 $(GO) test $(GOFLAGS) -race -timeout 15m ./...
+
+test-deps:
+	./scripts/test-deps.sh
+
+# test-short skips nothing but runs without the race detector.
+test-short: test-deps
+	$(GO) test $(GOFLAGS) -timeout 10m ./...
+
+lint:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt:"; echo "$$out"; exit 1; fi
+	$(GO) vet ./...
+
+# fuzz runs each fuzz target for FUZZTIME (the seeds also run in `make test`).
+FUZZTIME ?= 60s
+fuzz:
+	$(GO) test ./rendezvous/tcpstore/ -run '^$$' -fuzz FuzzDecoder -fuzztime $(FUZZTIME)
+
+# bench: see BENCHMARKS.md for what it measures and the recorded results.
+bench: build test-deps
+	./bench/run.sh
+
+clean:
+	rm -rf $(BIN)

@@ -1,0 +1,284 @@
+// Command storebench measures gorun's TCPStore server beside PyTorch's own
+// C++ server, in the same run, with the same load client (bench/storeload),
+// and prints a markdown table of medians and ratios for BENCHMARKS.md.
+//
+// Each measurement starts a fresh server process and a separate load
+// process, so CPU and memory are attributed to the right side. Servers are
+// interleaved within each repetition, so machine noise hits both alike.
+package main
+
+import (
+	"bufio"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+type server struct {
+	name string // row label
+	kind string // "gorun" or "torch"
+	wire string // wire generation the load client speaks to it
+}
+
+var servers = []server{
+	{"gorun (old wire)", "gorun", "old"},
+	{"gorun (new wire)", "gorun", "new"},
+	{"torch 1.13 C++ server", "torch", "old"},
+}
+
+type config struct {
+	gorun, storeload, python, torchServer string
+	reps                                  int
+	duration                              time.Duration
+	conns, storms                         []int
+	idleConns                             int
+	out                                   string
+}
+
+func main() {
+	var cfg config
+	var conns, storms string
+	flag.StringVar(&cfg.gorun, "gorun", "bin/gorun", "gorun binary")
+	flag.StringVar(&cfg.storeload, "storeload", "bin/storeload", "storeload binary")
+	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch")
+	flag.StringVar(&cfg.torchServer, "torch-server", "bench/torch_store_server.py", "PyTorch server script")
+	flag.IntVar(&cfg.reps, "reps", 3, "repetitions (medians are reported)")
+	flag.DurationVar(&cfg.duration, "duration", 5*time.Second, "length of each mixed-load run")
+	flag.StringVar(&conns, "conns", "1,64,256", "connection counts for the mixed load")
+	flag.StringVar(&storms, "storm", "4096,16384", "client counts for the connect storm")
+	flag.IntVar(&cfg.idleConns, "idle", 4096, "idle connections for the RSS measurement")
+	flag.StringVar(&cfg.out, "out", "bench/results/store.jsonl", "raw results (JSON lines)")
+	flag.Parse()
+	cfg.conns, cfg.storms = ints(conns), ints(storms)
+	if err := runAll(cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "storebench:", err)
+		os.Exit(1)
+	}
+}
+
+func ints(s string) []int {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		if f = strings.TrimSpace(f); f != "" {
+			n, err := strconv.Atoi(f)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "storebench: %q is not a number\n", f)
+				os.Exit(2)
+			}
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// result is one storeload JSON object plus where it came from.
+type result map[string]any
+
+func (r result) num(k string) float64 {
+	v, _ := r[k].(float64)
+	return v
+}
+
+func runAll(cfg config) error {
+	if err := os.MkdirAll(filepath.Dir(cfg.out), 0o755); err != nil {
+		return err
+	}
+	raw, err := os.Create(cfg.out)
+	if err != nil {
+		return err
+	}
+	defer raw.Close()
+	// results[benchmark][server] = one result per repetition
+	results := map[string]map[string][]result{}
+	record := func(bench string, s server, r result) {
+		if results[bench] == nil {
+			results[bench] = map[string][]result{}
+		}
+		r["bench"], r["server"] = bench, s.name
+		results[bench][s.name] = append(results[bench][s.name], r)
+		json.NewEncoder(raw).Encode(r)
+	}
+	for rep := 1; rep <= cfg.reps; rep++ {
+		for _, n := range cfg.conns {
+			for _, s := range servers {
+				r, err := measure(cfg, s, "mixed", "-conns", strconv.Itoa(n), "-duration", cfg.duration.String())
+				if err != nil {
+					return err
+				}
+				record(fmt.Sprintf("mixed %d", n), s, r)
+			}
+		}
+		for _, n := range cfg.storms {
+			for _, s := range servers {
+				r, err := measure(cfg, s, "storm", "-clients", strconv.Itoa(n))
+				if err != nil {
+					return err
+				}
+				record(fmt.Sprintf("storm %d", n), s, r)
+			}
+		}
+		if cfg.idleConns > 0 {
+			for _, s := range servers {
+				r, err := measure(cfg, s, "idle", "-conns", strconv.Itoa(cfg.idleConns))
+				if err != nil {
+					return err
+				}
+				record("idle", s, r)
+			}
+		}
+		fmt.Fprintf(os.Stderr, "storebench: repetition %d/%d done\n", rep, cfg.reps)
+	}
+	printTable(cfg, results)
+	return nil
+}
+
+// measure starts a fresh server of kind s, runs one storeload mode against
+// it and stops the server.
+func measure(cfg config, s server, mode string, args ...string) (result, error) {
+	addr, pid, stop, err := startServer(cfg, s.kind)
+	if err != nil {
+		return nil, err
+	}
+	defer stop()
+	argv := append([]string{mode, "-addr", addr, "-wire", s.wire, "-label", s.name, "-pid", strconv.Itoa(pid)}, args...)
+	cmd := exec.Command(cfg.storeload, argv...)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.Output()
+	if err != nil {
+		return nil, fmt.Errorf("%s %s against %s: %w", cfg.storeload, strings.Join(argv, " "), s.name, err)
+	}
+	var r result
+	if err := json.Unmarshal(out, &r); err != nil {
+		return nil, fmt.Errorf("storeload printed %q: %w", out, err)
+	}
+	fmt.Fprintf(os.Stderr, "storebench: %s %v %s: %s", mode, args, s.name, out)
+	return r, nil
+}
+
+// startServer starts a server process and returns its address and PID.
+func startServer(cfg config, kind string) (addr string, pid int, stop func(), err error) {
+	var cmd *exec.Cmd
+	switch kind {
+	case "gorun":
+		cmd = exec.Command(cfg.gorun, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
+	case "torch":
+		cmd = exec.Command(cfg.python, cfg.torchServer)
+	}
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		return "", 0, nil, err
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return "", 0, nil, err
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		return "", 0, nil, err
+	}
+	stop = func() {
+		stdin.Close()
+		cmd.Process.Signal(os.Interrupt)
+		done := make(chan struct{})
+		go func() { cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cmd.Process.Kill()
+			<-done
+		}
+	}
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	go io.Copy(io.Discard, stdout)
+	if err != nil {
+		stop()
+		return "", 0, nil, fmt.Errorf("%s server printed no address: %w", kind, err)
+	}
+	line = strings.TrimSpace(line)
+	switch kind {
+	case "gorun":
+		return line, cmd.Process.Pid, stop, nil
+	default:
+		var port int
+		if _, err := fmt.Sscan(line, &port, &pid); err != nil {
+			stop()
+			return "", 0, nil, fmt.Errorf("torch server printed %q: %w", line, err)
+		}
+		return "127.0.0.1:" + strconv.Itoa(port), pid, stop, nil
+	}
+}
+
+func median(rs []result, key string) float64 {
+	var v []float64
+	for _, r := range rs {
+		v = append(v, r.num(key))
+	}
+	if len(v) == 0 {
+		return 0
+	}
+	slices.Sort(v)
+	if len(v)%2 == 1 {
+		return v[len(v)/2]
+	}
+	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+}
+
+func printTable(cfg config, results map[string]map[string][]result) {
+	torch := servers[len(servers)-1].name
+	fmt.Printf("Medians of %d repetitions; mixed runs last %v each.\n\n", cfg.reps, cfg.duration)
+	fmt.Printf("| benchmark | metric |")
+	for _, s := range servers {
+		fmt.Printf(" %s |", s.name)
+	}
+	fmt.Printf(" gorun old wire ÷ torch |\n|---|---|")
+	for range servers {
+		fmt.Printf("---|")
+	}
+	fmt.Printf("---|\n")
+	row := func(bench, metric, key, format string, scale float64) {
+		fmt.Printf("| %s | %s |", bench, metric)
+		for _, s := range servers {
+			fmt.Printf(" "+format+" |", median(results[bench][s.name], key)*scale)
+		}
+		g, t := median(results[bench][servers[0].name], key), median(results[bench][torch], key)
+		if t != 0 {
+			fmt.Printf(" %.2f× |\n", g/t)
+		} else {
+			fmt.Printf(" — |\n")
+		}
+	}
+	for _, n := range cfg.conns {
+		b := fmt.Sprintf("mixed %d", n)
+		row(b, "ops/s", "ops_per_s", "%.0f", 1)
+		row(b, "p99 (ms)", "p99_us", "%.2f", 1e-3)
+	}
+	for _, n := range cfg.storms {
+		row(fmt.Sprintf("storm %d", n), "seconds", "seconds", "%.2f", 1)
+	}
+	if cfg.idleConns > 0 {
+		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)
+	}
+	var failures []string
+	for bench, bySrv := range results {
+		for srv, rs := range bySrv {
+			for _, r := range rs {
+				if r.num("failed_ops") > 0 || r.num("failed_clients") > 0 {
+					failures = append(failures, fmt.Sprintf("%s / %s: %v", bench, srv, r["first_error"]))
+				}
+			}
+		}
+	}
+	slices.Sort(failures)
+	for _, f := range failures {
+		fmt.Printf("\nfailures: %s", f)
+	}
+	fmt.Println()
+}

@@ -1,0 +1,62 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/gorunhq/gorun/rendezvous"
+)
+
+// Exit codes. They are part of gorun's contract (README, "Exit codes"):
+// scripts and Kubernetes restart policies branch on them.
+const (
+	ExitOK = 0
+	// ExitFalse: a query answered no (`store check` with a key missing).
+	// The launcher uses 1 as torchrun does: workers failed, restarts
+	// exhausted.
+	ExitFalse = 1
+	// ExitUsage: bad flags, arguments, URLs or values.
+	ExitUsage = 2
+	// ExitTimeout: a store operation or a connection attempt timed out.
+	ExitTimeout = 3
+	// ExitUnavailable: the store cannot be reached or dropped the
+	// connection.
+	ExitUnavailable = 4
+	// ExitStoreError: the store refused the operation (not supported by
+	// this backend, a non-integer counter, …).
+	ExitStoreError = 5
+	// ExitSignalBase: killed by signal N gives ExitSignalBase+N.
+	ExitSignalBase = 128
+)
+
+// exitError carries an exit code out of a command.
+type exitError struct {
+	code int
+	err  error
+}
+
+func (e *exitError) Error() string { return e.err.Error() }
+func (e *exitError) Unwrap() error { return e.err }
+
+// usageErrorf reports bad input from the user.
+func usageErrorf(format string, args ...any) error {
+	return &exitError{code: ExitUsage, err: fmt.Errorf(format, args...)}
+}
+
+// exitCode maps an error from a command's work to gorun's exit code.
+func exitCode(err error) int {
+	var ee *exitError
+	switch {
+	case err == nil:
+		return ExitOK
+	case errors.As(err, &ee):
+		return ee.code
+	case errors.Is(err, rendezvous.ErrInvalidArgument):
+		return ExitUsage
+	case errors.Is(err, rendezvous.ErrTimeout):
+		return ExitTimeout
+	case errors.Is(err, rendezvous.ErrUnavailable), errors.Is(err, rendezvous.ErrClosed):
+		return ExitUnavailable
+	}
+	return ExitStoreError
+}

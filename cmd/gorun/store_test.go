@@ -1,0 +1,226 @@
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// gorun runs the CLI in-process and returns its exit code and output.
+func gorun(t *testing.T, stdin string, args ...string) (code int, stdout, stderr string) {
+	t.Helper()
+	var out, errb bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	code = run(ctx, append([]string{"gorun"}, args...), strings.NewReader(stdin), &out, &errb)
+	return code, out.String(), errb.String()
+}
+
+func TestStoreVerbsAgainstTCPStore(t *testing.T) {
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	for _, wire := range []string{"new", "old"} {
+		t.Run(wire, func(t *testing.T) {
+			url := "tcp://" + srv.Addr().String()
+			p := "w" + wire + "/"
+			steps := []struct {
+				args       []string
+				stdin      string
+				code       int
+				stdout     string
+				stderrHint string
+			}{
+				{args: []string{"set", p + "a", "hello"}},
+				{args: []string{"get", p + "a"}, stdout: "hello"},
+				{args: []string{"set", p + "b"}, stdin: "from\nstdin"},
+				{args: []string{"get", p + "b"}, stdout: "from\nstdin"},
+				{args: []string{"add", p + "n", "5"}, stdout: "5\n"},
+				{args: []string{"add", p + "n", "-2"}, stdout: "3\n"},
+				{args: []string{"cas", p + "c", "", "x"}, stdout: "x"},
+				{args: []string{"cas", p + "c", "wrong", "y"}, stdout: "x"},
+				{args: []string{"check", p + "a", p + "n"}, stdout: "true\n"},
+				{args: []string{"check", p + "a", p + "missing"}, code: ExitFalse, stdout: "false\n"},
+				{args: []string{"wait", p + "a"}},
+				{args: []string{"delete", p + "a"}, stdout: "true\n"},
+				{args: []string{"delete", p + "a"}, stdout: "false\n"},
+				{args: []string{"get", "--timeout", "300ms", p + "a"}, code: ExitTimeout, stderrHint: "timeout"},
+				{args: []string{"wait", "--timeout", "300ms", p + "never"}, code: ExitTimeout, stderrHint: "timeout"},
+				{args: []string{"add", p + "n", "x"}, code: ExitUsage, stderrHint: "DELTA"},
+				{args: []string{"get"}, code: ExitUsage, stderrHint: "want arguments"},
+			}
+			for _, st := range steps {
+				args := append([]string{"store", st.args[0], "--store", url, "--wire", wire}, st.args[1:]...)
+				code, out, errs := gorun(t, st.stdin, args...)
+				if code != st.code || out != st.stdout {
+					t.Fatalf("gorun %s: code %d stdout %q stderr %q; want code %d stdout %q",
+						strings.Join(args, " "), code, out, errs, st.code, st.stdout)
+				}
+				if st.code != 0 && (!strings.Contains(strings.ToLower(errs), strings.ToLower(st.stderrHint)) || strings.Count(errs, "\n") != 1) {
+					t.Fatalf("gorun %s: stderr %q should be one line mentioning %q", strings.Join(args, " "), errs, st.stderrHint)
+				}
+			}
+		})
+	}
+	// keys and num-keys see both runs' keys.
+	_, out, _ := gorun(t, "", "store", "keys", "--store", "tcp://"+srv.Addr().String())
+	for _, k := range []string{"wnew/b", "wold/n", "wnew/c"} {
+		if !strings.Contains(out, k+"\n") {
+			t.Fatalf("keys output %q lacks %q", out, k)
+		}
+	}
+	// num-keys counts the whole store even under --prefix, as c10d's
+	// PrefixStore does: wnew/{b,n,c} and wold/{b,n,c}.
+	_, out, _ = gorun(t, "", "store", "num-keys", "--store", "tcp://"+srv.Addr().String(), "--prefix", "wnew")
+	if out != "6\n" {
+		t.Fatalf("num-keys = %q, want 6", out)
+	}
+}
+
+func TestStoreVerbsAgainstFileStore(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "store")
+	url := "file://" + path
+	if code, _, errs := gorun(t, "", "store", "set", "--store", url, "k", "v"); code != 0 {
+		t.Fatalf("set: %d %s", code, errs)
+	}
+	if code, out, errs := gorun(t, "", "store", "add", "--store", url, "n", "7"); code != 0 || out != "7\n" {
+		t.Fatalf("add: %d %q %s", code, out, errs)
+	}
+	if code, out, _ := gorun(t, "", "store", "get", "--store", url, "k"); code != 0 || out != "v" {
+		t.Fatalf("get: %d %q", code, out)
+	}
+	// The toolbox must not add bookkeeping records (refcount/, cleanup/).
+	if code, out, _ := gorun(t, "", "store", "num-keys", "--store", url); code != 0 || out != "2\n" {
+		t.Fatalf("num-keys: %d %q, want 2", code, out)
+	}
+}
+
+func TestStoreBadInput(t *testing.T) {
+	cases := []struct {
+		args []string
+		code int
+		hint string
+	}{
+		{[]string{"store", "get", "--store", "http://x:1", "k"}, ExitUsage, "unsupported scheme"},
+		{[]string{"store", "get", "--store", "tcp://hostonly", "k"}, ExitUsage, "tcp://HOST:PORT"},
+		{[]string{"store", "get", "--store", "file://relative/path", "k"}, ExitUsage, "file:///"},
+		{[]string{"store", "get", "--store", "tcp://127.0.0.1:1", "--wire", "newest", "k"}, ExitUsage, "wire"},
+		{[]string{"store", "get", "k"}, ExitUsage, "store"},
+		{[]string{"store", "get", "--store", "tcp://127.0.0.1:1", "--timeout", "0s", "k"}, ExitUsage, "timeout"},
+		{[]string{"store", "get", "--bogus-flag", "k"}, ExitUsage, "bogus"},
+		{[]string{"store", "serve", "--max-key-size", "lots"}, ExitUsage, "max-key-size"},
+		{[]string{"store", "serve", "--legacy-table", "3.0"}, ExitUsage, "legacy-table"},
+		{[]string{"--log-level", "loud", "store", "serve"}, ExitUsage, "log-level"},
+	}
+	for _, tc := range cases {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			code, _, errs := gorun(t, "", tc.args...)
+			if code != tc.code || !strings.Contains(errs, tc.hint) {
+				t.Fatalf("code %d stderr %q; want code %d mentioning %q", code, errs, tc.code, tc.hint)
+			}
+		})
+	}
+}
+
+// TestStoreUnreachable: nothing listens; the verb retries until --timeout
+// and then fails with one line and the timeout exit code.
+func TestStoreUnreachable(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	start := time.Now()
+	code, _, errs := gorun(t, "", "store", "get", "--store", "tcp://"+addr, "--timeout", "500ms", "k")
+	if code != ExitTimeout || strings.Count(errs, "\n") != 1 || !strings.Contains(errs, addr) {
+		t.Fatalf("code %d stderr %q; want %d and one line naming %s", code, errs, ExitTimeout, addr)
+	}
+	if d := time.Since(start); d > 3*time.Second {
+		t.Fatalf("took %v with a 500ms timeout", d)
+	}
+}
+
+// TestStoreServeProcess runs `gorun store serve` as a real process: port 0
+// prints the chosen address, clients work, and SIGTERM stops it with 0.
+func TestStoreServeProcess(t *testing.T) {
+	bin := buildGorun(t)
+	cmd := exec.Command(bin, "store", "serve", "--listen", "127.0.0.1:0")
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(stdout).ReadString('\n')
+	if err != nil {
+		t.Fatalf("no address printed: %v; stderr %s", err, &stderr)
+	}
+	addr := strings.TrimSpace(line)
+	if _, p, _ := net.SplitHostPort(addr); p == "0" || p == "" {
+		t.Fatalf("printed %q, want a real port", addr)
+	}
+	if code, out, errs := gorun(t, "", "store", "add", "--store", "tcp://"+addr, "n", "41"); code != 0 || out != "41\n" {
+		t.Fatalf("add against the served store: %d %q %s", code, out, errs)
+	}
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("serve exited with %v after SIGTERM; stderr %s", err, &stderr)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("serve did not stop on SIGTERM")
+	}
+}
+
+// buildGorun builds the static binary once per test run.
+func buildGorun(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "gorun")
+	cmd := exec.Command("go", "build", "-o", bin, ".")
+	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+func TestParseSize(t *testing.T) {
+	cases := map[string]int{"8192": 8192, "8KiB": 8 << 10, "8 MiB": 8 << 20, "1GiB": 1 << 30, "5B": 5}
+	for in, want := range cases {
+		if got, err := parseSize(in); err != nil || got != want {
+			t.Errorf("parseSize(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, bad := range []string{"", "0", "-1", "lots", "8TiB", "1.5MiB"} {
+		if _, err := parseSize(bad); err == nil {
+			t.Errorf("parseSize(%q) accepted", bad)
+		}
+	}
+	for _, n := range []int{8 << 10, 8 << 20, 64 << 20, 1000} {
+		if got, _ := parseSize(formatSize(n)); got != n {
+			t.Errorf("formatSize(%d) = %q does not round-trip", n, formatSize(n))
+		}
+	}
+}

@@ -1,0 +1,213 @@
+// Package reaper is the single owner of wait4 in a gorun agent.
+//
+// Two parts of a process that both reap children race: whichever calls
+// wait4 first takes the exit status and the other gets ECHILD (the
+// well-known os/exec + background-reaper bug). So the agent starts workers
+// through a Reaper and never waits on them any other way. The Reaper learns
+// of exits from SIGCHLD at once — not at a polling interval — and hands each
+// exit to the one channel registered for that PID.
+//
+// In the default mode it reaps only the children it started (wait4 on each
+// of their PIDs), so it coexists with other code in the process that runs
+// its own commands. As PID 1 or a subreaper (ReapOrphans), it also reaps
+// every other child — orphaned grandchildren re-parented to us — with
+// wait4(-1), as tini does.
+package reaper
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Exit is how a child ended.
+type Exit struct {
+	Pid    int
+	Status syscall.WaitStatus
+	// Time is when the reaper collected the exit.
+	Time time.Time
+}
+
+// Code returns the exit code, or -N if the process was killed by signal N
+// (Python's subprocess and torchrun's convention).
+func (e Exit) Code() int {
+	if e.Status.Signaled() {
+		return -int(e.Status.Signal())
+	}
+	return e.Status.ExitStatus()
+}
+
+// Signal returns the signal that killed the process, or 0.
+func (e Exit) Signal() syscall.Signal {
+	if e.Status.Signaled() {
+		return e.Status.Signal()
+	}
+	return 0
+}
+
+func (e Exit) String() string {
+	if s := e.Signal(); s != 0 {
+		return fmt.Sprintf("pid %d killed by signal %d (%s)", e.Pid, int(s), SignalName(s))
+	}
+	return fmt.Sprintf("pid %d exited with code %d", e.Pid, e.Status.ExitStatus())
+}
+
+// SignalName returns "SIGKILL" for syscall.SIGKILL and so on.
+func SignalName(s syscall.Signal) string {
+	if n := unix.SignalName(s); n != "" {
+		return n
+	}
+	return fmt.Sprintf("signal %d", int(s))
+}
+
+// Config configures a Reaper.
+type Config struct {
+	// ReapOrphans makes the Reaper collect every child of this process, not
+	// only those it started: what PID 1 and a subreaper must do so that
+	// orphaned grandchildren do not linger as zombies. Default false.
+	ReapOrphans bool
+	// OnOrphan, if set, is told of each orphan reaped (for logs).
+	OnOrphan func(Exit)
+}
+
+// Reaper starts processes and reports their exits.
+type Reaper struct {
+	cfg  Config
+	sigc chan os.Signal
+
+	mu       sync.Mutex
+	children map[int]chan Exit
+	closed   bool
+
+	done chan struct{}
+	wg   sync.WaitGroup
+}
+
+// ErrClosed is returned by Start after Close.
+var ErrClosed = errors.New("reaper closed")
+
+// New starts a Reaper. Close it to stop reaping.
+func New(cfg Config) *Reaper {
+	r := &Reaper{
+		cfg:      cfg,
+		sigc:     make(chan os.Signal, 1),
+		children: make(map[int]chan Exit),
+		done:     make(chan struct{}),
+	}
+	signal.Notify(r.sigc, syscall.SIGCHLD)
+	r.wg.Add(1)
+	go r.loop()
+	return r
+}
+
+// Start starts a process (as os.StartProcess does) and returns it with a
+// channel that receives its Exit exactly once. The caller must not Wait on
+// the process.
+func (r *Reaper) Start(name string, argv []string, attr *os.ProcAttr) (*os.Process, <-chan Exit, error) {
+	// Holding mu across the fork means the loop cannot dispatch this
+	// child's exit before its channel is registered, however fast it dies.
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.closed {
+		return nil, nil, ErrClosed
+	}
+	p, err := os.StartProcess(name, argv, attr)
+	if err != nil {
+		return nil, nil, err
+	}
+	ch := make(chan Exit, 1)
+	r.children[p.Pid] = ch
+	// The child may have exited before SIGCHLD was ours to see; poke
+	// the loop so it looks.
+	r.poke()
+	return p, ch, nil
+}
+
+func (r *Reaper) poke() {
+	select {
+	case r.sigc <- syscall.SIGCHLD:
+	default:
+	}
+}
+
+// Close stops the Reaper. Children still running are not signalled, and
+// their channels never receive.
+func (r *Reaper) Close() {
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return
+	}
+	r.closed = true
+	r.mu.Unlock()
+	signal.Stop(r.sigc)
+	close(r.done)
+	r.wg.Wait()
+}
+
+func (r *Reaper) loop() {
+	defer r.wg.Done()
+	for {
+		select {
+		case <-r.done:
+			return
+		case <-r.sigc:
+			r.reap()
+		}
+	}
+}
+
+// reap collects every exit that is ready. SIGCHLD coalesces (many children
+// may end per signal), so it loops until nothing is left.
+func (r *Reaper) reap() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cfg.ReapOrphans {
+		for {
+			var ws syscall.WaitStatus
+			pid, err := syscall.Wait4(-1, &ws, syscall.WNOHANG, nil)
+			if err == syscall.EINTR {
+				continue
+			}
+			if pid <= 0 || err != nil {
+				return
+			}
+			r.dispatch(Exit{Pid: pid, Status: ws, Time: time.Now()})
+		}
+	}
+	for pid := range r.children {
+		var ws syscall.WaitStatus
+		got, err := syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+		for err == syscall.EINTR {
+			got, err = syscall.Wait4(pid, &ws, syscall.WNOHANG, nil)
+		}
+		if got == pid {
+			r.dispatch(Exit{Pid: pid, Status: ws, Time: time.Now()})
+		}
+	}
+}
+
+// dispatch hands e to its child's channel; mu must be held.
+func (r *Reaper) dispatch(e Exit) {
+	if ch, ok := r.children[e.Pid]; ok {
+		delete(r.children, e.Pid)
+		ch <- e // buffered, never blocks
+		return
+	}
+	if r.cfg.OnOrphan != nil {
+		r.cfg.OnOrphan(e)
+	}
+}
+
+// BecomeSubreaper makes this process adopt its orphaned descendants
+// (PR_SET_CHILD_SUBREAPER), so that a Reaper with ReapOrphans collects
+// them. PID 1 gets this for free.
+func BecomeSubreaper() error {
+	return unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+}

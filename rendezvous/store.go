@@ -1,0 +1,115 @@
+// Package rendezvous defines the key-value store that gorun's agents and
+// PyTorch's workers bootstrap from, and c10d's PrefixStore key layout.
+//
+// The Store contract follows c10d's Store (torch/csrc/distributed/c10d/Store.hpp)
+// so that a Go program and a PyTorch worker sharing one TCPStore or FileStore
+// see the same keys with the same semantics. The backends live in the
+// subpackages tcpstore and filestore.
+package rendezvous
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// DefaultTimeout bounds blocking operations when the caller's context has no
+// deadline. It is c10d's default store timeout.
+const DefaultTimeout = 300 * time.Second
+
+// Sentinel errors that callers branch on. Backends wrap them with %w and add
+// what they know (the keys, the elapsed time, the address).
+var (
+	// ErrTimeout: a blocking operation (Get, Wait, MultiGet, a blocking
+	// QueuePop, Barrier, or connecting) ran out of time. Errors that wrap it
+	// also wrap context.DeadlineExceeded when the context's deadline expired.
+	ErrTimeout = errors.New("timeout")
+	// ErrClosed: the Store was closed by its owner.
+	ErrClosed = errors.New("store closed")
+	// ErrUnavailable: the store cannot be reached or the connection to it
+	// broke mid-operation.
+	ErrUnavailable = errors.New("store unavailable")
+	// ErrNotSupported: the backend or wire generation has no such operation
+	// (queues on a FileStore or on a PyTorch 1.13 server, for instance).
+	ErrNotSupported = errors.New("operation not supported by this store")
+	// ErrQueueEmpty: a non-blocking QueuePop found the queue empty.
+	ErrQueueEmpty = errors.New("queue is empty")
+	// ErrNotInteger: Add found a value that is not a decimal integer, or the
+	// sum overflowed int64. (A c10d TCPStore server answers this by closing
+	// the connection; the FileStore raises.)
+	ErrNotInteger = errors.New("value is not a decimal int64")
+	// ErrInvalidArgument: the request itself is malformed (MultiSet with
+	// mismatched lengths, a non-positive barrier size, …).
+	ErrInvalidArgument = errors.New("invalid argument")
+)
+
+// Store is c10d's key-value store.
+//
+// Keys are arbitrary byte strings; values are raw bytes. Blocking operations
+// (Get, Wait, MultiGet, QueuePop with block, Barrier) wait until ctx is done;
+// when ctx carries no deadline the store's own timeout (DefaultTimeout unless
+// configured) bounds them, as c10d's store timeout does. A blocking
+// operation that runs out of time returns an error wrapping ErrTimeout.
+//
+// Counters (Add, Barrier) are stored as ASCII decimal, so Get of a counter
+// returns e.g. "42", exactly as c10d does.
+//
+// A Store is safe for concurrent use.
+type Store interface {
+	// Set stores value under key, replacing any previous value, and wakes
+	// every waiter on key.
+	Set(ctx context.Context, key string, value []byte) error
+	// Get returns the value of key, waiting for the key to exist.
+	Get(ctx context.Context, key string) ([]byte, error)
+	// Add adds delta to the decimal counter under key (absent counts as 0)
+	// and returns the new value. Add(key, 0) is an atomic read.
+	Add(ctx context.Context, key string, delta int64) (int64, error)
+	// CompareSet stores desired if the current value equals expected, where
+	// an absent key equals an empty expected. It returns desired when it
+	// stored it, the current value when it did not, and — c10d's quirk —
+	// expected itself when the key is absent and expected is not empty.
+	CompareSet(ctx context.Context, key string, expected, desired []byte) ([]byte, error)
+	// Wait blocks until every key exists.
+	Wait(ctx context.Context, keys ...string) error
+	// Check reports whether every key exists, without waiting.
+	Check(ctx context.Context, keys ...string) (bool, error)
+	// Delete removes key and reports whether it existed. Waiters are not
+	// affected.
+	Delete(ctx context.Context, key string) (bool, error)
+	// NumKeys counts the keys in the whole store, internal bookkeeping keys
+	// (c10d's "init/", "cleanup/", "refcount/") included, as c10d does.
+	NumKeys(ctx context.Context) (int64, error)
+	// Append appends value to key's value, creating the key if absent.
+	Append(ctx context.Context, key string, value []byte) error
+	// MultiGet returns the values of keys in order, waiting for all of them.
+	MultiGet(ctx context.Context, keys ...string) ([][]byte, error)
+	// MultiSet sets keys[i] to values[i] for every i, in order.
+	MultiSet(ctx context.Context, keys []string, values [][]byte) error
+	// ListKeys returns the store's user keys, in no particular order.
+	ListKeys(ctx context.Context) ([]string, error)
+	// QueuePush appends value to the FIFO queue named key. Queues live in
+	// their own namespace, apart from the keys.
+	QueuePush(ctx context.Context, key string, value []byte) error
+	// QueuePop removes and returns the head of the queue named key. With
+	// block it waits for an element; without, an empty queue gives
+	// ErrQueueEmpty.
+	QueuePop(ctx context.Context, key string, block bool) ([]byte, error)
+	// QueueLen returns the number of elements in the queue named key.
+	QueueLen(ctx context.Context, key string) (int64, error)
+	// Barrier increments the counter under key and blocks until it reaches
+	// worldSize. The counter keeps its value afterwards, so a later Barrier
+	// on the same key returns at once.
+	Barrier(ctx context.Context, key string, worldSize int64) error
+	// Close releases the store's resources (connections, files). It does
+	// not delete shared state unless the backend's cleanup rules say so.
+	Close() error
+}
+
+// WithDefaultTimeout returns ctx bounded by d when ctx has no deadline of its
+// own. Backends use it to apply their configured store timeout.
+func WithDefaultTimeout(ctx context.Context, d time.Duration) (context.Context, context.CancelFunc) {
+	if _, ok := ctx.Deadline(); ok || d <= 0 {
+		return context.WithCancel(ctx)
+	}
+	return context.WithTimeout(ctx, d)
+}
