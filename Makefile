@@ -5,12 +5,19 @@ GOFLAGS   ?=
 # The launcher is one static binary.
 export CGO_ENABLED ?= 0
 
-.PHONY: all build test test-deps test-short bench lint fuzz clean
+.PHONY: all build example test test-deps test-short bench lint fuzz clean
 
 all: build
 
 build:
 	$(GO) build $(GOFLAGS) -o $(BIN)/gorun ./cmd/gorun
+
+# example runs a real PyTorch job under gorun: 4 gloo workers on the
+# embedded store. It installs PyTorch first if it is missing (root, Debian).
+PYTHON_EXEC ?= /usr/bin/python3
+export PYTHON_EXEC
+example: build test-deps
+	$(BIN)/gorun --standalone --nproc-per-node 4 examples/torch/allreduce.py
 
 # test installs what the tests need (as root, from Debian) and runs them all.
 test: test-deps

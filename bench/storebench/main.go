@@ -125,6 +125,15 @@ func runAll(cfg config) error {
 				record(fmt.Sprintf("storm %d", n), s, r)
 			}
 		}
+		for _, n := range cfg.storms {
+			// The kernel's share: bare connects, no requests (one server
+			// kind suffices; the cost is the TCP handshake).
+			r, err := measure(cfg, servers[0], "connect", "-clients", strconv.Itoa(n))
+			if err != nil {
+				return err
+			}
+			record(fmt.Sprintf("connect floor %d", n), servers[0], r)
+		}
 		if cfg.idleConns > 0 {
 			for _, s := range servers {
 				r, err := measure(cfg, s, "idle", "-conns", strconv.Itoa(cfg.idleConns))
@@ -259,9 +268,15 @@ func printTable(cfg config, results map[string]map[string][]result) {
 		b := fmt.Sprintf("mixed %d", n)
 		row(b, "ops/s", "ops_per_s", "%.0f", 1)
 		row(b, "p99 (ms)", "p99_us", "%.2f", 1e-3)
+		row(b, "server CPU per op (µs)", "server_cpu_us_per_op", "%.1f", 1)
+		row(b, "load client CPU per op (µs)", "client_cpu_us_per_op", "%.1f", 1)
 	}
 	for _, n := range cfg.storms {
-		row(fmt.Sprintf("storm %d", n), "seconds", "seconds", "%.2f", 1)
+		b := fmt.Sprintf("storm %d", n)
+		row(b, "seconds", "seconds", "%.2f", 1)
+		row(b, "server CPU (s)", "server_cpu_s", "%.2f", 1)
+		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f | | | |\n",
+			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"))
 	}
 	if cfg.idleConns > 0 {
 		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)

@@ -5,6 +5,9 @@
 //	storeload mixed -addr A -wire old -conns 64 -duration 10s
 //	storeload storm -addr A -wire old -clients 16384
 //	storeload idle  -addr A -conns 4096 -pid PID
+//	storeload connect -addr A -clients 16384
+//
+// With -pid, every mode also reports the server process's CPU time.
 package main
 
 import (
@@ -15,12 +18,15 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
@@ -39,13 +45,31 @@ func main() {
 	timeout := fs.Duration("timeout", 120*time.Second, "store timeout")
 	pid := fs.Int("pid", 0, "server PID whose RSS to read (idle)")
 	label := fs.String("label", "", "free text copied into the result")
+	cpuprofile := fs.String("cpuprofile", "", "write the load client's CPU profile here")
 	fs.Parse(os.Args[2:])
+	if *cpuprofile != "" {
+		f, err := os.Create(*cpuprofile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "storeload:", err)
+			os.Exit(1)
+		}
+		pprof.StartCPUProfile(f)
+		defer pprof.StopCPUProfile()
+	}
 	gen, err := tcpstore.ParseGeneration(*wire)
 	if err != nil || *addr == "" {
 		fmt.Fprintln(os.Stderr, "storeload: need -addr and -wire old|new")
 		os.Exit(2)
 	}
 	cfg := tcpstore.ClientConfig{Wire: gen, Timeout: *timeout}
+	var cpu0 time.Duration
+	if *pid != 0 {
+		if cpu0, err = cpuTime(*pid); err != nil {
+			fmt.Fprintln(os.Stderr, "storeload:", err)
+			os.Exit(1)
+		}
+	}
+	clientCPU0 := selfCPU()
 	var res map[string]any
 	switch os.Args[1] {
 	case "mixed":
@@ -54,14 +78,30 @@ func main() {
 		res, err = storm(*addr, cfg, *clients)
 	case "idle":
 		res, err = idle(*addr, gen, *conns, *pid)
+	case "connect":
+		res, err = connectFloor(*addr, *clients)
 	default:
 		err = fmt.Errorf("unknown mode %q", os.Args[1])
 	}
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "storeload:", err)
+		pprof.StopCPUProfile()
 		os.Exit(1)
 	}
 	res["mode"], res["wire"], res["label"] = os.Args[1], *wire, *label
+	clientCPU := selfCPU() - clientCPU0
+	res["client_cpu_s"] = clientCPU.Seconds()
+	if ops, ok := res["ops"].(int); ok && ops > 0 {
+		res["client_cpu_us_per_op"] = float64(clientCPU.Microseconds()) / float64(ops)
+	}
+	if *pid != 0 {
+		if cpu1, err := cpuTime(*pid); err == nil {
+			res["server_cpu_s"] = (cpu1 - cpu0).Seconds()
+			if ops, ok := res["ops"].(int); ok && ops > 0 {
+				res["server_cpu_us_per_op"] = float64((cpu1 - cpu0).Microseconds()) / float64(ops)
+			}
+		}
+	}
 	json.NewEncoder(os.Stdout).Encode(res)
 }
 
@@ -251,6 +291,67 @@ func idle(addr string, gen tcpstore.Generation, conns, pid int) (map[string]any,
 		"server_pid":        pid,
 		"measured_with_gen": gen.String(),
 	}, nil
+}
+
+// connectFloor measures what the kernel alone costs: n blocking
+// socket+connect calls from one thread, no request sent, then close. No
+// store client can open n connections faster on this machine.
+func connectFloor(addr string, n int) (map[string]any, error) {
+	tcp, err := net.ResolveTCPAddr("tcp4", addr)
+	if err != nil {
+		return nil, err
+	}
+	sa := &unix.SockaddrInet4{Port: tcp.Port}
+	copy(sa.Addr[:], tcp.IP.To4())
+	fds := make([]int, 0, n)
+	defer func() {
+		for _, fd := range fds {
+			unix.Close(fd)
+		}
+	}()
+	start := time.Now()
+	for range n {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return nil, err
+		}
+		fds = append(fds, fd)
+		if err := unix.Connect(fd, sa); err != nil {
+			return nil, err
+		}
+	}
+	elapsed := time.Since(start)
+	return map[string]any{"clients": n, "seconds": elapsed.Seconds()}, nil
+}
+
+// selfCPU is this process's user+system CPU time so far.
+func selfCPU() time.Duration {
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// cpuTime reads the user+system CPU time of pid from /proc/PID/stat.
+func cpuTime(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	// After the command: state(0) ppid … utime(11) stime(12), in clock
+	// ticks of 1/100 s on Linux.
+	if len(f) < 13 {
+		return 0, fmt.Errorf("short /proc/%d/stat", pid)
+	}
+	ut, err1 := strconv.ParseInt(f[11], 10, 64)
+	st, err2 := strconv.ParseInt(f[12], 10, 64)
+	if err1 != nil || err2 != nil {
+		return 0, fmt.Errorf("bad /proc/%d/stat", pid)
+	}
+	return time.Duration(ut+st) * 10 * time.Millisecond, nil
 }
 
 // rss reads VmRSS of pid in bytes.

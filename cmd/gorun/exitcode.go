@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/gorunhq/gorun/launcher"
 	"github.com/gorunhq/gorun/rendezvous"
 )
 
@@ -11,11 +12,16 @@ import (
 // scripts and Kubernetes restart policies branch on them.
 const (
 	ExitOK = 0
-	// ExitFalse: a query answered no (`store check` with a key missing).
-	// The launcher uses 1 as torchrun does: workers failed, restarts
-	// exhausted.
+	// ExitWorkersFailed: workers failed and no restart was left
+	// (torchrun's code).
+	ExitWorkersFailed = 1
+	// ExitFalse: a query answered no (`store check` with a key missing);
+	// the store toolbox shares 1 with the launcher's failure, as grep and
+	// test do.
 	ExitFalse = 1
-	// ExitUsage: bad flags, arguments, URLs or values.
+	// ExitUsage: bad flags, arguments, URLs or values (for the launcher:
+	// any launcher.ErrInvalidConfig, and configurations the agent cannot
+	// run yet, launcher.ErrNotImplemented).
 	ExitUsage = 2
 	// ExitTimeout: a store operation or a connection attempt timed out.
 	ExitTimeout = 3
@@ -25,7 +31,8 @@ const (
 	// ExitStoreError: the store refused the operation (not supported by
 	// this backend, a non-integer counter, …).
 	ExitStoreError = 5
-	// ExitSignalBase: killed by signal N gives ExitSignalBase+N.
+	// ExitSignalBase: stopped by signal N gives ExitSignalBase+N (the
+	// agent stops its workers first).
 	ExitSignalBase = 128
 )
 
@@ -46,12 +53,18 @@ func usageErrorf(format string, args ...any) error {
 // exitCode maps an error from a command's work to gorun's exit code.
 func exitCode(err error) int {
 	var ee *exitError
+	var sig *launcher.SignalError
 	switch {
 	case err == nil:
 		return ExitOK
 	case errors.As(err, &ee):
 		return ee.code
-	case errors.Is(err, rendezvous.ErrInvalidArgument):
+	case errors.As(err, new(*launcher.WorkersFailedError)):
+		return ExitWorkersFailed
+	case errors.As(err, &sig):
+		return ExitSignalBase + int(sig.Signal)
+	case errors.Is(err, rendezvous.ErrInvalidArgument),
+		errors.Is(err, launcher.ErrInvalidConfig), errors.Is(err, launcher.ErrNotImplemented):
 		return ExitUsage
 	case errors.Is(err, rendezvous.ErrTimeout):
 		return ExitTimeout

@@ -26,12 +26,21 @@ func main() {
 
 // run is main without the process: tests call it with their own streams.
 func run(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
-	app := newApp(stdin, stdout, stderr)
+	return runApp(ctx, newApp(stdin, stdout, stderr), args)
+}
+
+// runApp runs app on args (argv[0] first) and returns the exit code,
+// reporting an error as one line on the app's error stream.
+func runApp(ctx context.Context, app *cli.App, args []string) int {
+	if len(args) > 1 && programAfterDashDash(app.Flags, args[1:]) {
+		// `gorun -- store …` runs a program named store.
+		app.Commands, app.HideHelpCommand = nil, true
+	}
 	err := app.RunContext(ctx, args)
 	if err == nil {
 		return ExitOK
 	}
-	fmt.Fprintf(stderr, "gorun: %v\n", err)
+	fmt.Fprintf(app.ErrWriter, "gorun: %v\n", err)
 	var ee *exitError
 	if errors.As(err, &ee) {
 		return ee.code
@@ -74,16 +83,18 @@ func setUsageHandlers(cmds []*cli.Command) {
 
 func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 	app := &cli.App{
-		Name:    "gorun",
-		Usage:   "launch and supervise distributed PyTorch (and Go) jobs; a torchrun drop-in",
-		Version: version,
-		Reader:  stdin,
-		Writer:  stdout,
+		Name:        "gorun",
+		Usage:       "launch and supervise distributed PyTorch (and Go) jobs; a torchrun drop-in",
+		UsageText:   launchUsage + "\ngorun store COMMAND [flags] [ARGS…]",
+		Description: launchDescription,
+		Version:     version,
+		Reader:      stdin,
+		Writer:      stdout,
 		// Errors are printed once, by run, with a documented exit code.
 		ErrWriter:      stderr,
 		ExitErrHandler: func(*cli.Context, error) {},
 		OnUsageError:   onUsageError,
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{
 				Name:    "log-level",
 				Value:   "info",
@@ -96,7 +107,9 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 				Usage:   "log format: console or json",
 				EnvVars: []string{"GORUN_LOG_FORMAT"},
 			},
-		},
+		}, launchFlags()...),
+		// The root command is the launcher (launch.go).
+		Action:   action(runLaunch),
 		Commands: []*cli.Command{storeCommand()},
 	}
 	setUsageHandlers(app.Commands)

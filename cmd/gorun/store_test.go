@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"context"
 	"net"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -13,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
@@ -156,7 +156,7 @@ func TestStoreUnreachable(t *testing.T) {
 // TestStoreServeProcess runs `gorun store serve` as a real process: port 0
 // prints the chosen address, clients work, and SIGTERM stops it with 0.
 func TestStoreServeProcess(t *testing.T) {
-	bin := buildGorun(t)
+	bin := testutil.BuildGorun(t)
 	cmd := exec.Command(bin, "store", "serve", "--listen", "127.0.0.1:0")
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
@@ -192,18 +192,6 @@ func TestStoreServeProcess(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("serve did not stop on SIGTERM")
 	}
-}
-
-// buildGorun builds the static binary once per test run.
-func buildGorun(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "gorun")
-	cmd := exec.Command("go", "build", "-o", bin, ".")
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
 }
 
 func TestParseSize(t *testing.T) {

@@ -8,7 +8,6 @@
 package torchtest
 
 import (
-	"bytes"
 	"context"
 	"os"
 	"os/exec"
@@ -17,6 +16,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
 )
 
 var (
@@ -81,8 +82,8 @@ func Version(t testing.TB) string {
 // Proc is a Python process started by Start.
 type Proc struct {
 	Cmd    *exec.Cmd
-	stdout *syncBuffer
-	stderr *syncBuffer
+	stdout *testutil.SyncBuffer
+	stderr *testutil.SyncBuffer
 	done   chan struct{}
 	err    error
 }
@@ -95,7 +96,7 @@ func Start(t testing.TB, env []string, script string, args ...string) *Proc {
 	cmd := exec.Command(py, append([]string{"-c", script}, args...)...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	p := &Proc{Cmd: cmd, stdout: &syncBuffer{}, stderr: &syncBuffer{}, done: make(chan struct{})}
+	p := &Proc{Cmd: cmd, stdout: &testutil.SyncBuffer{}, stderr: &testutil.SyncBuffer{}, done: make(chan struct{})}
 	cmd.Stdout, cmd.Stderr = p.stdout, p.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", py, err)
@@ -142,21 +143,4 @@ func (p *Proc) Done() <-chan struct{} { return p.done }
 func Run(t testing.TB, d time.Duration, env []string, script string, args ...string) string {
 	t.Helper()
 	return Start(t, env, script, args...).Wait(t, d)
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

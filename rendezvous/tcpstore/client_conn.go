@@ -247,7 +247,9 @@ func (k *call) expired() bool {
 
 func (k *call) connectOnce() error {
 	c := k.c
-	d := net.Dialer{Deadline: k.deadline}
+	// No TCP keep-alive, as c10d's client: liveness is not the store's
+	// job, and its four setsockopts per connection add up in a storm.
+	d := net.Dialer{Deadline: k.deadline, KeepAlive: -1}
 	nc, err := d.DialContext(k.ctx, "tcp", c.addr)
 	if err != nil {
 		return err

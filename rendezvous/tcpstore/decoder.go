@@ -42,13 +42,15 @@ const genUnknown Generation = 0xff
 // the bytes that actually arrived, so a huge length prefix costs nothing
 // until its data comes, and a prefix over the limits fails at once.
 type decoder struct {
-	buf    []byte // buf[r:] is unparsed
-	r      int
-	need   int // parse again once len(buf)-r >= need
-	gen    Generation
-	legacy []Op
-	lim    Limits
-	req    request
+	buf []byte // buf[r:] is unparsed
+	r   int
+	// borrowed: buf is the transport's read buffer (see borrow), not ours.
+	borrowed bool
+	need     int // parse again once len(buf)-r >= need
+	gen      Generation
+	legacy   []Op
+	lim      Limits
+	req      request
 }
 
 // initialBufSize is the read buffer of a fresh or idle connection. Requests
@@ -110,6 +112,34 @@ func (d *decoder) compact() {
 		n := copy(d.buf, d.buf[d.r:])
 		d.buf = d.buf[:n]
 		d.r = 0 // need counts from r, so it stays valid
+	}
+}
+
+// borrow parses p, a transport's read buffer, in place: no copy for the
+// common case of whole requests. retain must follow before p is reused.
+// The decoder must have nothing pending.
+func (d *decoder) borrow(p []byte) {
+	d.buf, d.r, d.borrowed = p, 0, true
+}
+
+// retain ends a parsing round of the event loop: a partial request's bytes
+// are copied out of a borrowed buffer, and with nothing pending the decoder
+// keeps no buffer at all, so an idle connection costs none.
+func (d *decoder) retain() {
+	rest := d.buf[d.r:]
+	switch {
+	case len(rest) == 0:
+		d.buf = nil
+	case d.borrowed:
+		nb := make([]byte, len(rest), max(2*len(rest), initialBufSize))
+		copy(nb, rest)
+		d.buf = nb
+	default:
+		d.buf = d.buf[:copy(d.buf, rest)]
+	}
+	d.r, d.borrowed = 0, false // need counts from r, so it stays valid
+	if cap(d.req.keys) > 1024 {
+		d.req.keys, d.req.vals = nil, nil
 	}
 }
 

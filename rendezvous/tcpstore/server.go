@@ -1,16 +1,15 @@
 package tcpstore
 
 import (
+	"context"
 	"errors"
-	"io"
 	"net"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"go.uber.org/zap"
-
-	"github.com/gorunhq/gorun/rendezvous"
 )
 
 // ServerConfig configures a Server. The zero value is usable: every field
@@ -26,12 +25,18 @@ type ServerConfig struct {
 	// Logger receives connection-level problems (bad input, I/O errors).
 	// Default: no logging.
 	Logger *zap.Logger
+	// GoroutinePerConn serves every connection from its own goroutine with
+	// blocking I/O instead of from the epoll event loops (one per CPU) used
+	// for sockets on Linux. Default false. Connections that are not
+	// sockets, and every connection on other systems, are served that way
+	// regardless.
+	GoroutinePerConn bool
 }
 
 // Server serves c10d's TCPStore protocol, both wire generations, to any
-// number of connections. Each connection gets one goroutine that reads and
-// answers its requests in order; waiters are released from the goroutine
-// of whoever wrote the key, without blocking it.
+// number of connections. A connection's requests are answered in order;
+// waiters are released from the goroutine of whoever wrote the key,
+// without blocking it.
 //
 // Idle connections are never timed out: PyTorch 1.13 keeps a second,
 // silent socket open for the life of every store.
@@ -40,12 +45,16 @@ type Server struct {
 	lim     Limits
 	table   LegacyTable
 	log     *zap.Logger
+	perConn bool
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
-	conns     map[*conn]struct{}
+	conns     map[*connTransport]struct{}
+	loops     []*eventLoop // started on the first socket, if epoll works
+	loopErr   error        // why there are no loops, once tried
+	nextLoop  int
 	closed    bool
-	wg        sync.WaitGroup // connection and flush goroutines
+	wg        sync.WaitGroup // every goroutine the server starts
 
 	stats serverStats
 }
@@ -75,8 +84,9 @@ func NewServer(cfg ServerConfig) *Server {
 		lim:       cfg.Limits.withDefaults(),
 		table:     cfg.LegacyTable,
 		log:       cfg.Logger,
+		perConn:   cfg.GoroutinePerConn,
 		listeners: make(map[net.Listener]struct{}),
-		conns:     make(map[*conn]struct{}),
+		conns:     make(map[*connTransport]struct{}),
 	}
 	if s.storage == nil {
 		s.storage = NewMemoryStorage()
@@ -91,15 +101,18 @@ func NewServer(cfg ServerConfig) *Server {
 // background until Close. addr's host may be empty to listen on every
 // address, IPv4 and IPv6, as PyTorch's server does.
 func Listen(addr string, cfg ServerConfig) (*Server, error) {
-	ln, err := net.Listen("tcp", addr)
+	// No TCP keep-alive on accepted connections, as c10d's server: it
+	// would cost four setsockopts per connection, and an idle client (the
+	// 1.13 callback socket) is legitimate.
+	lc := net.ListenConfig{KeepAlive: -1}
+	ln, err := lc.Listen(context.Background(), "tcp", addr)
 	if err != nil {
 		return nil, err
 	}
 	s := NewServer(cfg)
-	if !s.track(ln) {
+	if !s.track(ln) || !s.goAsync() {
 		return nil, ErrServerClosed // unreachable: s is new
 	}
-	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		_ = s.serve(ln)
@@ -151,6 +164,18 @@ func (s *Server) track(ln net.Listener) bool {
 	return true
 }
 
+// goAsync counts a goroutine about to start in wg, unless the server is
+// closed; the goroutine must call wg.Done.
+func (s *Server) goAsync() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	s.wg.Add(1)
+	return true
+}
+
 func (s *Server) serve(ln net.Listener) error {
 	defer func() {
 		s.mu.Lock()
@@ -158,7 +183,6 @@ func (s *Server) serve(ln net.Listener) error {
 		s.mu.Unlock()
 		ln.Close()
 	}()
-
 	var backoff time.Duration
 	for {
 		nc, err := ln.Accept()
@@ -179,13 +203,63 @@ func (s *Server) serve(ln net.Listener) error {
 		}
 		backoff = 0
 		s.stats.accepted.Add(1)
-		c := s.newConn(nc)
-		if c == nil {
+		if !s.adopt(nc) {
 			nc.Close()
 			return ErrServerClosed
 		}
-		go c.serve()
 	}
+}
+
+// adopt hands a new connection to an event loop or to a goroutine of its
+// own. It returns false if the server is closed.
+func (s *Server) adopt(nc net.Conn) bool {
+	remote := nc.RemoteAddr().String()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		return false
+	}
+	if l := s.loopLocked(); l != nil {
+		if fd, ok := dupConn(nc); ok {
+			s.stats.open.Add(1)
+			l.add(fd, remote)
+			return true
+		}
+	}
+	t := s.newConnTransport(nc)
+	s.conns[t] = struct{}{}
+	s.stats.open.Add(1)
+	s.wg.Add(1)
+	go t.serve()
+	return true
+}
+
+// loopLocked returns the next event loop round-robin, starting the loops on
+// first use; nil when connections get goroutines instead. mu must be held.
+func (s *Server) loopLocked() *eventLoop {
+	if s.perConn || s.loopErr != nil {
+		return nil
+	}
+	if s.loops == nil {
+		loops, err := startLoops(s, runtime.GOMAXPROCS(0))
+		if err != nil {
+			s.loopErr = err
+			s.log.Warn("store event loops unavailable; one goroutine per connection", zap.Error(err))
+			return nil
+		}
+		s.loops = loops
+	}
+	l := s.loops[s.nextLoop%len(s.loops)]
+	s.nextLoop++
+	return l
+}
+
+// forget drops a finished goroutine-per-connection transport.
+func (s *Server) forget(t *connTransport) {
+	s.mu.Lock()
+	delete(s.conns, t)
+	s.mu.Unlock()
+	s.stats.open.Add(-1)
 }
 
 func (s *Server) isClosed() bool {
@@ -207,389 +281,14 @@ func (s *Server) Close() error {
 	for ln := range s.listeners {
 		ln.Close()
 	}
-	for c := range s.conns {
-		c.nc.Close()
+	for t := range s.conns {
+		t.nc.Close()
 	}
+	loops := s.loops
 	s.mu.Unlock()
+	for _, l := range loops {
+		l.stop()
+	}
 	s.wg.Wait()
-	return nil
-}
-
-func (s *Server) newConn(nc net.Conn) *conn {
-	c := &conn{srv: s, nc: nc, dec: newDecoder(s.lim, s.table)}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		return nil
-	}
-	s.conns[c] = struct{}{}
-	s.wg.Add(1)
-	s.stats.open.Add(1)
-	return c
-}
-
-// conn is one client connection.
-//
-// Lock order: a conn's mu is never held while calling the Storage, because
-// the Storage calls fire and event with its own lock held, and those take
-// mu. wmu serialises socket writes so that bytes leave in the order they
-// were queued in out.
-type conn struct {
-	srv *Server
-	nc  net.Conn
-	dec decoder // owned by the serve goroutine
-
-	mu      sync.Mutex
-	out     []byte // queued response bytes
-	spare   []byte // the other half of out's double buffer
-	waits   []*pendingWait
-	watches []Cancel
-	dead    bool
-
-	wmu sync.Mutex
-}
-
-type waitState uint8
-
-const (
-	wsPending waitState = iota
-	wsFired
-	wsCanceled
-)
-
-// pendingWait is one WAIT or BARRIER registered with the storage. Its state
-// moves once, under conn.mu, from pending to fired (STOP_WAITING queued) or
-// to canceled (CANCEL_WAIT or disconnect), so a WAIT_CANCELED is never
-// followed by a STOP_WAITING for the same wait.
-type pendingWait struct {
-	state  waitState
-	cancel Cancel
-}
-
-func (c *conn) remote() zap.Field { return zap.Stringer("remote", c.nc.RemoteAddr()) }
-
-func (c *conn) serve() {
-	s := c.srv
-	defer func() {
-		c.nc.Close()
-		c.release()
-		s.mu.Lock()
-		delete(s.conns, c)
-		s.mu.Unlock()
-		s.stats.open.Add(-1)
-		s.wg.Done()
-	}()
-	for {
-		n, rerr := c.nc.Read(c.dec.spare())
-		c.dec.commit(n)
-		for {
-			req, err := c.dec.next()
-			if err == errIncomplete {
-				break
-			}
-			if err == nil {
-				s.stats.requests.Add(1)
-				err = c.handle(req)
-			}
-			if err != nil {
-				s.stats.rejected.Add(1)
-				s.log.Warn("closing store connection", c.remote(), zap.Error(err))
-				c.flush() // answers queued before the bad request still go out
-				return
-			}
-		}
-		if err := c.flush(); err != nil {
-			s.log.Debug("store connection write failed", c.remote(), zap.Error(err))
-			return
-		}
-		c.dec.compact()
-		if rerr != nil {
-			if rerr != io.EOF && !errors.Is(rerr, net.ErrClosed) {
-				s.log.Debug("store connection read failed", c.remote(), zap.Error(rerr))
-			} else if c.dec.pending() {
-				s.log.Debug("store connection closed mid-request", c.remote())
-			}
-			return
-		}
-	}
-}
-
-// release withdraws every registration the connection holds.
-func (c *conn) release() {
-	c.mu.Lock()
-	c.dead = true
-	waits, watches := c.waits, c.watches
-	c.waits, c.watches = nil, nil
-	for _, w := range waits {
-		w.state = wsCanceled
-	}
-	c.mu.Unlock()
-	for _, w := range waits {
-		w.cancel()
-	}
-	for _, cancel := range watches {
-		cancel()
-	}
-}
-
-// queue appends response bytes built by fn.
-func (c *conn) queue(fn func([]byte) []byte) {
-	c.mu.Lock()
-	c.out = fn(c.out)
-	c.mu.Unlock()
-}
-
-// flush writes everything queued so far.
-func (c *conn) flush() error {
-	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	c.mu.Lock()
-	buf := c.out
-	c.out, c.spare = c.spare[:0], nil
-	c.mu.Unlock()
-	if len(buf) == 0 {
-		c.mu.Lock()
-		c.spare = buf
-		c.mu.Unlock()
-		return nil
-	}
-	_, err := c.nc.Write(buf)
-	if cap(buf) <= 64<<10 {
-		c.mu.Lock()
-		c.spare = buf[:0]
-		c.mu.Unlock()
-	}
-	return err
-}
-
-// flushAsync writes bytes queued by another connection's goroutine (a
-// released waiter, a watch event) without making that goroutine wait on
-// this client's socket.
-func (c *conn) flushAsync() {
-	s := c.srv
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return
-	}
-	s.wg.Add(1)
-	s.mu.Unlock()
-	go func() {
-		defer s.wg.Done()
-		if err := c.flush(); err != nil {
-			c.nc.Close() // the serve goroutine sees it and cleans up
-		}
-	}()
-}
-
-// fire is the storage's ready callback for w.
-func (c *conn) fire(w *pendingWait) {
-	c.mu.Lock()
-	if w.state != wsPending || c.dead {
-		c.mu.Unlock()
-		return
-	}
-	w.state = wsFired
-	c.out = append(c.out, stopWaiting)
-	c.dropWait(w)
-	c.mu.Unlock()
-	c.flushAsync()
-}
-
-// dropWait removes w from c.waits; mu must be held.
-func (c *conn) dropWait(w *pendingWait) {
-	for i, x := range c.waits {
-		if x == w {
-			c.waits = append(c.waits[:i], c.waits[i+1:]...)
-			return
-		}
-	}
-}
-
-// wait registers a WAIT or BARRIER through register and answers it now or
-// when the storage fires.
-func (c *conn) wait(register func(ready func()) (Cancel, bool, error)) error {
-	w := &pendingWait{}
-	cancel, done, err := register(func() { c.fire(w) })
-	if err != nil {
-		return err
-	}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	switch {
-	case done:
-		c.out = append(c.out, stopWaiting)
-	case w.state == wsPending:
-		w.cancel = cancel
-		c.waits = append(c.waits, w)
-	}
-	// Otherwise it fired already and queued its own STOP_WAITING.
-	return nil
-}
-
-// cancelWaits answers CANCEL_WAIT: every pending wait is withdrawn and
-// exactly one WAIT_CANCELED is sent, whether or not anything was pending.
-func (c *conn) cancelWaits() {
-	c.mu.Lock()
-	waits := c.waits
-	c.waits = nil
-	for _, w := range waits {
-		w.state = wsCanceled
-	}
-	c.out = append(c.out, waitCanceled)
-	c.mu.Unlock()
-	for _, w := range waits {
-		w.cancel()
-	}
-}
-
-// event is the storage's watch callback for the old generation's WATCH_KEY.
-func (c *conn) event(ev WatchEvent) {
-	c.mu.Lock()
-	if c.dead {
-		c.mu.Unlock()
-		return
-	}
-	c.out = append(c.out, byte(ev.Type))
-	c.out = appendBytes(c.out, ev.Key)
-	c.out = appendBytes(c.out, ev.Old)
-	c.out = appendBytes(c.out, ev.New)
-	c.mu.Unlock()
-	c.flushAsync()
-}
-
-// handle executes one request and queues its answer. An error closes the
-// connection.
-func (c *conn) handle(req *request) error {
-	st := c.srv.storage
-	switch req.op {
-	case OpValidate:
-		// The decoder accepts it only as the first request.
-	case OpPing:
-		c.queue(func(b []byte) []byte { return appendU32(b, req.u32) })
-	case OpSet:
-		return st.Set(req.key, req.val)
-	case OpGet:
-		// c10d clients WAIT before GET, so a missing key means it was
-		// deleted in between; answer empty as the libuv backend does.
-		v, _, err := st.Get(req.key)
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte { return appendBytes(b, v) })
-	case OpCompareSet:
-		v, err := st.CompareSet(req.key, req.val, req.val2)
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte { return appendBytes(b, v) })
-	case OpAdd:
-		n, err := st.Add(req.key, req.n)
-		if err != nil {
-			if errors.Is(err, rendezvous.ErrNotInteger) {
-				return protocolErrorf("ADD %q: %v", req.key, err)
-			}
-			return err
-		}
-		c.queue(func(b []byte) []byte { return appendI64(b, n) })
-	case OpCheck:
-		ok, err := st.Check(req.keys)
-		if err != nil {
-			return err
-		}
-		r := checkNotReady
-		if ok {
-			r = checkReady
-		}
-		c.queue(func(b []byte) []byte { return append(b, r) })
-	case OpWait:
-		return c.wait(func(ready func()) (Cancel, bool, error) { return st.Wait(req.keys, ready) })
-	case OpBarrier:
-		return c.wait(func(ready func()) (Cancel, bool, error) { return st.Barrier(req.key, req.n, ready) })
-	case OpCancelWait:
-		c.cancelWaits()
-	case OpNumKeys:
-		n, err := st.NumKeys()
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte { return appendI64(b, n) })
-	case OpDelete:
-		ok, err := st.Delete(req.key)
-		if err != nil {
-			return err
-		}
-		var n int64
-		if ok {
-			n = 1
-		}
-		c.queue(func(b []byte) []byte { return appendI64(b, n) })
-	case OpAppend:
-		return st.Append(req.key, req.val)
-	case OpMultiGet:
-		vals := make([][]byte, len(req.keys))
-		for i, k := range req.keys {
-			v, _, err := st.Get(k)
-			if err != nil {
-				return err
-			}
-			vals[i] = v
-		}
-		c.queue(func(b []byte) []byte {
-			for _, v := range vals {
-				b = appendBytes(b, v)
-			}
-			return b
-		})
-	case OpMultiSet:
-		for i, k := range req.keys {
-			if err := st.Set(k, req.vals[i]); err != nil {
-				return err
-			}
-		}
-	case OpListKeys:
-		keys, err := st.Keys()
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte {
-			b = appendI64(b, int64(len(keys)))
-			for _, k := range keys {
-				b = appendBytes(b, k)
-			}
-			return b
-		})
-	case OpQueuePush:
-		return st.QueuePush(req.key, req.val)
-	case OpQueuePop:
-		v, n, err := st.QueuePop(req.key)
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte {
-			b = appendI64(b, n)
-			if n > 0 {
-				b = appendBytes(b, v)
-			}
-			return b
-		})
-	case OpQueueLen:
-		n, err := st.QueueLen(req.key)
-		if err != nil {
-			return err
-		}
-		c.queue(func(b []byte) []byte { return appendI64(b, n) })
-	case OpWatchKey:
-		cancel, err := st.Watch(req.key, c.event)
-		if err != nil {
-			return err
-		}
-		c.mu.Lock()
-		c.watches = append(c.watches, cancel)
-		c.out = append(c.out, watchKeyRegistered)
-		c.mu.Unlock()
-	default:
-		return protocolErrorf("unhandled opcode %v", req.op)
-	}
 	return nil
 }

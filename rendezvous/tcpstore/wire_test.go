@@ -37,8 +37,23 @@ func str(s string) string {
 	return hex.EncodeToString(appendString(nil, s))
 }
 
+// transports are the ways a Server can carry connections; eachTransport
+// runs a test once per transport, as subtests named after it.
+var transports = []string{"event-loop", "goroutine-per-conn"}
+
+func eachTransport(t *testing.T, test func(t *testing.T)) {
+	for _, tr := range transports {
+		t.Run(tr, test)
+	}
+}
+
+// startServer starts a server on loopback for the test. Under eachTransport
+// the subtest's name picks the transport.
 func startServer(t testing.TB, cfg ServerConfig) *Server {
 	t.Helper()
+	if strings.Contains(t.Name(), "/goroutine-per-conn") {
+		cfg.GoroutinePerConn = true
+	}
 	s, err := Listen("127.0.0.1:0", cfg)
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,343 @@
+package main
+
+import (
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/urfave/cli/v2"
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/launcher"
+)
+
+// The root command is the launcher: `gorun [flags] [--] PROGRAM [ARGS…]`
+// takes torchrun's command line. Each torchrun flag is spelled with dashes
+// (its name) and with underscores (an alias), and also reads PET_<NAME>
+// from the environment, as torchrun's argparse actions do; the command
+// line wins over the environment. gorun's own flags read GORUN_<NAME>.
+
+const launchUsage = "gorun [flags] PROGRAM [ARGS…]"
+
+const launchDescription = `Runs PROGRAM once per local rank under torchrun's rules and environment:
+with $PYTHON_EXEC (else python3) as "python -u PROGRAM ARGS…", "python -u -m
+PROGRAM ARGS…" with -m, or PROGRAM itself with --no-python. Every torchrun flag
+has both spellings (--nproc-per-node, --nproc_per_node) and reads PET_<NAME>
+(PET_NPROC_PER_NODE), as torchrun does; the command line wins. Flags go before
+PROGRAM: everything after it is passed to PROGRAM untouched. A program named
+like a gorun command (store, help) must follow --: gorun -- store.`
+
+// Help categories for the launcher's flags.
+const (
+	catSize    = "Nodes and workers"
+	catRdzv    = "Rendezvous"
+	catStatic  = "Static rendezvous (torch.distributed.launch compatible)"
+	catWorkers = "Workers"
+	catLogs    = "Worker logs"
+	catCompat  = "Accepted for torchrun compatibility"
+	catGorun   = "gorun"
+)
+
+// torchAliases returns a torchrun flag's other spellings: the underscore
+// form of a multi-word name, then any short names.
+func torchAliases(name string, short ...string) []string {
+	var aliases []string
+	if u := strings.ReplaceAll(name, "-", "_"); u != name {
+		aliases = append(aliases, u)
+	}
+	return append(aliases, short...)
+}
+
+// petVar is the variable torchrun's env action reads for a flag:
+// PET_ and the longest spelling upper-cased with '-' → '_'.
+func petVar(name string) string {
+	return "PET_" + strings.ToUpper(strings.ReplaceAll(name, "-", "_"))
+}
+
+// torchString is a torchrun flag taking a string.
+func torchString(cat, name, value, usage string, short ...string) *cli.StringFlag {
+	return &cli.StringFlag{Name: name, Aliases: torchAliases(name, short...), Value: value,
+		Usage: usage, EnvVars: []string{petVar(name)}, Category: cat}
+}
+
+// torchBool is a torchrun check_env switch: present means on, and
+// PET_<NAME>=1 or 0 (also true or false) sets it from the environment.
+func torchBool(cat, name, usage string, short ...string) *cli.BoolFlag {
+	return &cli.BoolFlag{Name: name, Aliases: torchAliases(name, short...),
+		Usage: usage, EnvVars: []string{petVar(name)}, Category: cat}
+}
+
+func torchInt(cat, name string, value int, usage string) *cli.IntFlag {
+	return &cli.IntFlag{Name: name, Aliases: torchAliases(name), Value: value,
+		Usage: usage, EnvVars: []string{petVar(name)}, Category: cat}
+}
+
+// torchSeconds is a torchrun flag holding seconds (a float, as
+// --monitor-interval is in torchrun); more variables may follow PET_'s.
+func torchSeconds(cat, name string, value time.Duration, usage string, moreEnv ...string) *cli.Float64Flag {
+	return &cli.Float64Flag{Name: name, Aliases: torchAliases(name), Value: value.Seconds(),
+		Usage: usage, EnvVars: append([]string{petVar(name)}, moreEnv...), Category: cat}
+}
+
+// launchFlags are torchrun's flags (spec/prior-art.md §1.2) with its
+// defaults, plus gorun's own.
+func launchFlags() []cli.Flag {
+	def := launcher.DefaultConfig()
+	return []cli.Flag{
+		torchString(catSize, "nnodes", "1:1", "number of nodes, `N` or MIN:MAX (elastic, needs a dynamic --rdzv-backend)"),
+		torchString(catSize, "nproc-per-node", "1", "workers on this node: an integer, auto (GPUs, else CPUs), cpu or gpu"),
+
+		torchString(catRdzv, "rdzv-backend", "static", "rendezvous backend: static, c10d, etcd-v2 or etcd"),
+		torchString(catRdzv, "rdzv-endpoint", "", "rendezvous endpoint `HOST[:PORT]` (c10d's default port is 29400)"),
+		torchString(catRdzv, "rdzv-id", def.Rendezvous.RunID, "job id, the same on every node"),
+		torchString(catRdzv, "rdzv-conf", "", "rendezvous options `K=V,…` (join_timeout, last_call_timeout, read_timeout, is_host, store_type, …)"),
+		torchBool(catRdzv, "standalone", "single node: host a c10d rendezvous on localhost at a free port with a random id (ignores --rdzv-*)"),
+		torchString(catRdzv, "local-addr", "", "`ADDRESS` this node advertises (default: its FQDN)"),
+
+		torchString(catStatic, "master-addr", def.Rendezvous.MasterAddr, "`HOST` of node rank 0 for --rdzv-backend static"),
+		torchInt(catStatic, "master-port", def.Rendezvous.MasterPort, "`PORT` on node rank 0 for --rdzv-backend static"),
+		torchInt(catStatic, "node-rank", def.Rendezvous.NodeRank, "this node's rank for --rdzv-backend static"),
+
+		torchBool(catWorkers, "module", "run PROGRAM as a module: python -m PROGRAM", "m"),
+		torchBool(catWorkers, "no-python", "run PROGRAM itself, not with python"),
+		torchBool(catWorkers, "run-path", "torchrun's runpy.run_path; gorun runs python -u PROGRAM (wins over --no-python)"),
+		torchString(catWorkers, "role", def.Role, "workers' role name (ROLE_NAME, log prefixes)"),
+		torchInt(catWorkers, "max-restarts", def.MaxRestarts, "restarts of the worker group after a failure before the job fails"),
+		torchSeconds(catWorkers, "monitor-interval", def.MonitorInterval, "health poll period in `SECONDS` (gorun sees worker exits at once)"),
+		torchString(catWorkers, "signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "signals forwarded to the workers, comma-separated (add SIGUSR1,SIGUSR2 under SLURM)"),
+		torchSeconds(catWorkers, "shutdown-timeout", def.ShutdownTimeout, "`SECONDS` stopped workers get before SIGKILL",
+			"TORCH_ELASTIC_SHUTDOWN_TIMEOUT"),
+		torchSeconds(catWorkers, "exit-barrier-timeout", def.ExitBarrierTimeout, "`SECONDS` a finished node waits for the other nodes",
+			"TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT"),
+
+		torchString(catLogs, "log-dir", "", "base `DIR` for worker logs (default: a new torchelastic_* temporary directory)"),
+		torchString(catLogs, "redirects", "0", "streams sent to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank like 0:1,1:2", "r"),
+		torchString(catLogs, "tee", "0", "streams sent to log files and the console (same format as --redirects)", "t"),
+		torchString(catLogs, "local-ranks-filter", "", "only these local `RANKS` (e.g. 0,1) reach the console; files keep everything"),
+
+		torchString(catCompat, "start-method", def.StartMethod, "spawn, fork or forkserver; only affects Python function entrypoints, so no effect here"),
+		torchString(catCompat, "event-log-handler", "null", "torchelastic event handler name; ignored (gorun logs events itself)"),
+		torchString(catCompat, "logs-specs", "", "torchrun.logs_specs plugin name; ignored (Python plugins only)"),
+		torchString(catCompat, "numa-binding", "", "node, socket, exclusive or core-complex; not supported yet, ignored with a warning"),
+
+		&cli.BoolFlag{Name: "init", Usage: "do PID 1's duties (subreaper, reap orphans) even when not PID 1",
+			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
+	}
+}
+
+// numaModes are torchrun's --numa-binding choices.
+var numaModes = []string{"node", "socket", "exclusive", "core-complex"}
+
+// runLaunch is the root command's action: build the Config, then run the
+// agent until the job ends.
+func runLaunch(c *cli.Context) error {
+	log, err := newLogger(c)
+	if err != nil {
+		return err
+	}
+	defer log.Sync()
+	cfg, err := launchConfig(c)
+	if err != nil {
+		return err
+	}
+	noteIgnoredFlags(c, log)
+	return launcher.Run(c.Context, cfg, log)
+}
+
+// launchConfig turns the command line and PET_* environment into the
+// agent's Config: torchrun's defaults, overridden by what was given,
+// parsed and validated. Every error is a usage error.
+func launchConfig(c *cli.Context) (launcher.Config, error) {
+	cfg := launcher.DefaultConfig()
+	args := c.Args().Slice()
+	if len(args) == 0 {
+		return cfg, usageErrorf("no program to run (usage: %s)", launchUsage)
+	}
+	cfg.Entrypoint.Program = args[0]
+	if len(args) > 1 {
+		cfg.Entrypoint.Args = args[1:]
+	}
+	cfg.Entrypoint.Module = c.Bool("module")
+	cfg.Entrypoint.NoPython = c.Bool("no-python")
+	cfg.Entrypoint.RunPath = c.Bool("run-path")
+	if py := os.Getenv("PYTHON_EXEC"); py != "" {
+		cfg.Entrypoint.Python = py
+	}
+
+	var err error
+	if cfg.MinNodes, cfg.MaxNodes, err = launcher.ParseNNodes(c.String("nnodes")); err != nil {
+		return cfg, flagError(c, "nnodes", err)
+	}
+	if cfg.NProcPerNode, err = launcher.ResolveNProc(c.String("nproc-per-node")); err != nil {
+		return cfg, flagError(c, "nproc-per-node", err)
+	}
+	cfg.Role = c.String("role")
+
+	r := &cfg.Rendezvous
+	r.Backend = c.String("rdzv-backend")
+	r.Endpoint = c.String("rdzv-endpoint")
+	r.RunID = c.String("rdzv-id")
+	if r.Conf, err = launcher.ParseRdzvConf(c.String("rdzv-conf")); err != nil {
+		return cfg, flagError(c, "rdzv-conf", err)
+	}
+	r.Standalone = c.Bool("standalone")
+	r.MasterAddr = c.String("master-addr")
+	r.MasterPort = c.Int("master-port")
+	r.NodeRank = c.Int("node-rank")
+	r.LocalAddr = c.String("local-addr")
+
+	cfg.MaxRestarts = c.Int("max-restarts")
+	cfg.StartMethod = c.String("start-method")
+	for _, d := range []struct {
+		flag string
+		dst  *time.Duration
+	}{
+		{"monitor-interval", &cfg.MonitorInterval},
+		{"shutdown-timeout", &cfg.ShutdownTimeout},
+		{"exit-barrier-timeout", &cfg.ExitBarrierTimeout},
+	} {
+		if *d.dst, err = seconds(c.Float64(d.flag)); err != nil {
+			return cfg, usageErrorf("--%s: %v", d.flag, err)
+		}
+	}
+	if cfg.SignalsToHandle, err = launcher.ParseSignals(c.String("signals-to-handle")); err != nil {
+		return cfg, flagError(c, "signals-to-handle", err)
+	}
+
+	cfg.LogDir = c.String("log-dir")
+	if cfg.Redirects, err = launcher.ParseStd(c.String("redirects")); err != nil {
+		return cfg, flagError(c, "redirects", err)
+	}
+	if cfg.Tee, err = launcher.ParseStd(c.String("tee")); err != nil {
+		return cfg, flagError(c, "tee", err)
+	}
+	if cfg.LocalRanksFilter, err = parseLocalRanks(c.String("local-ranks-filter")); err != nil {
+		return cfg, flagError(c, "local-ranks-filter", err)
+	}
+	if m := c.String("numa-binding"); m != "" && !slices.Contains(numaModes, m) {
+		return cfg, usageErrorf("--numa-binding %q: want one of %s", m, strings.Join(numaModes, ", "))
+	}
+	cfg.Init = c.Bool("init")
+	return cfg, cfg.Validate()
+}
+
+// flagError prefixes a parse error with the flag, and with its PET_
+// variable when the bad value came from there.
+func flagError(c *cli.Context, name string, err error) error {
+	label := "--" + name
+	if v, ok := os.LookupEnv(petVar(name)); ok && v == c.String(name) {
+		label += " (from $" + petVar(name) + ")"
+	}
+	return usageErrorf("%s: %w", label, err)
+}
+
+// seconds converts torchrun's float seconds to a Duration. Negative values
+// pass through for Validate to name the flag's own rule.
+func seconds(s float64) (time.Duration, error) {
+	if math.IsNaN(s) || math.Abs(s) > math.MaxInt64/float64(time.Second) {
+		return 0, fmt.Errorf("%v is not a usable number of seconds", s)
+	}
+	return time.Duration(math.Round(s * float64(time.Second))), nil
+}
+
+// parseLocalRanks reads --local-ranks-filter: comma-separated local ranks;
+// "" means no filter (nil). Repeats are dropped and the result sorted.
+func parseLocalRanks(s string) ([]int, error) {
+	if strings.TrimSpace(s) == "" {
+		return nil, nil
+	}
+	var ranks []int
+	for _, part := range strings.Split(s, ",") {
+		r, err := strconv.Atoi(strings.TrimSpace(part))
+		if err != nil || r < 0 {
+			return nil, usageErrorf("%q: %q is not a local rank; want e.g. 0,1,2", s, part)
+		}
+		ranks = append(ranks, r)
+	}
+	slices.Sort(ranks)
+	return slices.Compact(ranks), nil
+}
+
+// noteIgnoredFlags logs the flags gorun accepts without acting on them, so
+// that a torchrun command line runs but nobody is misled.
+func noteIgnoredFlags(c *cli.Context, log *zap.Logger) {
+	if h := c.String("event-log-handler"); h != "null" {
+		log.Debug("--event-log-handler is accepted for torchrun compatibility and ignored; gorun logs its events itself",
+			zap.String("handler", h))
+	}
+	if m := c.String("start-method"); m != launcher.DefaultConfig().StartMethod {
+		log.Debug("--start-method only affects Python function entrypoints; it has no effect on programs",
+			zap.String("start_method", m))
+	}
+	if s := c.String("logs-specs"); s != "" {
+		log.Warn("--logs-specs names a Python LogsSpecs plugin, which gorun cannot load; using torchrun's default log layout",
+			zap.String("logs_specs", s))
+	}
+	if m := c.String("numa-binding"); m != "" {
+		log.Warn("--numa-binding is not supported yet; workers are not bound to NUMA nodes", zap.String("numa_binding", m))
+	}
+	standalone := c.Bool("standalone")
+	if standalone && (c.IsSet("rdzv-backend") || c.IsSet("rdzv-endpoint") || c.IsSet("rdzv-id")) {
+		log.Warn("--standalone ignores --rdzv-backend, --rdzv-endpoint and --rdzv-id")
+	}
+	if !standalone && c.String("rdzv-backend") != "static" && (c.IsSet("master-addr") || c.IsSet("master-port")) {
+		// torchrun warns likewise.
+		log.Warn("--master-addr and --master-port are only used with --rdzv-backend static")
+	}
+}
+
+// programAfterDashDash reports whether args (without argv[0]) put "--"
+// before the first positional argument. urfave/cli would still take that
+// argument for a command name (`gorun -- store` would run `gorun store`),
+// so the caller turns command dispatch off: after "--" comes a program.
+//
+// It parses args as the root command would, with a throwaway flag set
+// built from the same flags, so that a flag's value is never taken for
+// the program.
+func programAfterDashDash(flags []cli.Flag, args []string) bool {
+	fs := scanFlagSet(flags)
+	if fs.Parse(args) != nil {
+		return false // urfave/cli reports it
+	}
+	consumed := len(args) - fs.NArg()
+	if consumed == 0 || args[consumed-1] != "--" {
+		return false
+	}
+	// The "--" may have been a flag's value (`--role -- x`); then the
+	// arguments before it do not parse on their own.
+	before := scanFlagSet(flags)
+	return before.Parse(args[:consumed-1]) == nil && before.NArg() == 0
+}
+
+// scanFlagSet is a flag set with the names of flags (and urfave/cli's help
+// and version flags) that records nothing: it only tells flags, their
+// values and the first positional argument apart.
+func scanFlagSet(flags []cli.Flag) *flag.FlagSet {
+	fs := flag.NewFlagSet("gorun", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	for _, f := range append(slices.Clone(flags), cli.HelpFlag, cli.VersionFlag) {
+		if f == nil {
+			continue
+		}
+		takesValue := true
+		if d, ok := f.(cli.DocGenerationFlag); ok {
+			takesValue = d.TakesValue()
+		}
+		for _, name := range f.Names() {
+			switch {
+			case fs.Lookup(name) != nil:
+			case takesValue:
+				fs.String(name, "", "")
+			default:
+				fs.Bool(name, false, "")
+			}
+		}
+	}
+	return fs
+}

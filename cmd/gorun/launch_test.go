@@ -1,0 +1,468 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"os"
+	"path/filepath"
+	"reflect"
+	"runtime"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/urfave/cli/v2"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gorunhq/gorun/launcher"
+)
+
+// cleanEnv hides every variable the launcher's flags read, so that the
+// host's environment cannot leak into a test (t.Setenv restores them).
+// Tests that use it cannot run in parallel.
+func cleanEnv(t *testing.T) {
+	t.Helper()
+	for _, kv := range os.Environ() {
+		k, _, _ := strings.Cut(kv, "=")
+		for _, p := range []string{"PET_", "GORUN_", "TORCH_ELASTIC_", "PYTHON_EXEC", "CUDA_VISIBLE_DEVICES"} {
+			if strings.HasPrefix(k, p) {
+				t.Setenv(k, "")
+				os.Unsetenv(k)
+			}
+		}
+	}
+}
+
+type launchResult struct {
+	cfg    launcher.Config
+	called bool // the root action ran, rather than a command
+	code   int
+	stderr string
+}
+
+// launch runs the CLI on args with the root action replaced by one that
+// only builds the Config: the same flags, environment, dispatch and exit
+// codes, but nothing is started.
+func launch(t *testing.T, args ...string) launchResult {
+	t.Helper()
+	var res launchResult
+	var errb bytes.Buffer
+	app := newApp(strings.NewReader(""), io.Discard, &errb)
+	app.Action = action(func(c *cli.Context) error {
+		res.called = true
+		var err error
+		res.cfg, err = launchConfig(c)
+		return err
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	res.code = runApp(ctx, app, append([]string{"gorun"}, args...))
+	res.stderr = errb.String()
+	return res
+}
+
+// mustLaunch is launch for a command line that must give a Config.
+func mustLaunch(t *testing.T, args ...string) launcher.Config {
+	t.Helper()
+	res := launch(t, args...)
+	if res.code != ExitOK || !res.called {
+		t.Fatalf("gorun %s: code %d, root action ran %v, stderr %q", strings.Join(args, " "), res.code, res.called, res.stderr)
+	}
+	return res.cfg
+}
+
+func TestLaunchDefaults(t *testing.T) {
+	cleanEnv(t)
+	got := mustLaunch(t, "train.py")
+	want := launcher.DefaultConfig()
+	want.Entrypoint.Program = "train.py"
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("gorun train.py gave\n%+v\nwant torchrun's defaults\n%+v", got, want)
+	}
+	// The spelled-out torchrun defaults give the same Config.
+	explicit := mustLaunch(t, "--nnodes", "1:1", "--nproc-per-node", "1", "--rdzv-backend", "static",
+		"--rdzv-endpoint", "", "--rdzv-id", "none", "--rdzv-conf", "", "--max-restarts", "0",
+		"--monitor-interval", "0.1", "--start-method", "spawn", "--event-log-handler", "null",
+		"--role", "default", "-r", "0", "-t", "0", "--local-ranks-filter", "", "--node-rank", "0",
+		"--master-addr", "127.0.0.1", "--master-port", "29500",
+		"--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT", "--shutdown-timeout", "30",
+		"--exit-barrier-timeout", "300", "train.py")
+	if !reflect.DeepEqual(explicit, want) {
+		t.Fatalf("explicit defaults gave\n%+v\nwant\n%+v", explicit, want)
+	}
+}
+
+// TestLaunchFlags: every flag, in every spelling and as --flag VALUE and
+// --flag=VALUE, lands in its Config field.
+func TestLaunchFlags(t *testing.T) {
+	cleanEnv(t)
+	c10d := []string{"--rdzv-backend", "c10d"}
+	accepted := func(launcher.Config) any { return nil } // accepted, no Config field
+	cases := []struct {
+		names []string // every spelling
+		value string   // "" for a switch
+		extra []string // other flags the case needs to be valid
+		get   func(launcher.Config) any
+		want  any
+	}{
+		{[]string{"--nnodes"}, "2:4", c10d, func(c launcher.Config) any { return [2]int{c.MinNodes, c.MaxNodes} }, [2]int{2, 4}},
+		{[]string{"--nproc-per-node", "--nproc_per_node"}, "3", nil, func(c launcher.Config) any { return c.NProcPerNode }, 3},
+		{[]string{"--nproc-per-node", "--nproc_per_node"}, "cpu", nil, func(c launcher.Config) any { return c.NProcPerNode }, runtime.NumCPU()},
+		{[]string{"--rdzv-backend", "--rdzv_backend"}, "c10d", nil, func(c launcher.Config) any { return c.Rendezvous.Backend }, "c10d"},
+		{[]string{"--rdzv-endpoint", "--rdzv_endpoint"}, "node0:29400", c10d, func(c launcher.Config) any { return c.Rendezvous.Endpoint }, "node0:29400"},
+		{[]string{"--rdzv-id", "--rdzv_id"}, "job7", nil, func(c launcher.Config) any { return c.Rendezvous.RunID }, "job7"},
+		{[]string{"--rdzv-conf", "--rdzv_conf"}, "join_timeout=900,is_host=1", c10d, func(c launcher.Config) any { return c.Rendezvous.Conf },
+			map[string]string{"join_timeout": "900", "is_host": "1"}},
+		{[]string{"--standalone"}, "", nil, func(c launcher.Config) any { return c.Rendezvous.Standalone }, true},
+		{[]string{"--max-restarts", "--max_restarts"}, "3", nil, func(c launcher.Config) any { return c.MaxRestarts }, 3},
+		{[]string{"--monitor-interval", "--monitor_interval"}, "0.5", nil, func(c launcher.Config) any { return c.MonitorInterval }, 500 * time.Millisecond},
+		{[]string{"--start-method", "--start_method"}, "fork", nil, func(c launcher.Config) any { return c.StartMethod }, "fork"},
+		{[]string{"--event-log-handler", "--event_log_handler"}, "console", nil, accepted, nil},
+		{[]string{"--role"}, "trainer", nil, func(c launcher.Config) any { return c.Role }, "trainer"},
+		{[]string{"-m", "--module"}, "", nil, func(c launcher.Config) any { return c.Entrypoint.Module }, true},
+		{[]string{"--no-python", "--no_python"}, "", nil, func(c launcher.Config) any { return c.Entrypoint.NoPython }, true},
+		{[]string{"--run-path", "--run_path"}, "", nil, func(c launcher.Config) any { return c.Entrypoint.RunPath }, true},
+		{[]string{"--log-dir", "--log_dir"}, "/var/log/job", nil, func(c launcher.Config) any { return c.LogDir }, "/var/log/job"},
+		{[]string{"-r", "--redirects"}, "3", nil, func(c launcher.Config) any { return c.Redirects }, launcher.StdSpec{Default: launcher.StdAll}},
+		{[]string{"-t", "--tee"}, "0:1,1:2", nil, func(c launcher.Config) any { return c.Tee },
+			launcher.StdSpec{PerRank: map[int]launcher.Std{0: launcher.StdOut, 1: launcher.StdErr}}},
+		{[]string{"--local-ranks-filter", "--local_ranks_filter"}, "2,0,2", nil, func(c launcher.Config) any { return c.LocalRanksFilter }, []int{0, 2}},
+		{[]string{"--node-rank", "--node_rank"}, "1", []string{"--nnodes", "2"}, func(c launcher.Config) any { return c.Rendezvous.NodeRank }, 1},
+		{[]string{"--master-addr", "--master_addr"}, "10.1.2.3", nil, func(c launcher.Config) any { return c.Rendezvous.MasterAddr }, "10.1.2.3"},
+		{[]string{"--master-port", "--master_port"}, "23456", nil, func(c launcher.Config) any { return c.Rendezvous.MasterPort }, 23456},
+		{[]string{"--local-addr", "--local_addr"}, "10.0.0.9", nil, func(c launcher.Config) any { return c.Rendezvous.LocalAddr }, "10.0.0.9"},
+		{[]string{"--logs-specs", "--logs_specs"}, "my_specs", nil, accepted, nil},
+		{[]string{"--numa-binding", "--numa_binding"}, "node", nil, accepted, nil},
+		{[]string{"--signals-to-handle", "--signals_to_handle"}, "SIGTERM,SIGUSR1", nil, func(c launcher.Config) any { return c.SignalsToHandle },
+			[]syscall.Signal{syscall.SIGTERM, syscall.SIGUSR1}},
+		{[]string{"--shutdown-timeout", "--shutdown_timeout"}, "120", nil, func(c launcher.Config) any { return c.ShutdownTimeout }, 120 * time.Second},
+		{[]string{"--exit-barrier-timeout", "--exit_barrier_timeout"}, "1.5", nil, func(c launcher.Config) any { return c.ExitBarrierTimeout }, 1500 * time.Millisecond},
+		{[]string{"--init"}, "", nil, func(c launcher.Config) any { return c.Init }, true},
+	}
+	for _, tc := range cases {
+		for _, name := range tc.names {
+			forms := [][]string{{name}}
+			if tc.value != "" {
+				forms = [][]string{{name, tc.value}, {name + "=" + tc.value}}
+			}
+			for _, form := range forms {
+				args := append(append(append([]string{}, tc.extra...), form...), "train.py")
+				t.Run(strings.Join(args, " "), func(t *testing.T) {
+					cfg := mustLaunch(t, args...)
+					if got := tc.get(cfg); !reflect.DeepEqual(got, tc.want) {
+						t.Fatalf("got %#v, want %#v", got, tc.want)
+					}
+					if cfg.Entrypoint.Program != "train.py" || cfg.Entrypoint.Args != nil {
+						t.Fatalf("entrypoint %+v, want train.py without arguments", cfg.Entrypoint)
+					}
+				})
+			}
+		}
+	}
+}
+
+// TestLaunchEnv: PET_* (and torchrun's other variables) fill the Config
+// when the command line is silent, and lose to it otherwise.
+func TestLaunchEnv(t *testing.T) {
+	nodes := func(c launcher.Config) any { return [2]int{c.MinNodes, c.MaxNodes} }
+	cases := []struct {
+		name string
+		env  map[string]string
+		args []string
+		get  func(launcher.Config) any
+		want any
+	}{
+		{"nnodes", map[string]string{"PET_NNODES": "2:3", "PET_RDZV_BACKEND": "c10d"}, nil, nodes, [2]int{2, 3}},
+		{"nproc", map[string]string{"PET_NPROC_PER_NODE": "4"}, nil, func(c launcher.Config) any { return c.NProcPerNode }, 4},
+		{"endpoint", map[string]string{"PET_RDZV_ENDPOINT": "host:1234", "PET_RDZV_BACKEND": "c10d"}, nil,
+			func(c launcher.Config) any { return c.Rendezvous.Endpoint + " " + c.Rendezvous.Backend }, "host:1234 c10d"},
+		{"rdzv id", map[string]string{"PET_RDZV_ID": "job9"}, nil, func(c launcher.Config) any { return c.Rendezvous.RunID }, "job9"},
+		{"rdzv conf", map[string]string{"PET_RDZV_CONF": "read_timeout=5"}, nil, func(c launcher.Config) any { return c.Rendezvous.Conf },
+			map[string]string{"read_timeout": "5"}},
+		{"standalone 1", map[string]string{"PET_STANDALONE": "1"}, nil, func(c launcher.Config) any { return c.Rendezvous.Standalone }, true},
+		{"standalone true", map[string]string{"PET_STANDALONE": "true"}, nil, func(c launcher.Config) any { return c.Rendezvous.Standalone }, true},
+		{"standalone 0", map[string]string{"PET_STANDALONE": "0"}, nil, func(c launcher.Config) any { return c.Rendezvous.Standalone }, false},
+		{"max restarts", map[string]string{"PET_MAX_RESTARTS": "2"}, nil, func(c launcher.Config) any { return c.MaxRestarts }, 2},
+		{"monitor interval", map[string]string{"PET_MONITOR_INTERVAL": "0.25"}, nil, func(c launcher.Config) any { return c.MonitorInterval }, 250 * time.Millisecond},
+		{"start method", map[string]string{"PET_START_METHOD": "forkserver"}, nil, func(c launcher.Config) any { return c.StartMethod }, "forkserver"},
+		{"role", map[string]string{"PET_ROLE": "worker"}, nil, func(c launcher.Config) any { return c.Role }, "worker"},
+		{"module", map[string]string{"PET_MODULE": "1"}, nil, func(c launcher.Config) any { return c.Entrypoint.Module }, true},
+		{"no python", map[string]string{"PET_NO_PYTHON": "1"}, nil, func(c launcher.Config) any { return c.Entrypoint.NoPython }, true},
+		{"run path", map[string]string{"PET_RUN_PATH": "1"}, nil, func(c launcher.Config) any { return c.Entrypoint.RunPath }, true},
+		{"log dir", map[string]string{"PET_LOG_DIR": "/logs"}, nil, func(c launcher.Config) any { return c.LogDir }, "/logs"},
+		{"redirects", map[string]string{"PET_REDIRECTS": "2"}, nil, func(c launcher.Config) any { return c.Redirects }, launcher.StdSpec{Default: launcher.StdErr}},
+		{"tee", map[string]string{"PET_TEE": "3"}, nil, func(c launcher.Config) any { return c.Tee }, launcher.StdSpec{Default: launcher.StdAll}},
+		{"local ranks filter", map[string]string{"PET_LOCAL_RANKS_FILTER": "1"}, nil, func(c launcher.Config) any { return c.LocalRanksFilter }, []int{1}},
+		{"node rank", map[string]string{"PET_NNODES": "4", "PET_NODE_RANK": "3"}, nil, func(c launcher.Config) any { return c.Rendezvous.NodeRank }, 3},
+		{"master", map[string]string{"PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456"}, nil,
+			func(c launcher.Config) any { return [2]any{c.Rendezvous.MasterAddr, c.Rendezvous.MasterPort} }, [2]any{"job-master-0", 23456}},
+		{"local addr", map[string]string{"PET_LOCAL_ADDR": "10.0.0.5"}, nil, func(c launcher.Config) any { return c.Rendezvous.LocalAddr }, "10.0.0.5"},
+		{"signals", map[string]string{"PET_SIGNALS_TO_HANDLE": "SIGUSR2"}, nil, func(c launcher.Config) any { return c.SignalsToHandle }, []syscall.Signal{syscall.SIGUSR2}},
+		{"shutdown PET", map[string]string{"PET_SHUTDOWN_TIMEOUT": "45"}, nil, func(c launcher.Config) any { return c.ShutdownTimeout }, 45 * time.Second},
+		{"shutdown TORCH_ELASTIC", map[string]string{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, nil, func(c launcher.Config) any { return c.ShutdownTimeout }, 120 * time.Second},
+		{"shutdown PET beats TORCH_ELASTIC", map[string]string{"PET_SHUTDOWN_TIMEOUT": "45", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, nil,
+			func(c launcher.Config) any { return c.ShutdownTimeout }, 45 * time.Second},
+		{"exit barrier", map[string]string{"TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT": "60"}, nil, func(c launcher.Config) any { return c.ExitBarrierTimeout }, time.Minute},
+		{"init", map[string]string{"GORUN_INIT": "1"}, nil, func(c launcher.Config) any { return c.Init }, true},
+		{"python exec", map[string]string{"PYTHON_EXEC": "/opt/conda/bin/python"}, nil, func(c launcher.Config) any { return c.Entrypoint.Argv() },
+			[]string{"/opt/conda/bin/python", "-u", "train.py"}},
+		{"empty python exec", map[string]string{"PYTHON_EXEC": ""}, nil, func(c launcher.Config) any { return c.Entrypoint.Python }, "python3"},
+
+		// The command line wins.
+		{"flag beats PET_NPROC_PER_NODE", map[string]string{"PET_NPROC_PER_NODE": "4"}, []string{"--nproc_per_node", "2"},
+			func(c launcher.Config) any { return c.NProcPerNode }, 2},
+		{"flag beats PET_RDZV_BACKEND", map[string]string{"PET_RDZV_BACKEND": "c10d"}, []string{"--rdzv-backend", "static"},
+			func(c launcher.Config) any { return c.Rendezvous.Backend }, "static"},
+		{"switch beats PET_STANDALONE=0", map[string]string{"PET_STANDALONE": "0"}, []string{"--standalone"},
+			func(c launcher.Config) any { return c.Rendezvous.Standalone }, true},
+		{"flag beats PET_MAX_RESTARTS", map[string]string{"PET_MAX_RESTARTS": "7"}, []string{"--max-restarts", "1"},
+			func(c launcher.Config) any { return c.MaxRestarts }, 1},
+		{"flag beats TORCH_ELASTIC_SHUTDOWN_TIMEOUT", map[string]string{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, []string{"--shutdown-timeout", "5"},
+			func(c launcher.Config) any { return c.ShutdownTimeout }, 5 * time.Second},
+		{"flag beats bad PET_NNODES", map[string]string{"PET_NNODES": "0"}, []string{"--nnodes", "1"}, nodes, [2]int{1, 1}},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cleanEnv(t)
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			cfg := mustLaunch(t, append(tc.args, "train.py")...)
+			if got := tc.get(cfg); !reflect.DeepEqual(got, tc.want) {
+				t.Fatalf("got %#v, want %#v", got, tc.want)
+			}
+		})
+	}
+}
+
+func TestLaunchPassThrough(t *testing.T) {
+	cleanEnv(t)
+	cases := []struct {
+		args    []string
+		program string
+		rest    []string
+		module  bool
+	}{
+		{[]string{"--nproc-per-node", "2", "train.py", "--lr", "0.1", "-m", "x"}, "train.py", []string{"--lr", "0.1", "-m", "x"}, false},
+		{[]string{"-m", "pkg.train", "--help", "--nnodes", "9"}, "pkg.train", []string{"--help", "--nnodes", "9"}, true},
+		{[]string{"--", "train.py", "--", "--standalone"}, "train.py", []string{"--", "--standalone"}, false},
+		{[]string{"--no-python", "./worker", "-r", "3", "-t=3", "store"}, "./worker", []string{"-r", "3", "-t=3", "store"}, false},
+		{[]string{"train.py", ""}, "train.py", []string{""}, false},
+	}
+	for _, tc := range cases {
+		cfg := mustLaunch(t, tc.args...)
+		e := cfg.Entrypoint
+		if e.Program != tc.program || !reflect.DeepEqual(e.Args, tc.rest) || e.Module != tc.module {
+			t.Errorf("gorun %q: program %q args %q module %v; want %q %q %v", tc.args, e.Program, e.Args, e.Module, tc.program, tc.rest, tc.module)
+		}
+		// Nothing after the program reached gorun's own flags.
+		if cfg.NProcPerNode > 2 || cfg.MinNodes != 1 || !reflect.DeepEqual(cfg.Redirects, launcher.StdSpec{}) || cfg.Rendezvous.Standalone {
+			t.Errorf("gorun %q: the program's arguments changed gorun's config: %+v", tc.args, cfg)
+		}
+	}
+}
+
+// TestLaunchDispatch: `gorun store …` is still the store toolbox, and
+// after "--" even a program named like a command is a program.
+func TestLaunchDispatch(t *testing.T) {
+	cleanEnv(t)
+	dir := t.TempDir()
+	storeURL := "file://" + filepath.Join(dir, "s1")
+
+	res := launch(t, "store", "set", "--store", storeURL, "k", "v")
+	if res.called || res.code != ExitOK {
+		t.Fatalf("gorun store set: root action ran %v, code %d, stderr %q; want the store command", res.called, res.code, res.stderr)
+	}
+	if code, out, errs := gorun(t, "", "store", "get", "--store", storeURL, "k"); code != 0 || out != "v" {
+		t.Fatalf("gorun store get: %d %q %q", code, out, errs)
+	}
+
+	progURL := "file://" + filepath.Join(dir, "s2")
+	programs := []struct {
+		args []string
+		prog string
+		rest []string
+	}{
+		{[]string{"--", "store", "set", "--store", progURL, "k", "v"}, "store", []string{"set", "--store", progURL, "k", "v"}},
+		{[]string{"--log-level", "debug", "--", "store"}, "store", nil},
+		{[]string{"--standalone", "--nproc_per_node=2", "--", "store", "serve"}, "store", []string{"serve"}},
+		{[]string{"--", "help"}, "help", nil},
+		{[]string{"--", "h", "store"}, "h", []string{"store"}},
+	}
+	for _, tc := range programs {
+		cfg := mustLaunch(t, tc.args...)
+		if cfg.Entrypoint.Program != tc.prog || !reflect.DeepEqual(cfg.Entrypoint.Args, tc.rest) {
+			t.Errorf("gorun %q: program %q args %q; want %q %q", tc.args, cfg.Entrypoint.Program, cfg.Entrypoint.Args, tc.prog, tc.rest)
+		}
+	}
+	if _, err := os.Stat(filepath.Join(dir, "s2")); !os.IsNotExist(err) {
+		t.Fatalf("gorun -- store set … ran the store command (stat: %v)", err)
+	}
+
+	// A "--" that is a flag's value ends nothing: here store is the command.
+	if res := launch(t, "--role", "--", "store", "get", "k"); res.called || res.code != ExitUsage || !strings.Contains(res.stderr, "store") {
+		t.Fatalf("gorun --role -- store get k: root action ran %v, code %d, stderr %q; want store get's usage error", res.called, res.code, res.stderr)
+	}
+	// Help and version still work on the root.
+	for _, args := range [][]string{{"--help"}, {"-h"}, {"help"}, {"--version"}} {
+		if res := launch(t, args...); res.called || res.code != ExitOK {
+			t.Errorf("gorun %q: root action ran %v, code %d, stderr %q", args, res.called, res.code, res.stderr)
+		}
+	}
+}
+
+func TestProgramAfterDashDash(t *testing.T) {
+	flags := newApp(nil, io.Discard, io.Discard).Flags
+	cases := []struct {
+		args []string
+		want bool
+	}{
+		{nil, false},
+		{[]string{"train.py"}, false},
+		{[]string{"store", "serve"}, false},
+		{[]string{"--", "store"}, true},
+		{[]string{"--nnodes", "2", "--", "store"}, true},
+		{[]string{"--nnodes=2", "-m", "--", "x"}, true},
+		{[]string{"--standalone", "--", "x"}, true},
+		{[]string{"-h", "--", "x"}, true},
+		{[]string{"--", "--", "x"}, true},
+		{[]string{"--"}, true},
+		{[]string{"--nnodes", "--", "store"}, false}, // "--" is --nnodes' value
+		{[]string{"--role", "--", "--", "x"}, true},  // the second "--" ends the flags
+		{[]string{"train.py", "--", "x"}, false},     // the program came first
+		{[]string{"--bogus", "--", "x"}, false},      // left to urfave/cli to report
+		{[]string{"--nnodes=--", "store"}, false},
+	}
+	for _, tc := range cases {
+		if got := programAfterDashDash(flags, tc.args); got != tc.want {
+			t.Errorf("programAfterDashDash(%q) = %v, want %v", tc.args, got, tc.want)
+		}
+	}
+}
+
+// TestLaunchBadInput runs the real CLI: each bad command line fails before
+// anything starts, with the usage exit code and one line naming the
+// culprit.
+func TestLaunchBadInput(t *testing.T) {
+	cases := []struct {
+		env  map[string]string
+		args []string
+		hint string
+	}{
+		{nil, nil, "no program to run (usage: gorun [flags] PROGRAM [ARGS…])"},
+		{nil, []string{"--nproc-per-node", "2"}, "no program to run"},
+		{nil, []string{"--"}, "no program to run"},
+		{nil, []string{"--nnodes", "0", "train.py"}, `--nnodes: "0"`},
+		{nil, []string{"--nnodes", "3:2", "train.py"}, `--nnodes: "3:2"`},
+		{nil, []string{"--nnodes", "1:2:3", "train.py"}, `--nnodes: "1:2:3"`},
+		{nil, []string{"--nnodes", "1:4", "train.py"}, "static rendezvous is not elastic"},
+		{nil, []string{"--nproc-per-node", "zero", "train.py"}, `--nproc-per-node: "zero"`},
+		{nil, []string{"--nproc_per_node", "0", "train.py"}, `--nproc-per-node: "0"`},
+		{nil, []string{"--redirects", "7", "train.py"}, `--redirects: "7"`},
+		{nil, []string{"-t", "0:1,x:2", "train.py"}, `--tee: "0:1,x:2"`},
+		{nil, []string{"--rdzv-conf", "x", "train.py"}, `--rdzv-conf: "x"`},
+		{nil, []string{"--rdzv-backend", "c10d", "--rdzv-conf", "join_timeout=soon", "train.py"}, "join_timeout=soon"},
+		{nil, []string{"--rdzv-backend", "zookeeper", "train.py"}, `--rdzv-backend "zookeeper"`},
+		{nil, []string{"--rdzv-backend", "c10d", "--rdzv-endpoint", "host:99999", "train.py"}, "--rdzv-endpoint"},
+		{nil, []string{"--signals-to-handle", "SIGFOO", "train.py"}, `unknown signal "SIGFOO"`},
+		{nil, []string{"--signals-to-handle", "SIGTERM,SIGKILL", "train.py"}, "SIGKILL cannot be caught"},
+		{nil, []string{"--local-ranks-filter", "0,x", "train.py"}, "--local-ranks-filter"},
+		{nil, []string{"--numa-binding", "everywhere", "train.py"}, "--numa-binding"},
+		{nil, []string{"--start-method", "thread", "train.py"}, "--start-method"},
+		{nil, []string{"--max-restarts", "-1", "train.py"}, "--max-restarts -1"},
+		{nil, []string{"--max-restarts", "many", "train.py"}, "max-restarts"},
+		{nil, []string{"--monitor-interval", "0", "train.py"}, "--monitor-interval"},
+		{nil, []string{"--monitor-interval", "NaN", "train.py"}, "--monitor-interval"},
+		{nil, []string{"--shutdown-timeout", "-5", "train.py"}, "--shutdown-timeout"},
+		{nil, []string{"--master-port", "70000", "train.py"}, "--master-port 70000"},
+		{nil, []string{"--nnodes", "2", "--node-rank", "2", "train.py"}, "--node-rank 2"},
+		{nil, []string{"--no-python", "-m", "train"}, "--no-python and --module"},
+		{nil, []string{"--role", "", "train.py"}, "--role"},
+		{nil, []string{"--bogus-flag", "train.py"}, "bogus-flag"},
+		{nil, []string{"--log-level", "loud", "train.py"}, "log-level"},
+		{map[string]string{"PET_NNODES": "0"}, []string{"train.py"}, `--nnodes (from $PET_NNODES): "0"`},
+		{map[string]string{"PET_MAX_RESTARTS": "abc"}, []string{"train.py"}, "PET_MAX_RESTARTS"},
+		{map[string]string{"PET_STANDALONE": "yes"}, []string{"train.py"}, "PET_STANDALONE"},
+		{map[string]string{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, []string{"train.py"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"},
+	}
+	for _, tc := range cases {
+		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {
+			cleanEnv(t)
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			code, out, errs := gorun(t, "", tc.args...)
+			if code != ExitUsage || out != "" {
+				t.Fatalf("code %d stdout %q stderr %q; want code %d", code, out, errs, ExitUsage)
+			}
+			if !strings.Contains(errs, tc.hint) || strings.Count(errs, "\n") != 1 || !strings.HasPrefix(errs, "gorun: ") {
+				t.Fatalf("stderr %q should be one gorun: line mentioning %q", errs, tc.hint)
+			}
+		})
+	}
+}
+
+// TestNoteIgnoredFlags: flags gorun accepts without acting on them are
+// logged, and a plain command line logs nothing.
+func TestNoteIgnoredFlags(t *testing.T) {
+	cleanEnv(t)
+	cases := []struct {
+		args  []string
+		level zapcore.Level
+		hint  string // "" for no log at all
+	}{
+		{[]string{"train.py"}, 0, ""},
+		{[]string{"--rdzv-backend", "c10d", "--rdzv-id", "x", "train.py"}, 0, ""},
+		{[]string{"--logs-specs", "custom", "train.py"}, zapcore.WarnLevel, "--logs-specs"},
+		{[]string{"--numa_binding", "socket", "train.py"}, zapcore.WarnLevel, "--numa-binding"},
+		{[]string{"--standalone", "--rdzv-id", "x", "train.py"}, zapcore.WarnLevel, "--standalone ignores"},
+		{[]string{"--rdzv-backend", "c10d", "--master-addr", "h", "train.py"}, zapcore.WarnLevel, "--master-addr"},
+		{[]string{"--event-log-handler", "console", "train.py"}, zapcore.DebugLevel, "--event-log-handler"},
+		{[]string{"--start-method", "fork", "train.py"}, zapcore.DebugLevel, "--start-method"},
+	}
+	for _, tc := range cases {
+		core, logs := observer.New(zapcore.DebugLevel)
+		app := newApp(nil, io.Discard, io.Discard)
+		app.Action = func(c *cli.Context) error { noteIgnoredFlags(c, zap.New(core)); return nil }
+		if err := app.Run(append([]string{"gorun"}, tc.args...)); err != nil {
+			t.Fatal(err)
+		}
+		all := logs.All()
+		switch {
+		case tc.hint == "" && len(all) != 0:
+			t.Errorf("gorun %q logged %q; want nothing", tc.args, all[0].Message)
+		case tc.hint != "" && (len(all) != 1 || all[0].Level != tc.level || !strings.Contains(all[0].Message, tc.hint)):
+			t.Errorf("gorun %q logged %+v; want one %v line mentioning %q", tc.args, all, tc.level, tc.hint)
+		}
+	}
+}
+
+func TestParseLocalRanks(t *testing.T) {
+	good := map[string][]int{"": nil, " ": nil, "0": {0}, "3,1, 2": {1, 2, 3}, "1,1": {1}}
+	for in, want := range good {
+		if got, err := parseLocalRanks(in); err != nil || !reflect.DeepEqual(got, want) {
+			t.Errorf("parseLocalRanks(%q) = %v, %v; want %v", in, got, err, want)
+		}
+	}
+	for _, bad := range []string{"x", "0,", "-1", "0;1", "1.5"} {
+		if _, err := parseLocalRanks(bad); err == nil || exitCode(err) != ExitUsage {
+			t.Errorf("parseLocalRanks(%q) = %v; want a usage error", bad, err)
+		}
+	}
+}
+
+func TestExitCodeForLauncherErrors(t *testing.T) {
+	for _, err := range []error{
+		launcher.DefaultConfig().Validate(), // no program
+		func() error { _, err := launcher.ParseStd("9"); return err }(),
+		launcher.ErrNotImplemented,
+	} {
+		if got := exitCode(err); got != ExitUsage {
+			t.Errorf("exitCode(%v) = %d, want %d", err, got, ExitUsage)
+		}
+	}
+}

@@ -1,0 +1,295 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
+)
+
+// shConfig runs `sh -c script` as every worker (torchrun's --no-python).
+func shConfig(t *testing.T, nproc int, script string) Config {
+	t.Helper()
+	cfg := DefaultConfig()
+	cfg.Entrypoint = Entrypoint{Program: "sh", Args: []string{"-c", script}, NoPython: true, Python: "python3"}
+	cfg.NProcPerNode = nproc
+	cfg.Rendezvous.Standalone = true
+	cfg.Rendezvous.Backend = "c10d"
+	cfg.LogDir = t.TempDir()
+	cfg.ShutdownTimeout = 5 * time.Second
+	return cfg
+}
+
+// runAgent runs the agent with a deadline and returns its error and output.
+func runAgent(t *testing.T, cfg Config, limit time.Duration) (err error, stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
+	defer cancel()
+	var out, errb testutil.SyncBuffer
+	err = run(ctx, cfg, zap.NewNop(), &out, &errb)
+	if ctx.Err() != nil {
+		t.Fatalf("agent did not finish within %v\nstdout:\n%s\nstderr:\n%s", limit, out.String(), errb.String())
+	}
+	return err, out.String(), errb.String()
+}
+
+func sortedLines(s string) []string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	sort.Strings(lines)
+	return lines
+}
+
+func TestAgentRunsWorkersWithTorchrunEnvironment(t *testing.T) {
+	cfg := shConfig(t, 3, `echo "rank=$RANK local=$LOCAL_RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE role=$ROLE_NAME:$ROLE_RANK/$ROLE_WORLD_SIZE local_world=$LOCAL_WORLD_SIZE restart=$TORCHELASTIC_RESTART_COUNT/$TORCHELASTIC_MAX_RESTARTS agent_store=$TORCHELASTIC_USE_AGENT_STORE omp=$OMP_NUM_THREADS nccl=$TORCH_NCCL_ASYNC_ERROR_HANDLING"`)
+	err, out, errs := runAgent(t, cfg, 30*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, errs)
+	}
+	want := []string{
+		"[default0]:rank=0 local=0 world=3 group=0/1 role=default:0/3 local_world=3 restart=0/0 agent_store=True omp=1 nccl=1",
+		"[default1]:rank=1 local=1 world=3 group=0/1 role=default:1/3 local_world=3 restart=0/0 agent_store=True omp=1 nccl=1",
+		"[default2]:rank=2 local=2 world=3 group=0/1 role=default:2/3 local_world=3 restart=0/0 agent_store=True omp=1 nccl=1",
+	}
+	if got := sortedLines(out); strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("stdout:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// TestAgentWorkerStoreServesEveryAttempt: MASTER_ADDR:MASTER_PORT is a live
+// store, and GORUN_STORE names it.
+func TestAgentWorkerStoreIsLive(t *testing.T) {
+	gorun := testutil.BuildGorun(t)
+	cfg := shConfig(t, 2, fmt.Sprintf(`
+		test "$GORUN_STORE" = "tcp://$MASTER_ADDR:$MASTER_PORT" || { echo "GORUN_STORE=$GORUN_STORE"; exit 5; }
+		%[1]s store add --store "$GORUN_STORE" joined 1 >/dev/null || exit 6
+		%[1]s store wait --store "$GORUN_STORE" --timeout 10s joined || exit 7
+		n=$(%[1]s store add --store "$GORUN_STORE" joined 0); echo "seen=$n"`, gorun))
+	err, out, errs := runAgent(t, cfg, 60*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s%s", err, out, errs)
+	}
+	if !strings.Contains(out, "seen=") {
+		t.Fatalf("stdout: %s", out)
+	}
+}
+
+// TestAgentRestartsThenSucceeds: a worker fails on attempt 0; with one
+// restart allowed the job succeeds, and workers see the restart count.
+func TestAgentRestartsThenSucceeds(t *testing.T) {
+	cfg := shConfig(t, 2, `if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$LOCAL_RANK" = 1 ]; then exit 3; fi
+		[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && sleep 30
+		echo "attempt=$TORCHELASTIC_RESTART_COUNT"`)
+	cfg.MaxRestarts = 1
+	start := time.Now()
+	err, out, errs := runAgent(t, cfg, 30*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, errs)
+	}
+	if got := sortedLines(out); strings.Join(got, ",") != "[default0]:attempt=1,[default1]:attempt=1" {
+		t.Fatalf("stdout %q", out)
+	}
+	// Rank 0 was sleeping 30 s on attempt 0: it must have been stopped at
+	// once when rank 1 failed, not waited for.
+	if d := time.Since(start); d > 10*time.Second {
+		t.Fatalf("restart took %v", d)
+	}
+}
+
+// TestAgentFailsAfterRestarts: every attempt fails; the error names the
+// root cause, the summary is torchrun's, restarts were counted.
+func TestAgentFailsAfterRestarts(t *testing.T) {
+	cfg := shConfig(t, 3, `[ "$LOCAL_RANK" = 2 ] && exit 7; sleep 30`)
+	cfg.MaxRestarts = 2
+	err, _, errs := runAgent(t, cfg, 60*time.Second)
+	var wf *WorkersFailedError
+	if !errors.As(err, &wf) {
+		t.Fatalf("err = %v, want *WorkersFailedError", err)
+	}
+	if wf.Restarts != 2 || len(wf.Failures) != 1 || wf.Failures[0].Rank != 2 || wf.Failures[0].ExitCode != 7 {
+		t.Fatalf("failure = %+v", wf)
+	}
+	for _, want := range []string{"sh FAILED", "Root Cause (first observed failure):", "rank      : 2 (local_rank: 2)",
+		"exitcode  : 7 (pid: ", "<NO_OTHER_FAILURES>", "error_file: <N/A>", noTraceback} {
+		if !strings.Contains(errs, want) {
+			t.Fatalf("summary lacks %q:\n%s", want, errs)
+		}
+	}
+}
+
+// TestAgentSignalDeathIsNamed: a worker killed by a signal is reported as
+// torchrun reports it.
+func TestAgentSignalDeathIsNamed(t *testing.T) {
+	cfg := shConfig(t, 1, `kill -9 $$`)
+	err, _, errs := runAgent(t, cfg, 30*time.Second)
+	var wf *WorkersFailedError
+	if !errors.As(err, &wf) || wf.Failures[0].ExitCode != -9 {
+		t.Fatalf("err = %v", err)
+	}
+	if !regexp.MustCompile(`traceback : Signal 9 \(SIGKILL\) received by PID \d+`).MatchString(errs) {
+		t.Fatalf("summary:\n%s", errs)
+	}
+	if !strings.Contains(err.Error(), "signal 9 (SIGKILL)") {
+		t.Fatalf("error %q does not name the signal", err)
+	}
+}
+
+// TestAgentRootCauseFromErrorFiles: workers that write error files (as
+// @record does) are reported with their messages, and the root cause is
+// the earliest timestamp, not the first exit.
+func TestAgentRootCauseFromErrorFiles(t *testing.T) {
+	cfg := shConfig(t, 2, `
+		if [ "$LOCAL_RANK" = 0 ]; then
+			printf '{"message": {"message": "RuntimeError: late", "extraInfo": {"py_callstack": "Traceback: late", "timestamp": "2000000000"}}}' > "$TORCHELASTIC_ERROR_FILE"
+			exit 1
+		fi
+		sleep 0.3
+		printf '{"message": "ValueError: early", "timestamp": 1000000000}' > "$TORCHELASTIC_ERROR_FILE"
+		exit 1`)
+	// Rank 1 must get to fail before the agent stops it: make it ignore
+	// SIGTERM for its short life.
+	cfg.Entrypoint.Args[1] = "trap '' TERM; " + cfg.Entrypoint.Args[1]
+	cfg.ShutdownTimeout = 3 * time.Second
+	err, _, errs := runAgent(t, cfg, 30*time.Second)
+	var wf *WorkersFailedError
+	if !errors.As(err, &wf) {
+		t.Fatalf("err = %v", err)
+	}
+	root := wf.Failures[rootCause(wf.Failures)]
+	if len(wf.Failures) == 2 && root.Message != "ValueError: early" {
+		t.Fatalf("root cause %+v", root)
+	}
+	if !strings.Contains(errs, "RuntimeError: late") || !strings.Contains(errs, "error_file: "+filepath.Dir(cfg.LogDir)) {
+		t.Fatalf("summary:\n%s", errs)
+	}
+}
+
+// TestAgentLogDirLayout: torchrun's layout, --redirects, --tee and
+// --local-ranks-filter.
+func TestAgentLogDirLayout(t *testing.T) {
+	cfg := shConfig(t, 3, `echo "out$LOCAL_RANK"; echo "err$LOCAL_RANK" >&2`)
+	cfg.Rendezvous.Standalone = false
+	cfg.Rendezvous.Backend = "static"
+	cfg.Rendezvous.RunID = "job7"
+	cfg.Rendezvous.MasterPort = 0
+	var err error
+	if cfg.Redirects, err = ParseStd("0:3"); err != nil { // rank 0: both streams to files only
+		t.Fatal(err)
+	}
+	if cfg.Tee, err = ParseStd("1:1"); err != nil { // rank 1: stdout to file and console
+		t.Fatal(err)
+	}
+	cfg.LocalRanksFilter = []int{0, 1} // rank 2 never reaches the console
+	err, out, errs := runAgent(t, cfg, 30*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, errs)
+	}
+	if got := sortedLines(out); strings.Join(got, ",") != "[default1]:out1" {
+		t.Fatalf("console stdout %q", out)
+	}
+	if !strings.Contains(errs, "[default1]:err1") || strings.Contains(errs, "err0") || strings.Contains(errs, "err2") {
+		t.Fatalf("console stderr %q", errs)
+	}
+	runs, _ := filepath.Glob(filepath.Join(cfg.LogDir, "job7_*", "attempt_0"))
+	if len(runs) != 1 {
+		t.Fatalf("no <log_dir>/job7_*/attempt_0 in %s", cfg.LogDir)
+	}
+	files := map[string]string{"0/stdout.log": "out0\n", "0/stderr.log": "err0\n", "1/stdout.log": "out1\n"}
+	for f, want := range files {
+		b, err := os.ReadFile(filepath.Join(runs[0], f))
+		if err != nil || string(b) != want {
+			t.Errorf("%s = %q, %v; want %q", f, b, err, want)
+		}
+	}
+	for _, f := range []string{"1/stderr.log", "2/stdout.log"} {
+		if _, err := os.Stat(filepath.Join(runs[0], f)); err == nil {
+			t.Errorf("%s exists; only redirected or teed streams get files", f)
+		}
+	}
+}
+
+// TestAgentStopsOnContext: cancelling the agent stops workers with SIGTERM,
+// and one that ignores it is killed after the shutdown timeout.
+func TestAgentStopsOnContext(t *testing.T) {
+	cfg := shConfig(t, 2, `trap '' TERM; echo started; sleep 60`)
+	cfg.ShutdownTimeout = 500 * time.Millisecond
+	ctx, cancel := context.WithCancel(context.Background())
+	var out, errb testutil.SyncBuffer
+	done := make(chan error, 1)
+	go func() { done <- run(ctx, cfg, zap.NewNop(), &out, &errb) }()
+	for !strings.Contains(out.String(), "[default1]:started") || !strings.Contains(out.String(), "[default0]:started") {
+		time.Sleep(10 * time.Millisecond)
+	}
+	start := time.Now()
+	cancel()
+	select {
+	case err := <-done:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("err = %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("agent did not stop")
+	}
+	if d := time.Since(start); d < 400*time.Millisecond || d > 5*time.Second {
+		t.Fatalf("stopped after %v; want about the 500ms shutdown timeout", d)
+	}
+}
+
+func TestAgentBadInput(t *testing.T) {
+	cases := []struct {
+		name   string
+		mutate func(*Config)
+		want   error
+	}{
+		{"missing program", func(c *Config) { c.Entrypoint.Program = "/nonexistent/prog" }, ErrInvalidConfig},
+		{"missing script", func(c *Config) {
+			c.Entrypoint = Entrypoint{Program: "/nonexistent/train.py", Python: "sh"}
+		}, ErrInvalidConfig},
+		{"missing interpreter", func(c *Config) {
+			c.Entrypoint = Entrypoint{Program: "x.py", Python: "/nonexistent/python"}
+		}, ErrInvalidConfig},
+		{"multi-node", func(c *Config) { c.MinNodes, c.MaxNodes = 2, 2 }, ErrNotImplemented},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := shConfig(t, 1, "exit 0")
+			tc.mutate(&cfg)
+			if err, _, _ := runAgent(t, cfg, 10*time.Second); !errors.Is(err, tc.want) {
+				t.Fatalf("err = %v, want %v", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestAgentTorchGlooJob runs the README's example under the agent: four
+// real PyTorch workers, init_process_group("gloo") over env:// against the
+// agent's store, an all_reduce whose sum each checks.
+func TestAgentTorchGlooJob(t *testing.T) {
+	py := torchtest.Python(t)
+	cfg := DefaultConfig()
+	cfg.Entrypoint = Entrypoint{Program: filepath.Join("..", "examples", "torch", "allreduce.py"), Python: py}
+	cfg.NProcPerNode = 4
+	cfg.Rendezvous.Standalone = true
+	cfg.Rendezvous.Backend = "c10d"
+	cfg.LogDir = t.TempDir()
+	err, out, errs := runAgent(t, cfg, 120*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s\n%s", err, out, errs)
+	}
+	for r := range 4 {
+		want := fmt.Sprintf("[default%d]:rank %d/4: all_reduce sum=10 (want 10) ok", r, r)
+		if !strings.Contains(out, want) {
+			t.Fatalf("stdout lacks %q:\n%s\n%s", want, out, errs)
+		}
+	}
+}

@@ -1,0 +1,814 @@
+// Package launcher is gorun's elastic agent: one per node, it takes a
+// Config (what torchrun's command line says), rendezvouses with the other
+// agents, starts one worker per local rank with torchrun's environment,
+// supervises them, and restarts or stops the group as torchrun would.
+//
+// This file holds the typed configuration and the parsers for torchrun's
+// flag values; cmd/gorun turns flags and PET_* variables into a Config with
+// them, and Validate checks the result before anything starts.
+package launcher
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"os"
+	"regexp"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// ErrInvalidConfig is matched (errors.Is) by every error from the parsers
+// in this file and from Config.Validate: the user asked for something
+// impossible, so the CLI exits with its usage code.
+var ErrInvalidConfig = errors.New("invalid launcher configuration")
+
+// configError is a bad value. Its text names the culprit and does not
+// repeat ErrInvalidConfig's, so the message a user reads is one short
+// clause; it still matches ErrInvalidConfig and whatever error it wraps.
+type configError struct{ err error }
+
+func (e *configError) Error() string   { return e.err.Error() }
+func (e *configError) Unwrap() []error { return []error{ErrInvalidConfig, e.err} }
+
+// invalidf builds a configError; %w in format wraps as fmt.Errorf does.
+func invalidf(format string, args ...any) error {
+	return &configError{err: fmt.Errorf(format, args...)}
+}
+
+// Std selects which of a worker's streams a rule applies to (torchrun's Std:
+// 0 none, 1 stdout, 2 stderr, 3 both). It is a bit set: StdAll is
+// StdOut|StdErr.
+type Std uint8
+
+const (
+	StdNone Std = 0 // the console only
+	StdOut  Std = 1 // stdout
+	StdErr  Std = 2 // stderr
+	StdAll  Std = 3 // both
+)
+
+// StdSpec is a --redirects or --tee value: one Std for every local rank
+// ("3"), or per local rank ("0:1,1:2"; ranks not named get StdNone, as in
+// torchrun's to_map).
+type StdSpec struct {
+	// Default applies to every local rank when PerRank is nil.
+	Default Std
+	// PerRank, when non-nil, decides every rank on its own.
+	PerRank map[int]Std
+}
+
+// For returns the streams the spec selects for one local rank.
+func (s StdSpec) For(localRank int) Std {
+	if s.PerRank != nil {
+		return s.PerRank[localRank] // absent: StdNone
+	}
+	return s.Default
+}
+
+// ParseStd reads a --redirects or --tee value: "" (none), a digit 0–3 for
+// every rank, or LOCAL_RANK:STD pairs separated by commas.
+//
+// torchrun's pattern allows only one-digit local ranks in a mapping; gorun
+// takes any non-negative rank, since nodes with more than ten workers
+// exist. A rank named twice takes its last value, as torchrun's dict does.
+func ParseStd(s string) (StdSpec, error) {
+	s = strings.TrimSpace(s)
+	if s == "" {
+		return StdSpec{}, nil
+	}
+	if !strings.Contains(s, ":") {
+		v, err := parseStdValue(s)
+		if err != nil {
+			return StdSpec{}, invalidf("%w", err)
+		}
+		return StdSpec{Default: v}, nil
+	}
+	spec := StdSpec{PerRank: map[int]Std{}}
+	for _, part := range strings.Split(s, ",") {
+		rank, val, ok := strings.Cut(strings.TrimSpace(part), ":")
+		if !ok {
+			return StdSpec{}, invalidf("%q: %q is not LOCAL_RANK:STD (e.g. 0:1,1:2)", s, part)
+		}
+		r, err := strconv.Atoi(strings.TrimSpace(rank))
+		if err != nil || r < 0 {
+			return StdSpec{}, invalidf("%q: local rank %q in %q is not a non-negative integer", s, rank, part)
+		}
+		v, err := parseStdValue(val)
+		if err != nil {
+			return StdSpec{}, invalidf("%q: %w", s, err)
+		}
+		spec.PerRank[r] = v
+	}
+	return spec, nil
+}
+
+func parseStdValue(s string) (Std, error) {
+	s = strings.TrimSpace(s)
+	if len(s) == 1 && s[0] >= '0' && s[0] <= '3' {
+		return Std(s[0] - '0'), nil
+	}
+	return 0, fmt.Errorf("%q is not a stream selector (0 none, 1 stdout, 2 stderr, 3 both)", s)
+}
+
+// Entrypoint is what each worker runs.
+type Entrypoint struct {
+	// Program is the script, module or executable; Args follow it.
+	Program string
+	Args    []string
+	// NoPython execs Program directly (torchrun's --no-python).
+	NoPython bool
+	// Module runs `python -m Program` (torchrun's -m).
+	Module bool
+	// RunPath is torchrun's --run-path. torchrun calls runpy.run_path in a
+	// worker started through multiprocessing; gorun has no interpreter of
+	// its own, so it runs `python -u Program`, which runpy.run_path
+	// imitates. Like torchrun, it wins over NoPython and Module.
+	RunPath bool
+	// Python is the interpreter for everything but NoPython. torchrun uses
+	// $PYTHON_EXEC, else the Python running torchrun; gorun uses
+	// $PYTHON_EXEC (the CLI reads it), else "python3" from PATH. Empty
+	// means "python3".
+	Python string
+}
+
+// Argv returns the worker's full command line, built as torchrun's
+// config_from_args does (PyTorch 1.13 to today):
+//
+//	script:       [python, -u, Program, Args…]
+//	-m:           [python, -u, -m, Program, Args…]
+//	--run-path:   [python, -u, Program, Args…]
+//	--no-python:  [Program, Args…]
+//
+// -u keeps Python's stdout unbuffered, so tee'd and prefixed console lines
+// appear as the worker prints them. torchrun never passes --local-rank
+// (use_env is always on); workers read LOCAL_RANK from the environment.
+func (e Entrypoint) Argv() []string {
+	var argv []string
+	switch {
+	case e.NoPython && !e.RunPath:
+		argv = []string{e.Program}
+	case e.Module && !e.RunPath:
+		argv = []string{e.python(), "-u", "-m", e.Program}
+	default:
+		argv = []string{e.python(), "-u", e.Program}
+	}
+	return append(argv, e.Args...)
+}
+
+func (e Entrypoint) python() string {
+	if e.Python == "" {
+		return defaultPython
+	}
+	return e.Python
+}
+
+// Rendezvous backend names, as torchrun's registry spells them.
+const (
+	backendStatic = "static"
+	backendC10d   = "c10d"
+	backendEtcd   = "etcd"    // legacy EtcdRendezvousHandler
+	backendEtcdV2 = "etcd-v2" // dynamic rendezvous over etcd's v2 API
+)
+
+// Default ports when an endpoint has none (torchrun's).
+const (
+	defaultC10dPort = 29400
+	defaultEtcdPort = 2379
+)
+
+// RendezvousConfig is how agents find each other (torchrun's --rdzv-*
+// flags and the static, caffe2-era --master-* and --node-rank).
+type RendezvousConfig struct {
+	// Backend is "static" (default), "c10d", "etcd" or "etcd-v2".
+	Backend string
+	// Endpoint is host[:port] (the c10d default port is 29400, etcd's
+	// 2379), or a file path for c10d with store_type=file. For static, an
+	// empty Endpoint means MasterAddr:MasterPort, as in torchrun.
+	Endpoint string
+	// RunID is the job id every node shares; default "none".
+	RunID string
+	// Conf is --rdzv-conf (keys in spec/prior-art.md §1.3). Keys gorun does
+	// not know are kept: torchrun passes them through too.
+	Conf map[string]string
+	// Standalone is torchrun's --standalone: the agent hosts a c10d store
+	// on localhost at a free port with a random run id, and Backend,
+	// Endpoint and RunID are ignored.
+	Standalone bool
+	// MasterAddr and MasterPort locate node rank 0's store for the static
+	// backend when Endpoint is empty; defaults 127.0.0.1 and 29500.
+	MasterAddr string
+	MasterPort int
+	// NodeRank is this node's rank for the static backend (default 0);
+	// other backends assign ranks themselves.
+	NodeRank int
+	// LocalAddr is the address this node advertises (--local-addr); empty
+	// means look it up (torchrun uses the FQDN).
+	LocalAddr string
+}
+
+// ParseRdzvConf reads --rdzv-conf: "k=v,k2=v2". Like torchrun's
+// _parse_rendezvous_config it trims spaces around keys and values, splits
+// each pair at its first '=' (values may hold ':' and '='), lets a repeated
+// key take its last value, and rejects a pair without a key or a value.
+// An empty string gives an empty map.
+func ParseRdzvConf(s string) (map[string]string, error) {
+	conf := map[string]string{}
+	if strings.TrimSpace(s) == "" {
+		return conf, nil
+	}
+	for _, kv := range strings.Split(s, ",") {
+		k, v, _ := strings.Cut(kv, "=")
+		k, v = strings.TrimSpace(k), strings.TrimSpace(v)
+		if k == "" {
+			return nil, invalidf("%q: %q has no key; want KEY=VALUE,…", s, kv)
+		}
+		if v == "" {
+			return nil, invalidf("%q: option %q has no value; want %s=VALUE", s, k, k)
+		}
+		conf[k] = v
+	}
+	return conf, nil
+}
+
+// Config is everything one agent needs. The zero value is not useful: start
+// from DefaultConfig, whose values are torchrun's defaults.
+type Config struct {
+	Entrypoint Entrypoint
+	// MinNodes and MaxNodes are --nnodes N (N:N) or MIN:MAX; default 1:1.
+	// The job is elastic when they differ.
+	MinNodes, MaxNodes int
+	// NProcPerNode is the number of workers on this node, already resolved
+	// from auto/cpu/gpu (ResolveNProc); default 1. Nodes may differ.
+	NProcPerNode int
+	// Role names the workers (ROLE_NAME, log prefixes); default "default".
+	Role       string
+	Rendezvous RendezvousConfig
+	// MaxRestarts is how many times the worker group may be restarted after
+	// a failure before the job fails; default 0. Membership changes do not
+	// count.
+	MaxRestarts int
+	// MonitorInterval is torchrun's polling period (default 100ms). gorun
+	// sees worker exits at once (its reaper gets SIGCHLD), so it uses this
+	// only as the period of its health polls, not to notice exits.
+	MonitorInterval time.Duration
+	// StartMethod ("spawn", "fork" or "forkserver"; default "spawn") is
+	// accepted for compatibility. torchrun uses it only for Python function
+	// entrypoints; gorun always starts programs, so it has no effect.
+	StartMethod string
+	// LogDir is the base directory for worker logs; "" makes the agent
+	// create a temporary one named like torchrun's (torchelastic_*).
+	LogDir string
+	// Redirects sends the selected streams to files only; Tee to files and
+	// the console. Default: nothing for every rank.
+	Redirects, Tee StdSpec
+	// LocalRanksFilter lists the local ranks whose output reaches the
+	// console (files are unaffected); nil means all.
+	LocalRanksFilter []int
+	// SignalsToHandle are the signals the agent catches and forwards to the
+	// worker groups; default SIGTERM, SIGINT, SIGHUP, SIGQUIT.
+	SignalsToHandle []syscall.Signal
+	// ShutdownTimeout is how long stopped workers get between the signal
+	// and SIGKILL; default 30s (torchrun's --shutdown-timeout, or
+	// TORCH_ELASTIC_SHUTDOWN_TIMEOUT, which the CLI reads). 0 kills at once.
+	ShutdownTimeout time.Duration
+	// ExitBarrierTimeout bounds the wait for the other agents after this
+	// node's workers succeed, so that an early finisher is not taken for a
+	// lost node; default 300s.
+	ExitBarrierTimeout time.Duration
+	// Init makes the agent do a PID 1's duties (become a subreaper and reap
+	// orphaned descendants) even when it is not PID 1; gorun's --init.
+	Init bool
+}
+
+// Defaults, torchrun's unless said otherwise.
+const (
+	defaultPython             = "python3" // gorun's: torchrun uses its own sys.executable
+	defaultRunID              = "none"
+	defaultRole               = "default"
+	defaultMasterAddr         = "127.0.0.1"
+	defaultMasterPort         = 29500
+	defaultMonitorInterval    = 100 * time.Millisecond
+	defaultStartMethod        = "spawn"
+	defaultShutdownTimeout    = 30 * time.Second
+	defaultExitBarrierTimeout = 300 * time.Second
+)
+
+// DefaultConfig returns torchrun's defaults: one node, one worker, static
+// rendezvous at 127.0.0.1:29500 with run id "none", no restarts. It reads
+// no environment; the CLI applies PET_*, PYTHON_EXEC and
+// TORCH_ELASTIC_SHUTDOWN_TIMEOUT on top of it.
+func DefaultConfig() Config {
+	return Config{
+		Entrypoint:   Entrypoint{Python: defaultPython},
+		MinNodes:     1,
+		MaxNodes:     1,
+		NProcPerNode: 1,
+		Role:         defaultRole,
+		Rendezvous: RendezvousConfig{
+			Backend:    backendStatic,
+			RunID:      defaultRunID,
+			Conf:       map[string]string{},
+			MasterAddr: defaultMasterAddr,
+			MasterPort: defaultMasterPort,
+		},
+		MonitorInterval:    defaultMonitorInterval,
+		StartMethod:        defaultStartMethod,
+		SignalsToHandle:    []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT},
+		ShutdownTimeout:    defaultShutdownTimeout,
+		ExitBarrierTimeout: defaultExitBarrierTimeout,
+	}
+}
+
+// ParseNNodes reads --nnodes: "N" means N:N, "MIN:MAX" an elastic range,
+// with 1 <= MIN <= MAX (torchrun asserts the same).
+func ParseNNodes(s string) (min, max int, err error) {
+	lo, hi, ranged := strings.Cut(strings.TrimSpace(s), ":")
+	if !ranged {
+		hi = lo
+	}
+	if min, err = strconv.Atoi(strings.TrimSpace(lo)); err != nil {
+		return 0, 0, invalidf("%q is not N or MIN:MAX (%q is not an integer)", s, lo)
+	}
+	if max, err = strconv.Atoi(strings.TrimSpace(hi)); err != nil {
+		return 0, 0, invalidf("%q is not N or MIN:MAX (%q is not an integer)", s, hi)
+	}
+	switch {
+	case min < 1:
+		return 0, 0, invalidf("%q: a job needs at least 1 node", s)
+	case max < min:
+		return 0, 0, invalidf("%q: the maximum %d is below the minimum %d", s, max, min)
+	}
+	return min, max, nil
+}
+
+// signalAliases are the second names Python's signal module knows and
+// x/sys's table (one name per number) does not.
+var signalAliases = map[string]syscall.Signal{
+	"SIGIOT":  syscall.SIGABRT,
+	"SIGPOLL": syscall.SIGIO,
+	"SIGCLD":  syscall.SIGCHLD,
+}
+
+// unhandleable are the signals the agent must not take over: SIGKILL and
+// SIGSTOP cannot be caught, the reaper owns SIGCHLD, and the Go runtime
+// preempts goroutines with SIGURG.
+var unhandleable = map[syscall.Signal]string{
+	syscall.SIGKILL: "cannot be caught",
+	syscall.SIGSTOP: "cannot be caught",
+	syscall.SIGCHLD: "is how the agent learns of worker exits",
+	syscall.SIGURG:  "is used by the Go runtime for preemption",
+}
+
+// ParseSignals reads --signals-to-handle: a comma-separated list of signal
+// names, with or without the SIG prefix and in any case ("SIGTERM",
+// "usr1"), or numbers. Repeats are dropped. An empty string gives an empty
+// list (torchrun then installs no handlers). torchrun only warns about a
+// name it does not know; gorun refuses it, and refuses the signals in
+// unhandleable.
+func ParseSignals(s string) ([]syscall.Signal, error) {
+	var sigs []syscall.Signal
+	if strings.TrimSpace(s) == "" {
+		return sigs, nil
+	}
+	for _, part := range strings.Split(s, ",") {
+		sig, err := parseSignal(part)
+		if err != nil {
+			return nil, invalidf("%q: %w", s, err)
+		}
+		if !slices.Contains(sigs, sig) {
+			sigs = append(sigs, sig)
+		}
+	}
+	return sigs, nil
+}
+
+func parseSignal(s string) (syscall.Signal, error) {
+	name := strings.ToUpper(strings.TrimSpace(s))
+	var sig syscall.Signal
+	if n, err := strconv.Atoi(name); err == nil {
+		sig = syscall.Signal(n)
+		if n < 1 || n > maxSignal {
+			return 0, fmt.Errorf("%q is not a signal number (1–%d)", s, maxSignal)
+		}
+	} else {
+		if !strings.HasPrefix(name, "SIG") {
+			name = "SIG" + name
+		}
+		if sig = unix.SignalNum(name); sig == 0 {
+			if sig = signalAliases[name]; sig == 0 {
+				return 0, fmt.Errorf("unknown signal %q", strings.TrimSpace(s))
+			}
+		}
+	}
+	if why, bad := unhandleable[sig]; bad {
+		return 0, fmt.Errorf("%s %s", signalString(sig), why)
+	}
+	return sig, nil
+}
+
+// maxSignal is the highest signal number on Linux (SIGRTMAX).
+const maxSignal = 64
+
+// signalString names a signal as the user would write it: SIGTERM, or the
+// number for one without a name.
+func signalString(sig syscall.Signal) string {
+	if name := unix.SignalName(sig); name != "" {
+		return name
+	}
+	return strconv.Itoa(int(sig))
+}
+
+// ResolveNProc turns --nproc-per-node into a count, as torchrun's
+// determine_local_world_size does: an integer >= 1; "cpu" is
+// runtime.NumCPU() (the CPUs this process may run on, where torchrun's
+// os.cpu_count() counts every CPU of the machine); "gpu" is the number of
+// NVIDIA GPUs, an error if there are none; "auto" is the GPUs if there are
+// any, else the CPUs.
+//
+// GPUs are counted without linking CUDA: the /dev/nvidia<N> device nodes,
+// narrowed by CUDA_VISIBLE_DEVICES as torch.cuda.device_count() would be
+// (see visibleGPUs). NVML, loaded at run time, could replace this later.
+// torchrun's xpu and custom-backend names are not supported.
+func ResolveNProc(s string) (int, error) {
+	visible, set := os.LookupEnv("CUDA_VISIBLE_DEVICES")
+	return resolveNProc(s, func() (int, error) { return visibleGPUs("/dev", visible, set) }, runtime.NumCPU())
+}
+
+// resolveNProc is ResolveNProc with the GPU count and the CPU count given,
+// so tests need neither GPUs nor a particular machine.
+func resolveNProc(s string, gpus func() (int, error), cpus int) (int, error) {
+	v := strings.TrimSpace(s)
+	if n, err := strconv.Atoi(v); err == nil {
+		if n < 1 {
+			return 0, invalidf("%q: a node needs at least 1 worker", s)
+		}
+		return n, nil
+	}
+	switch v {
+	case "cpu":
+		return cpus, nil
+	case "gpu", "auto":
+		n, err := gpus()
+		if err != nil {
+			return 0, invalidf("%q: counting GPUs: %w", s, err)
+		}
+		if n > 0 {
+			return n, nil
+		}
+		if v == "auto" {
+			return cpus, nil
+		}
+		return 0, invalidf("%q: no NVIDIA GPU found (no /dev/nvidia<N>, or CUDA_VISIBLE_DEVICES hides them all)", s)
+	}
+	return 0, invalidf("%q is not a worker count: want an integer >= 1, auto, cpu or gpu", s)
+}
+
+// countGPUs counts NVIDIA device nodes (nvidia0, nvidia1, …) in dir. The
+// driver creates one per GPU; nvidiactl, nvidia-uvm and the like are not
+// GPUs. A missing dir counts as no GPU.
+func countGPUs(dir string) (int, error) {
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return 0, nil
+	}
+	if err != nil {
+		return 0, err
+	}
+	n := 0
+	for _, e := range entries {
+		if num, ok := strings.CutPrefix(e.Name(), "nvidia"); ok && num != "" && isDigits(num) {
+			n++
+		}
+	}
+	return n, nil
+}
+
+// visibleGPUs is the number of GPUs CUDA would show: the device nodes in
+// dir, narrowed by CUDA_VISIBLE_DEVICES when set. CUDA reads that list up
+// to its first invalid entry: an index out of range, a negative one,
+// anything else that is neither an index nor a GPU-/MIG- UUID. "" hides
+// every GPU. UUIDs are taken on trust (checking them needs NVML).
+func visibleGPUs(dir, visible string, set bool) (int, error) {
+	n, err := countGPUs(dir)
+	if err != nil || !set || n == 0 {
+		return n, err
+	}
+	count := 0
+	for _, entry := range strings.Split(visible, ",") {
+		entry = strings.TrimSpace(entry)
+		if i, err := strconv.Atoi(entry); err == nil {
+			if i < 0 || i >= n {
+				break
+			}
+		} else if !strings.HasPrefix(entry, "GPU-") && !strings.HasPrefix(entry, "MIG-") {
+			break
+		}
+		count++
+	}
+	return min(count, n), nil
+}
+
+func isDigits(s string) bool {
+	for _, r := range s {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// startMethods are the values torchrun's --start-method accepts.
+var startMethods = []string{"spawn", "fork", "forkserver"}
+
+// Validate checks the whole configuration and returns the first problem,
+// naming the torchrun flag a user would fix. The error matches
+// ErrInvalidConfig.
+func (c Config) Validate() error {
+	for _, check := range []func() error{
+		c.Entrypoint.validate,
+		c.validateSizes,
+		func() error { return c.Rendezvous.validate(c.MinNodes, c.MaxNodes) },
+		c.validateSupervision,
+		c.validateLogs,
+	} {
+		if err := check(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (e Entrypoint) validate() error {
+	switch {
+	case e.Program == "":
+		return invalidf("no program to run")
+	case e.NoPython && e.Module && !e.RunPath:
+		return invalidf("--no-python and --module (-m) exclude each other")
+	}
+	return nil
+}
+
+func (c Config) validateSizes() error {
+	switch {
+	case c.MinNodes < 1:
+		return invalidf("--nnodes %d:%d: a job needs at least 1 node", c.MinNodes, c.MaxNodes)
+	case c.MaxNodes < c.MinNodes:
+		return invalidf("--nnodes %d:%d: the maximum is below the minimum", c.MinNodes, c.MaxNodes)
+	case c.NProcPerNode < 1:
+		return invalidf("--nproc-per-node %d: a node needs at least 1 worker", c.NProcPerNode)
+	case c.Role == "":
+		return invalidf("--role is empty; workers need a role name (default %q)", defaultRole)
+	}
+	return nil
+}
+
+// validate checks the rendezvous settings for a job of minNodes to
+// maxNodes nodes. With Standalone the backend, endpoint and run id the user
+// gave are ignored (as torchrun does), so they are not checked.
+func (r RendezvousConfig) validate(minNodes, maxNodes int) error {
+	if err := validateConf(r.Conf); err != nil {
+		return err
+	}
+	if r.LocalAddr != "" && !validAddr(r.LocalAddr) {
+		return invalidf("--local-addr %q is not a host name or IP address", r.LocalAddr)
+	}
+	if r.Standalone {
+		return nil
+	}
+	if r.RunID == "" {
+		return invalidf("--rdzv-id is empty; every node of a job needs the same non-empty id")
+	}
+	switch r.Backend {
+	case backendStatic:
+		return r.validateStatic(minNodes, maxNodes)
+	case backendC10d:
+		if strings.EqualFold(strings.TrimSpace(r.Conf["store_type"]), "file") {
+			return nil // the endpoint is a path
+		}
+		return validateEndpoint(r.Endpoint, defaultC10dPort)
+	case backendEtcd, backendEtcdV2:
+		return validateEndpoint(r.Endpoint, defaultEtcdPort)
+	}
+	return invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", r.Backend)
+}
+
+func (r RendezvousConfig) validateStatic(minNodes, maxNodes int) error {
+	switch {
+	case minNodes != maxNodes:
+		return invalidf("--nnodes %d:%d: static rendezvous is not elastic; give one node count or use --rdzv-backend c10d", minNodes, maxNodes)
+	case r.NodeRank < 0 || r.NodeRank >= maxNodes:
+		return invalidf("--node-rank %d is outside [0, %d) for --nnodes %d", r.NodeRank, maxNodes, maxNodes)
+	case r.Endpoint != "":
+		// torchrun: "Port is missing in endpoint … Try specifying --master-port".
+		_, port, err := splitEndpoint(r.Endpoint, -1)
+		if err != nil {
+			return invalidf("--rdzv-endpoint: %w", err)
+		}
+		if port < 0 {
+			return invalidf("--rdzv-endpoint %q: static rendezvous needs HOST:PORT", r.Endpoint)
+		}
+		return nil
+	case r.MasterAddr == "":
+		return invalidf("--master-addr is empty; static rendezvous needs node rank 0's address")
+	case !validAddr(r.MasterAddr):
+		return invalidf("--master-addr %q is not a host name or IP address", r.MasterAddr)
+	case r.MasterPort < 0 || r.MasterPort > 65535:
+		return invalidf("--master-port %d is not a TCP port (0–65535)", r.MasterPort)
+	case r.MasterPort == 0 && maxNodes > 1:
+		return invalidf("--master-port 0 picks a random port, which the other %d nodes cannot know", maxNodes-1)
+	}
+	return nil
+}
+
+func validateEndpoint(endpoint string, defaultPort int) error {
+	if _, _, err := splitEndpoint(endpoint, defaultPort); err != nil {
+		return invalidf("--rdzv-endpoint: %w", err)
+	}
+	return nil
+}
+
+// splitEndpoint reads host[:port] as torchrun's parse_rendezvous_endpoint
+// does: "[v6]" and "[v6]:port" for IPv6, an empty endpoint meaning
+// localhost, and defaultPort when there is no port. A bare IPv6 address
+// (more than one ':') is taken as a host without a port, where torchrun
+// would split off its last group.
+func splitEndpoint(endpoint string, defaultPort int) (host string, port int, err error) {
+	e := strings.TrimSpace(endpoint)
+	switch {
+	case e == "":
+		return "localhost", defaultPort, nil
+	case strings.HasPrefix(e, "[") && strings.HasSuffix(e, "]"):
+		host, port = e[1:len(e)-1], defaultPort
+	case strings.HasPrefix(e, "[") || strings.Count(e, ":") == 1:
+		h, p, err := net.SplitHostPort(e)
+		if err != nil {
+			return "", 0, fmt.Errorf("%q is not HOST[:PORT]", endpoint)
+		}
+		n, err := strconv.Atoi(p)
+		if err != nil || n < 0 || n > 65535 || len(p) > 5 {
+			return "", 0, fmt.Errorf("%q: port %q is not a TCP port (0–65535)", endpoint, p)
+		}
+		host, port = h, n
+	default:
+		host, port = e, defaultPort
+	}
+	if !validHost(host) {
+		return "", 0, fmt.Errorf("%q: %q is not a host name or IP address", endpoint, host)
+	}
+	return host, port, nil
+}
+
+// hostPattern is torchrun's check for an endpoint's host (labels, IPv4,
+// IPv6), plus '%' for IPv6 zones.
+var hostPattern = regexp.MustCompile(`^[\w.:%-]+$`)
+
+func validHost(h string) bool { return hostPattern.MatchString(h) }
+
+// validAddr is validHost for an address flag, where an IPv6 address may
+// come in brackets ("[::1]", as torchrun's --master-addr help suggests).
+func validAddr(a string) bool {
+	if strings.HasPrefix(a, "[") && strings.HasSuffix(a, "]") {
+		a = a[1 : len(a)-1]
+	}
+	return validHost(a)
+}
+
+// Rendezvous configuration keys gorun reads (spec/prior-art.md §1.3), by
+// kind. Every duration is whole or fractional seconds and must be positive,
+// as torchrun's RendezvousTimeout and read_timeout checks demand.
+var (
+	confDurations = []string{"join_timeout", "last_call_timeout", "close_timeout",
+		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout"}
+	confCounts = []string{"keep_alive_max_attempt"}
+	confBools  = []string{"is_host", "use_libuv"}
+	confEnums  = []struct {
+		key     string
+		allowed []string
+	}{
+		{"store_type", []string{"tcp", "file"}},
+		{"protocol", []string{"http", "https"}}, // etcd-v2
+	}
+)
+
+// validateConf checks the values of the --rdzv-conf keys gorun knows.
+func validateConf(conf map[string]string) error {
+	for _, k := range confDurations {
+		if _, err := confSeconds(conf, k, time.Second); err != nil {
+			return err
+		}
+	}
+	for _, k := range confCounts {
+		if _, err := confInt(conf, k, 1); err != nil {
+			return err
+		}
+	}
+	for _, k := range confBools {
+		if _, err := confBool(conf, k, false); err != nil {
+			return err
+		}
+	}
+	for _, e := range confEnums {
+		if v, ok := conf[e.key]; ok && !slices.Contains(e.allowed, strings.ToLower(strings.TrimSpace(v))) {
+			return invalidf("--rdzv-conf %s=%s: want one of %s", e.key, v, strings.Join(e.allowed, ", "))
+		}
+	}
+	return nil
+}
+
+// confSeconds reads a positive number of seconds from conf, or def when
+// the key is absent. torchrun reads these with get_as_int; fractions are
+// gorun's extension.
+func confSeconds(conf map[string]string, key string, def time.Duration) (time.Duration, error) {
+	v, ok := conf[key]
+	if !ok {
+		return def, nil
+	}
+	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+	if err != nil || !(f > 0) || f > math.MaxInt64/float64(time.Second) {
+		return 0, invalidf("--rdzv-conf %s=%s: want a positive number of seconds", key, v)
+	}
+	return time.Duration(math.Round(f * float64(time.Second))), nil
+}
+
+// confInt reads a positive integer from conf, or def when absent.
+func confInt(conf map[string]string, key string, def int) (int, error) {
+	v, ok := conf[key]
+	if !ok {
+		return def, nil
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(v))
+	if err != nil || n < 1 {
+		return 0, invalidf("--rdzv-conf %s=%s: want a positive integer", key, v)
+	}
+	return n, nil
+}
+
+// confBool reads a boolean from conf the way torchrun's get_as_bool does
+// (1/true/t/yes/y, 0/false/f/no/n, any case), or def when absent.
+func confBool(conf map[string]string, key string, def bool) (bool, error) {
+	v, ok := conf[key]
+	if !ok {
+		return def, nil
+	}
+	switch strings.ToLower(strings.TrimSpace(v)) {
+	case "1", "true", "t", "yes", "y":
+		return true, nil
+	case "0", "false", "f", "no", "n":
+		return false, nil
+	}
+	return false, invalidf("--rdzv-conf %s=%s: want a boolean (1, true, yes, 0, false, no)", key, v)
+}
+
+func (c Config) validateSupervision() error {
+	switch {
+	case c.MaxRestarts < 0:
+		return invalidf("--max-restarts %d: want 0 or more", c.MaxRestarts)
+	case c.MonitorInterval <= 0:
+		return invalidf("--monitor-interval %v: want a positive interval", c.MonitorInterval)
+	case !slices.Contains(startMethods, c.StartMethod):
+		return invalidf("--start-method %q: want one of %s", c.StartMethod, strings.Join(startMethods, ", "))
+	case c.ShutdownTimeout < 0:
+		return invalidf("--shutdown-timeout %v: want 0 or more", c.ShutdownTimeout)
+	case c.ExitBarrierTimeout <= 0:
+		return invalidf("--exit-barrier-timeout %v: want a positive timeout", c.ExitBarrierTimeout)
+	}
+	for _, sig := range c.SignalsToHandle {
+		if sig < 1 || sig > maxSignal {
+			return invalidf("--signals-to-handle: %d is not a signal number (1–%d)", int(sig), maxSignal)
+		}
+		if why, bad := unhandleable[sig]; bad {
+			return invalidf("--signals-to-handle: %s %s", signalString(sig), why)
+		}
+	}
+	return nil
+}
+
+func (c Config) validateLogs() error {
+	for _, f := range []struct {
+		flag string
+		spec StdSpec
+	}{{"--redirects", c.Redirects}, {"--tee", c.Tee}} {
+		if f.spec.Default > StdAll {
+			return invalidf("%s: %d is not a stream selector (0–3)", f.flag, f.spec.Default)
+		}
+		for rank, v := range f.spec.PerRank {
+			if rank < 0 || v > StdAll {
+				return invalidf("%s: %d:%d is not LOCAL_RANK:STD with STD in 0–3", f.flag, rank, v)
+			}
+		}
+	}
+	for _, r := range c.LocalRanksFilter {
+		if r < 0 {
+			return invalidf("--local-ranks-filter: %d is not a local rank", r)
+		}
+	}
+	return nil
+}

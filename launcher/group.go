@@ -1,0 +1,160 @@
+package launcher
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"github.com/gorunhq/gorun/launcher/reaper"
+)
+
+// group is one attempt of the local worker group.
+type group struct {
+	workers []*worker
+	exits   chan workerExit // every worker's exit, once
+	running int
+}
+
+type worker struct {
+	a         Assignment
+	proc      *os.Process
+	errorFile string
+	out       *workerOutput
+	exited    bool
+	exit      reaper.Exit
+}
+
+type workerExit struct {
+	w *worker
+	e reaper.Exit
+}
+
+// spawnSpec is what startGroup needs besides the assignments.
+type spawnSpec struct {
+	path   string   // resolved program to exec
+	argv   []string // its argv
+	env    WorkerEnv
+	base   []string // the agent's environment
+	dir    string   // the attempt's log directory
+	prefix func(Assignment) string
+}
+
+// startGroup starts one worker per assignment. Each worker is the leader
+// of its own process group, so that stopping it reaches its children too,
+// and gets SIGKILL if the agent dies (Pdeathsig), so that no worker
+// outlives its agent. If one fails to start, those already started are
+// killed.
+func startGroup(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, as []Assignment) (*group, error) {
+	g := &group{exits: make(chan workerExit, len(as))}
+	for _, a := range as {
+		w, err := startWorker(rp, con, cfg, spec, a, g.exits)
+		if err != nil {
+			g.kill()
+			g.wait(nil, 0, nil)
+			return nil, err
+		}
+		g.workers = append(g.workers, w)
+		g.running++
+	}
+	return g, nil
+}
+
+func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a Assignment, exits chan<- workerExit) (*worker, error) {
+	dir := filepath.Join(spec.dir, strconv.Itoa(a.LocalRank))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	w := &worker{a: a, errorFile: filepath.Join(dir, "error.json")}
+	// A stale error file from an earlier run must not be taken for this
+	// worker's.
+	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
+		return nil, err
+	}
+	out, ends, err := openOutput(con, spec.prefix(a), plan(cfg, a.LocalRank, dir))
+	if err != nil {
+		return nil, err
+	}
+	attr := &os.ProcAttr{
+		Env:   spec.env.Environ(spec.base, a, w.errorFile),
+		Files: []*os.File{os.Stdin, ends[0], ends[1]},
+		Sys:   &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL},
+	}
+	proc, ch, err := rp.Start(spec.path, spec.argv, attr)
+	out.started()
+	if err != nil {
+		out.abort()
+		return nil, fmt.Errorf("start %s: %w", spec.path, err)
+	}
+	w.proc, w.out = proc, out
+	go func() { exits <- workerExit{w, <-ch} }()
+	return w, nil
+}
+
+// record marks a worker exited.
+func (g *group) record(x workerExit) {
+	if !x.w.exited {
+		x.w.exited, x.w.exit = true, x.e
+		g.running--
+	}
+}
+
+// signal sends sig to the process group of every worker still running.
+func (g *group) signal(sig syscall.Signal) {
+	for _, w := range g.workers {
+		if !w.exited {
+			syscall.Kill(-w.proc.Pid, sig)
+		}
+	}
+}
+
+func (g *group) kill() { g.signal(syscall.SIGKILL) }
+
+// wait collects exits until every worker has exited. If grace is positive
+// and runs out first, the stragglers get SIGKILL; a second stop signal on
+// sigs (SIGINT or SIGTERM again) kills at once, and any other signal is
+// passed on. Then the group's leftovers — children of a worker still in
+// its process group — are killed, and the output copies drained.
+func (g *group) wait(sigs <-chan os.Signal, grace time.Duration, forward func(os.Signal)) {
+	var deadline <-chan time.Time
+	if grace > 0 {
+		t := time.NewTimer(grace)
+		defer t.Stop()
+		deadline = t.C
+	}
+	for g.running > 0 {
+		select {
+		case x := <-g.exits:
+			g.record(x)
+		case <-deadline:
+			g.kill()
+			deadline = nil
+		case s := <-sigs:
+			if s == syscall.SIGINT || s == syscall.SIGTERM {
+				g.kill()
+			} else if forward != nil {
+				forward(s)
+			}
+		}
+	}
+	for _, w := range g.workers {
+		syscall.Kill(-w.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
+	}
+	for _, w := range g.workers {
+		w.out.drain(outputDrainTimeout)
+	}
+}
+
+// stop asks every running worker to stop with sig, waits up to grace, then
+// kills what is left.
+func (g *group) stop(sig syscall.Signal, grace time.Duration, sigs <-chan os.Signal, forward func(os.Signal)) {
+	g.signal(sig)
+	g.wait(sigs, grace, forward)
+}
+
+// outputDrainTimeout bounds how long the agent waits, after a worker's
+// process group is gone, for the last of its output: a grandchild that
+// left the group (setsid) could otherwise hold the pipe open forever.
+const outputDrainTimeout = 2 * time.Second

@@ -1,0 +1,176 @@
+package launcher
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+)
+
+// console is where workers' lines go when they reach the terminal: the
+// agent's stdout and stderr, each written a whole line at a time so that
+// workers' lines never interleave mid-line.
+type console struct {
+	mu             sync.Mutex
+	stdout, stderr io.Writer
+}
+
+func (c *console) writeLine(stream Std, prefix string, line []byte) {
+	w := c.stdout
+	if stream == StdErr {
+		w = c.stderr
+	}
+	buf := make([]byte, 0, len(prefix)+len(line)+1)
+	buf = append(buf, prefix...)
+	buf = append(buf, line...)
+	if len(line) == 0 || line[len(line)-1] != '\n' {
+		buf = append(buf, '\n')
+	}
+	c.mu.Lock()
+	w.Write(buf)
+	c.mu.Unlock()
+}
+
+// workerOutput routes one worker's stdout and stderr, as torchrun does:
+// a stream named in --tee goes to its log file and the console (torchrun
+// adds tee to the redirects); one named only in --redirects goes to the
+// file alone; any other stream goes to the console. A console line carries the worker's prefix ("[default0]:"), and
+// ranks outside --local-ranks-filter do not reach the console at all.
+type workerOutput struct {
+	files   []*os.File // opened log files, closed when the copies end
+	readers []*os.File // the agent's ends of the pipes
+	writers []*os.File // the worker's ends; closed once the worker started
+	wg      sync.WaitGroup
+}
+
+// streamPlan says where one stream goes.
+type streamPlan struct {
+	stream    Std
+	toFile    string // "" for none
+	toConsole bool
+}
+
+// plan decides the routes of a worker's two streams.
+func plan(cfg *Config, localRank int, dir string) [2]streamPlan {
+	redirect, tee := cfg.Redirects.For(localRank), cfg.Tee.For(localRank)
+	shown := cfg.LocalRanksFilter == nil || contains(cfg.LocalRanksFilter, localRank)
+	var p [2]streamPlan
+	for i, s := range []Std{StdOut, StdErr} {
+		name := "stdout.log"
+		if s == StdErr {
+			name = "stderr.log"
+		}
+		p[i] = streamPlan{stream: s}
+		switch {
+		case tee&s != 0:
+			p[i].toFile = filepath.Join(dir, name)
+			p[i].toConsole = shown
+		case redirect&s != 0:
+			p[i].toFile = filepath.Join(dir, name)
+		default:
+			p[i].toConsole = shown
+		}
+	}
+	return p
+}
+
+func contains(xs []int, x int) bool {
+	for _, v := range xs {
+		if v == x {
+			return true
+		}
+	}
+	return false
+}
+
+// openOutput makes the pipes and files for one worker and starts copying.
+// The returned files are the worker's stdout and stderr.
+func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput, [2]*os.File, error) {
+	o := &workerOutput{}
+	var ends [2]*os.File
+	for i, p := range plans {
+		r, w, err := os.Pipe()
+		if err != nil {
+			o.abort()
+			return nil, ends, err
+		}
+		o.readers = append(o.readers, r)
+		o.writers = append(o.writers, w)
+		ends[i] = w
+		var file *os.File
+		if p.toFile != "" {
+			if file, err = os.OpenFile(p.toFile, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644); err != nil {
+				o.abort()
+				return nil, ends, err
+			}
+			o.files = append(o.files, file)
+		}
+		o.wg.Add(1)
+		go o.copy(r, file, con, p, prefix)
+	}
+	return o, ends, nil
+}
+
+// copy moves one stream line by line until the worker (and any child that
+// inherited the stream) closes it.
+func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPlan, prefix string) {
+	defer o.wg.Done()
+	br := bufio.NewReaderSize(r, 64<<10)
+	for {
+		line, err := br.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			err = nil // an overlong line goes out in pieces
+		}
+		if len(line) > 0 {
+			if file != nil {
+				file.Write(line)
+			}
+			if p.toConsole {
+				con.writeLine(p.stream, prefix, line)
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// started closes the agent's copies of the worker's ends, so that the
+// copies see EOF when the worker exits.
+func (o *workerOutput) started() {
+	for _, w := range o.writers {
+		w.Close()
+	}
+	o.writers = nil
+}
+
+// drain waits up to d for the copies to reach EOF, then closes the pipes
+// (which ends copies still blocked on a pipe that an escaped grandchild
+// holds open) and the files.
+func (o *workerOutput) drain(d time.Duration) {
+	done := make(chan struct{})
+	go func() { o.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(d):
+	}
+	for _, r := range o.readers {
+		r.Close()
+	}
+	<-done
+	for _, f := range o.files {
+		f.Close()
+	}
+}
+
+// abort closes everything (the worker never started).
+func (o *workerOutput) abort() {
+	for _, f := range o.writers {
+		f.Close()
+	}
+	o.writers = nil
+	o.drain(0)
+}
