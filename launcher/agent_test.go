@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -258,7 +261,13 @@ func TestAgentBadInput(t *testing.T) {
 		{"missing interpreter", func(c *Config) {
 			c.Entrypoint = Entrypoint{Program: "x.py", Python: "/nonexistent/python"}
 		}, ErrInvalidConfig},
-		{"multi-node", func(c *Config) { c.MinNodes, c.MaxNodes = 2, 2 }, ErrNotImplemented},
+		{"standalone with two nodes", func(c *Config) { c.MinNodes, c.MaxNodes = 2, 2 }, ErrInvalidConfig},
+		{"etcd backend", func(c *Config) {
+			c.MinNodes, c.MaxNodes = 2, 2
+			c.Rendezvous.Standalone = false
+			c.Rendezvous.Backend = "etcd-v2"
+			c.Rendezvous.Endpoint = "127.0.0.1:2379"
+		}, ErrNotImplemented},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -291,5 +300,77 @@ func TestAgentTorchGlooJob(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Fatalf("stdout lacks %q:\n%s\n%s", want, out, errs)
 		}
+	}
+}
+
+func TestIsLocalHost(t *testing.T) {
+	h, err := os.Hostname()
+	if err != nil {
+		t.Skip(err)
+	}
+	for host, want := range map[string]bool{
+		"localhost": true, "127.0.0.1": true, h: true, h + ".svc": true,
+		"192.0.2.1": false, "nonexistent.invalid": false, h + "x.svc": false,
+	} {
+		if got := isLocalHost(host); got != want {
+			t.Errorf("isLocalHost(%q) = %v, want %v", host, got, want)
+		}
+	}
+}
+
+// TestAgentHealthEndpoint: with HealthAddr the agent reports its phases
+// and workers while it runs.
+func TestAgentHealthEndpoint(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close()
+	release := filepath.Join(t.TempDir(), "release")
+	cfg := shConfig(t, 2, fmt.Sprintf(`while [ ! -e %s ]; do sleep 0.02; done`, release))
+	cfg.HealthAddr = addr
+	done := make(chan error, 1)
+	go func() {
+		var out, errb testutil.SyncBuffer
+		done <- run(context.Background(), cfg, zap.NewNop(), &out, &errb)
+	}()
+	get := func(path string) (int, string) {
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			return 0, err.Error()
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		if code, _ := get("/readyz"); code == http.StatusOK {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("/readyz never became ready while the workers ran")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if code, body := get("/metrics"); code != http.StatusOK ||
+		!strings.Contains(body, `gorun_workers{state="running"} 2`) ||
+		!strings.Contains(body, `gorun_agent_phase{phase="running"} 1`) {
+		t.Fatalf("/metrics %d:\n%s", code, body)
+	}
+	if err := os.WriteFile(release, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatal("agent did not finish")
+	}
+	if code, _ := get("/healthz"); code != 0 {
+		t.Fatalf("the endpoint still answers (%d) after the agent returned", code)
 	}
 }

@@ -286,6 +286,12 @@ type Config struct {
 	// Init makes the agent do a PID 1's duties (become a subreaper and reap
 	// orphaned descendants) even when it is not PID 1; gorun's --init.
 	Init bool
+	// HealthAddr is where the agent serves /healthz, /readyz and /metrics
+	// (see Health): "HOST:PORT", with an empty host for every interface
+	// (":8080") and port 0 for a free one. "" (the default) serves no
+	// endpoint. gorun's --health-addr; the CLI falls back to torchrun's
+	// TORCHELASTIC_HEALTH_CHECK_PORT as ":PORT".
+	HealthAddr string
 }
 
 // Defaults, torchrun's unless said otherwise.
@@ -538,6 +544,7 @@ func (c Config) Validate() error {
 		func() error { return c.Rendezvous.validate(c.MinNodes, c.MaxNodes) },
 		c.validateSupervision,
 		c.validateLogs,
+		c.validateHealth,
 	} {
 		if err := check(); err != nil {
 			return err
@@ -581,6 +588,9 @@ func (r RendezvousConfig) validate(minNodes, maxNodes int) error {
 		return invalidf("--local-addr %q is not a host name or IP address", r.LocalAddr)
 	}
 	if r.Standalone {
+		if maxNodes > 1 {
+			return invalidf("--standalone runs one node (its store is on localhost at a random port); for --nnodes %d:%d use --rdzv-backend c10d with --rdzv-endpoint", minNodes, maxNodes)
+		}
 		return nil
 	}
 	if r.RunID == "" {
@@ -809,6 +819,26 @@ func (c Config) validateLogs() error {
 		if r < 0 {
 			return invalidf("--local-ranks-filter: %d is not a local rank", r)
 		}
+	}
+	return nil
+}
+
+// validateHealth checks HealthAddr: empty, or HOST:PORT with a numeric
+// port (a service name such as "http" is refused: probes need the number)
+// and a host that is empty, a host name or an IP address ("[::1]:8080").
+func (c Config) validateHealth() error {
+	if c.HealthAddr == "" {
+		return nil
+	}
+	host, port, err := net.SplitHostPort(c.HealthAddr)
+	if err != nil {
+		return invalidf("--health-addr %q is not HOST:PORT (e.g. :8080 or 127.0.0.1:8080)", c.HealthAddr)
+	}
+	if n, err := strconv.Atoi(port); err != nil || !isDigits(port) || len(port) > 5 || n > 65535 {
+		return invalidf("--health-addr %q: port %q is not a TCP port (0–65535)", c.HealthAddr, port)
+	}
+	if host != "" && !validHost(host) {
+		return invalidf("--health-addr %q: %q is not a host name or IP address", c.HealthAddr, host)
 	}
 	return nil
 }

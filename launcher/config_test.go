@@ -389,6 +389,7 @@ func TestDefaultConfig(t *testing.T) {
 		{"ExitBarrierTimeout", c.ExitBarrierTimeout, 300 * time.Second},
 		{"Python", c.Entrypoint.Python, "python3"},
 		{"Init", c.Init, false},
+		{"HealthAddr", c.HealthAddr, ""},
 	}
 	for _, ch := range checks {
 		if !reflect.DeepEqual(ch.got, ch.want) {
@@ -437,7 +438,6 @@ func TestValidate(t *testing.T) {
 		{"etcd", func(c *Config) { c.Rendezvous.Backend = "etcd" }},
 		{"standalone ignores rdzv values", func(c *Config) {
 			c.Rendezvous.Standalone, c.Rendezvous.Backend, c.Rendezvous.RunID = true, "bogus", ""
-			c.MinNodes, c.MaxNodes = 1, 2
 		}},
 		{"module", func(c *Config) { c.Entrypoint.Module = true }},
 		{"run path with no python", func(c *Config) { c.Entrypoint.RunPath, c.Entrypoint.NoPython, c.Entrypoint.Module = true, true, true }},
@@ -449,6 +449,12 @@ func TestValidate(t *testing.T) {
 		{"start method fork", func(c *Config) { c.StartMethod = "fork" }},
 		{"local addr", func(c *Config) { c.Rendezvous.LocalAddr = "10.0.0.7" }},
 		{"local addr ipv6", func(c *Config) { c.Rendezvous.LocalAddr = "[fd00::7]" }},
+		{"health every interface", func(c *Config) { c.HealthAddr = ":8080" }},
+		{"health loopback", func(c *Config) { c.HealthAddr = "127.0.0.1:9100" }},
+		{"health host name", func(c *Config) { c.HealthAddr = "node0.example.com:8080" }},
+		{"health ipv6", func(c *Config) { c.HealthAddr = "[::1]:8080" }},
+		{"health free port", func(c *Config) { c.HealthAddr = "127.0.0.1:0" }},
+		{"health highest port", func(c *Config) { c.HealthAddr = ":65535" }},
 	}
 	for _, tc := range good {
 		c := base()
@@ -472,6 +478,10 @@ func TestValidate(t *testing.T) {
 		{"unknown backend", func(c *Config) { c.Rendezvous.Backend = "zookeeper" }, `--rdzv-backend "zookeeper"`},
 		{"empty run id", func(c *Config) { c.Rendezvous.RunID = "" }, "--rdzv-id"},
 		{"static elastic", func(c *Config) { c.MinNodes, c.MaxNodes = 1, 4 }, "static rendezvous is not elastic"},
+		{"standalone with several nodes", func(c *Config) {
+			c.Rendezvous.Standalone = true
+			c.MinNodes, c.MaxNodes = 1, 2
+		}, "--standalone runs one node"},
 		{"static rank too high", func(c *Config) { c.MinNodes, c.MaxNodes, c.Rendezvous.NodeRank = 2, 2, 2 }, "--node-rank 2"},
 		{"static negative rank", func(c *Config) { c.Rendezvous.NodeRank = -1 }, "--node-rank -1"},
 		{"static port too high", func(c *Config) { c.Rendezvous.MasterPort = 70000 }, "--master-port 70000"},
@@ -501,6 +511,16 @@ func TestValidate(t *testing.T) {
 		{"redirects 7", func(c *Config) { c.Redirects = StdSpec{Default: 7} }, "--redirects"},
 		{"tee rank value 5", func(c *Config) { c.Tee = StdSpec{PerRank: map[int]Std{1: 5}} }, "--tee"},
 		{"negative filter", func(c *Config) { c.LocalRanksFilter = []int{-1} }, "--local-ranks-filter"},
+		{"health no port", func(c *Config) { c.HealthAddr = "8080" }, `--health-addr "8080" is not HOST:PORT`},
+		{"health host only", func(c *Config) { c.HealthAddr = "localhost" }, "--health-addr"},
+		{"health empty port", func(c *Config) { c.HealthAddr = "127.0.0.1:" }, `port ""`},
+		{"health port too high", func(c *Config) { c.HealthAddr = ":65536" }, `port "65536"`},
+		{"health negative port", func(c *Config) { c.HealthAddr = ":-1" }, `port "-1"`},
+		{"health signed port", func(c *Config) { c.HealthAddr = ":+80" }, `port "+80"`},
+		{"health service name", func(c *Config) { c.HealthAddr = ":http" }, `port "http"`},
+		{"health bad host", func(c *Config) { c.HealthAddr = "a b:8080" }, `"a b" is not a host name`},
+		{"health bare ipv6", func(c *Config) { c.HealthAddr = "::1:8080" }, "--health-addr"},
+		{"health url", func(c *Config) { c.HealthAddr = "http://0.0.0.0:8080" }, "--health-addr"},
 	}
 	for _, tc := range bad {
 		c := base()

@@ -16,6 +16,11 @@ type group struct {
 	workers []*worker
 	exits   chan workerExit // every worker's exit, once
 	running int
+	// stopping is set once the agent has begun stopping the group: exits
+	// from then on are the agent's doing, not failures.
+	stopping bool
+	// onExit, if set, is told of each exit as it is recorded.
+	onExit func(w *worker, stopped bool)
 }
 
 type worker struct {
@@ -73,7 +78,7 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
 		return nil, err
 	}
-	out, ends, err := openOutput(con, spec.prefix(a), plan(cfg, a.LocalRank, dir))
+	out, ends, err := openOutput(con, spec.prefix(a), routes(cfg, a.LocalRank, dir))
 	if err != nil {
 		return nil, err
 	}
@@ -93,11 +98,23 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	return w, nil
 }
 
+// pids lists the workers' PIDs in local-rank order.
+func (g *group) pids() []int {
+	out := make([]int, len(g.workers))
+	for i, w := range g.workers {
+		out[i] = w.proc.Pid
+	}
+	return out
+}
+
 // record marks a worker exited.
 func (g *group) record(x workerExit) {
 	if !x.w.exited {
 		x.w.exited, x.w.exit = true, x.e
 		g.running--
+		if g.onExit != nil {
+			g.onExit(x.w, g.stopping)
+		}
 	}
 }
 
@@ -150,6 +167,7 @@ func (g *group) wait(sigs <-chan os.Signal, grace time.Duration, forward func(os
 // stop asks every running worker to stop with sig, waits up to grace, then
 // kills what is left.
 func (g *group) stop(sig syscall.Signal, grace time.Duration, sigs <-chan os.Signal, forward func(os.Signal)) {
+	g.stopping = true
 	g.signal(sig)
 	g.wait(sigs, grace, forward)
 }

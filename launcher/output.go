@@ -53,8 +53,8 @@ type streamPlan struct {
 	toConsole bool
 }
 
-// plan decides the routes of a worker's two streams.
-func plan(cfg *Config, localRank int, dir string) [2]streamPlan {
+// routes decides where a worker's two streams go.
+func routes(cfg *Config, localRank int, dir string) [2]streamPlan {
 	redirect, tee := cfg.Redirects.For(localRank), cfg.Tee.For(localRank)
 	shown := cfg.LocalRanksFilter == nil || contains(cfg.LocalRanksFilter, localRank)
 	var p [2]streamPlan

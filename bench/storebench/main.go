@@ -20,6 +20,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/stats"
 )
 
 type server struct {
@@ -226,18 +228,11 @@ func startServer(cfg config, kind string) (addr string, pid int, stop func(), er
 }
 
 func median(rs []result, key string) float64 {
-	var v []float64
-	for _, r := range rs {
-		v = append(v, r.num(key))
+	v := make([]float64, len(rs))
+	for i, r := range rs {
+		v[i] = r.num(key)
 	}
-	if len(v) == 0 {
-		return 0
-	}
-	slices.Sort(v)
-	if len(v)%2 == 1 {
-		return v[len(v)/2]
-	}
-	return (v[len(v)/2-1] + v[len(v)/2]) / 2
+	return stats.Median(v)
 }
 
 func printTable(cfg config, results map[string]map[string][]result) {

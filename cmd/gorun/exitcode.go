@@ -31,6 +31,12 @@ const (
 	// ExitStoreError: the store refused the operation (not supported by
 	// this backend, a non-integer counter, …).
 	ExitStoreError = 5
+	// ExitRendezvousTimeout: the multi-node rendezvous did not complete
+	// within join_timeout.
+	ExitRendezvousTimeout = 6
+	// ExitRendezvousClosed: the job had already ended when this node
+	// tried to join.
+	ExitRendezvousClosed = 7
 	// ExitSignalBase: stopped by signal N gives ExitSignalBase+N (the
 	// agent stops its workers first).
 	ExitSignalBase = 128
@@ -59,8 +65,12 @@ func exitCode(err error) int {
 		return ExitOK
 	case errors.As(err, &ee):
 		return ee.code
-	case errors.As(err, new(*launcher.WorkersFailedError)):
+	case errors.As(err, new(*launcher.WorkersFailedError)), errors.As(err, new(*launcher.JobFailedError)):
 		return ExitWorkersFailed
+	case errors.Is(err, launcher.ErrRendezvousTimeout):
+		return ExitRendezvousTimeout
+	case errors.Is(err, launcher.ErrRendezvousClosed):
+		return ExitRendezvousClosed
 	case errors.As(err, &sig):
 		return ExitSignalBase + int(sig.Signal)
 	case errors.Is(err, rendezvous.ErrInvalidArgument),

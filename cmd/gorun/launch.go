@@ -128,7 +128,33 @@ func launchFlags() []cli.Flag {
 
 		&cli.BoolFlag{Name: "init", Usage: "do PID 1's duties (subreaper, reap orphans) even when not PID 1",
 			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
+		&cli.StringFlag{Name: "health-addr", Usage: "serve /healthz, /readyz and /metrics (Prometheus) on `HOST:PORT`, e.g. :8080 " +
+			"(default: :$" + healthPortVar + " when that is set, else no endpoint)",
+			EnvVars: []string{"GORUN_HEALTH_ADDR"}, Category: catGorun},
 	}
+}
+
+// healthPortVar is torchrun's health-check knob. torchrun passes it to a
+// health-check server that is a no-op stub outside Meta; gorun serves its
+// endpoint on every interface at that port when --health-addr (or
+// GORUN_HEALTH_ADDR, even empty) is not given, so that a deployment that
+// sets it for torchrun gets probes from gorun.
+const healthPortVar = "TORCHELASTIC_HEALTH_CHECK_PORT"
+
+// healthAddr is --health-addr, or ":PORT" from TORCHELASTIC_HEALTH_CHECK_PORT
+// when the flag and GORUN_HEALTH_ADDR are both absent; "" for none.
+func healthAddr(c *cli.Context) (string, error) {
+	if c.IsSet("health-addr") {
+		return c.String("health-addr"), nil
+	}
+	port := strings.TrimSpace(os.Getenv(healthPortVar))
+	if port == "" {
+		return "", nil
+	}
+	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 || strings.ContainsAny(port, "+-") {
+		return "", usageErrorf("$%s %q is not a TCP port (0–65535)", healthPortVar, port)
+	}
+	return ":" + port, nil
 }
 
 // numaModes are torchrun's --numa-binding choices.
@@ -224,6 +250,9 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		return cfg, usageErrorf("--numa-binding %q: want one of %s", m, strings.Join(numaModes, ", "))
 	}
 	cfg.Init = c.Bool("init")
+	if cfg.HealthAddr, err = healthAddr(c); err != nil {
+		return cfg, err
+	}
 	return cfg, cfg.Validate()
 }
 

@@ -3,6 +3,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -32,8 +33,17 @@ type agentProc struct {
 
 func startAgent(t *testing.T, bin string, args ...string) *agentProc {
 	t.Helper()
+	return startAgentEnv(t, bin, nil, args...)
+}
+
+// startAgentEnv starts gorun with extra environment variables.
+func startAgentEnv(t *testing.T, bin string, env []string, args ...string) *agentProc {
+	t.Helper()
 	cmd := exec.Command(bin, args...)
-	cmd.Env = append(os.Environ(), "GORUN_LOG_LEVEL=debug")
+	cmd.Env = append(append(os.Environ(), "GORUN_LOG_LEVEL=debug"), env...)
+	// If the test binary dies (a timeout panic skips cleanups), the agent
+	// dies with it, and its workers with the agent.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -242,6 +252,7 @@ func TestLaunchAsPID1(t *testing.T) {
 		exit 3`
 	cmd := exec.Command(unshare, "--pid", "--fork", "--mount-proc", bin, "--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)
 	cmd.Env = append(os.Environ(), "GORUN_LOG_LEVEL=debug")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	done := make(chan error, 1)
@@ -273,12 +284,15 @@ func TestLaunchBadInputProcess(t *testing.T) {
 	cases := [][]string{
 		{"--no-python", "/nonexistent/program"},
 		{"/nonexistent/train.py"},
-		{"--nnodes", "2", "--no-python", "true"},
+		{"--standalone", "--nnodes", "2", "--no-python", "true"},
 		{"--nproc-per-node", "zero", "--no-python", "true"},
 	}
 	for _, args := range cases {
 		t.Run(strings.Join(args, " "), func(t *testing.T) {
-			cmd := exec.Command(bin, append([]string{"--log-dir", t.TempDir()}, args...)...)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, append([]string{"--log-dir", t.TempDir()}, args...)...)
+			cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 			var errb bytes.Buffer
 			cmd.Stderr, cmd.Stdout = &errb, io.Discard
 			err := cmd.Run()

@@ -28,7 +28,7 @@ func cleanEnv(t *testing.T) {
 	t.Helper()
 	for _, kv := range os.Environ() {
 		k, _, _ := strings.Cut(kv, "=")
-		for _, p := range []string{"PET_", "GORUN_", "TORCH_ELASTIC_", "PYTHON_EXEC", "CUDA_VISIBLE_DEVICES"} {
+		for _, p := range []string{"PET_", "GORUN_", "TORCH_ELASTIC_", "TORCHELASTIC_", "PYTHON_EXEC", "CUDA_VISIBLE_DEVICES"} {
 			if strings.HasPrefix(k, p) {
 				t.Setenv(k, "")
 				os.Unsetenv(k)
@@ -142,6 +142,8 @@ func TestLaunchFlags(t *testing.T) {
 		{[]string{"--shutdown-timeout", "--shutdown_timeout"}, "120", nil, func(c launcher.Config) any { return c.ShutdownTimeout }, 120 * time.Second},
 		{[]string{"--exit-barrier-timeout", "--exit_barrier_timeout"}, "1.5", nil, func(c launcher.Config) any { return c.ExitBarrierTimeout }, 1500 * time.Millisecond},
 		{[]string{"--init"}, "", nil, func(c launcher.Config) any { return c.Init }, true},
+		{[]string{"--health-addr"}, ":8080", nil, func(c launcher.Config) any { return c.HealthAddr }, ":8080"},
+		{[]string{"--health-addr"}, "[::1]:9100", nil, func(c launcher.Config) any { return c.HealthAddr }, "[::1]:9100"},
 	}
 	for _, tc := range cases {
 		for _, name := range tc.names {
@@ -169,6 +171,7 @@ func TestLaunchFlags(t *testing.T) {
 // when the command line is silent, and lose to it otherwise.
 func TestLaunchEnv(t *testing.T) {
 	nodes := func(c launcher.Config) any { return [2]int{c.MinNodes, c.MaxNodes} }
+	health := func(c launcher.Config) any { return c.HealthAddr }
 	cases := []struct {
 		name string
 		env  map[string]string
@@ -208,6 +211,14 @@ func TestLaunchEnv(t *testing.T) {
 			func(c launcher.Config) any { return c.ShutdownTimeout }, 45 * time.Second},
 		{"exit barrier", map[string]string{"TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT": "60"}, nil, func(c launcher.Config) any { return c.ExitBarrierTimeout }, time.Minute},
 		{"init", map[string]string{"GORUN_INIT": "1"}, nil, func(c launcher.Config) any { return c.Init }, true},
+		{"health addr", map[string]string{"GORUN_HEALTH_ADDR": "127.0.0.1:8080"}, nil, health, "127.0.0.1:8080"},
+		{"torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil, health, ":8080"},
+		{"torchrun health port spaces", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": " 9000 "}, nil, health, ":9000"},
+		{"empty torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": ""}, nil, health, ""},
+		{"GORUN_HEALTH_ADDR beats torchrun's port", map[string]string{"GORUN_HEALTH_ADDR": "127.0.0.1:9", "TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil,
+			health, "127.0.0.1:9"},
+		{"empty GORUN_HEALTH_ADDR turns torchrun's port off", map[string]string{"GORUN_HEALTH_ADDR": "", "TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil,
+			health, ""},
 		{"python exec", map[string]string{"PYTHON_EXEC": "/opt/conda/bin/python"}, nil, func(c launcher.Config) any { return c.Entrypoint.Argv() },
 			[]string{"/opt/conda/bin/python", "-u", "train.py"}},
 		{"empty python exec", map[string]string{"PYTHON_EXEC": ""}, nil, func(c launcher.Config) any { return c.Entrypoint.Python }, "python3"},
@@ -224,6 +235,12 @@ func TestLaunchEnv(t *testing.T) {
 		{"flag beats TORCH_ELASTIC_SHUTDOWN_TIMEOUT", map[string]string{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, []string{"--shutdown-timeout", "5"},
 			func(c launcher.Config) any { return c.ShutdownTimeout }, 5 * time.Second},
 		{"flag beats bad PET_NNODES", map[string]string{"PET_NNODES": "0"}, []string{"--nnodes", "1"}, nodes, [2]int{1, 1}},
+		{"flag beats torchrun's health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, []string{"--health-addr", "127.0.0.1:7"},
+			health, "127.0.0.1:7"},
+		{"empty flag turns torchrun's health port off", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, []string{"--health-addr="},
+			health, ""},
+		{"flag beats GORUN_HEALTH_ADDR", map[string]string{"GORUN_HEALTH_ADDR": ":1"}, []string{"--health-addr", ":2"}, health, ":2"},
+		{"flag beats bad torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "x"}, []string{"--health-addr", ":2"}, health, ":2"},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -388,6 +405,12 @@ func TestLaunchBadInput(t *testing.T) {
 		{map[string]string{"PET_MAX_RESTARTS": "abc"}, []string{"train.py"}, "PET_MAX_RESTARTS"},
 		{map[string]string{"PET_STANDALONE": "yes"}, []string{"train.py"}, "PET_STANDALONE"},
 		{map[string]string{"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, []string{"train.py"}, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"},
+		{nil, []string{"--health-addr", "8080", "train.py"}, `--health-addr "8080" is not HOST:PORT`},
+		{nil, []string{"--health-addr", ":http", "train.py"}, `--health-addr ":http": port "http"`},
+		{map[string]string{"GORUN_HEALTH_ADDR": ":99999"}, []string{"train.py"}, `--health-addr ":99999"`},
+		{map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "abc"}, []string{"train.py"}, `$TORCHELASTIC_HEALTH_CHECK_PORT "abc" is not a TCP port`},
+		{map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "70000"}, []string{"train.py"}, "TORCHELASTIC_HEALTH_CHECK_PORT"},
+		{map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "-1"}, []string{"train.py"}, "TORCHELASTIC_HEALTH_CHECK_PORT"},
 	}
 	for _, tc := range cases {
 		t.Run(strings.Join(tc.args, " "), func(t *testing.T) {

@@ -158,6 +158,7 @@ func TestStoreUnreachable(t *testing.T) {
 func TestStoreServeProcess(t *testing.T) {
 	bin := testutil.BuildGorun(t)
 	cmd := exec.Command(bin, "store", "serve", "--listen", "127.0.0.1:0")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -1,0 +1,617 @@
+// Command launchbench measures gorun's launcher beside torchrun 1.13 (Debian's
+// PyTorch), in the same run, with the same workers, and prints a markdown
+// table of medians and ratios for BENCHMARKS.md.
+//
+// Three launchers are measured: gorun, torchrun with --monitor_interval 0.1,
+// and torchrun at its 1.13 default (5 s). All run single-node with
+// --standalone, -nproc workers, --redirects 1 --tee 1 (Debian's torchrun 1.13
+// on Python 3.11 crashes without them; gorun gets the same for fairness) and
+// a fresh --log-dir per run. Launchers are interleaved within each
+// repetition, so machine noise hits all alike.
+//
+// Benchmarks:
+//   - launch: -nproc workers that are /bin/true (--no-python), wall time from
+//     fork of the launcher to the reaping of its exit. In separate runs of the
+//     same command, the agent's peak RSS: VmHWM of the launcher process,
+//     read from /proc at its exit (see exitRSS).
+//   - restart: -nproc `sh -c` workers with --max-restarts 1. "clean": every
+//     worker exits 0. "restart": local rank 0 exits 3 when
+//     TORCHELASTIC_RESTART_COUNT is 0, so the group runs twice. "added" is the
+//     median over repetitions of (restart − clean) within one repetition.
+//     Each worker leaves a marker file per attempt; the benchmark checks that
+//     the restart really happened (and did not in the clean run).
+//   - exec floor: this harness starting and reaping one /bin/true with no
+//     launcher, the cost of one process start on this machine.
+//
+// Every run is bounded by -timeout (its process group is then SIGKILLed) and
+// must exit 0. The benchmark is a child subreaper: after each run it kills
+// and reaps any process the launcher left behind, and reports the count.
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/stats"
+
+	"golang.org/x/sys/unix"
+)
+
+type launcher struct {
+	name    string // column label
+	kind    string // "gorun" or "torchrun"
+	monitor string // torchrun --monitor_interval; "" = its default
+}
+
+type config struct {
+	gorun, python   string
+	reps, nproc     int
+	monitor         string
+	timeout         time.Duration
+	out, tmp, self  string
+	launchers       []launcher
+	torchrunVersion string
+}
+
+// torchrunPort is where torchrun 1.13 --standalone always puts its
+// rendezvous store (run.py: "localhost:29400").
+const torchrunPort = 29400
+
+// The restart worker. $1: the local rank that fails on attempt 0 (-1: none);
+// $2: the marker directory. `: >` is a shell builtin, so a worker is one
+// sh process and nothing else.
+const restartScript = `: > "$2/attempt$TORCHELASTIC_RESTART_COUNT.rank$LOCAL_RANK"
+[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$LOCAL_RANK" = "$1" ] && exit 3
+exit 0`
+
+func main() {
+	if len(os.Args) > 1 && os.Args[1] == "exitrss" {
+		// Internal helper mode, see exitRSS.
+		if err := exitRSS(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "launchbench exitrss:", err)
+			os.Exit(1)
+		}
+		return
+	}
+	var cfg config
+	flag.StringVar(&cfg.gorun, "gorun", "bin/gorun", "gorun binary")
+	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch 1.13 (torchrun is `PYTHON -m torch.distributed.run`)")
+	flag.IntVar(&cfg.reps, "reps", 5, "repetitions (medians are reported)")
+	flag.IntVar(&cfg.nproc, "nproc", 4, "workers per launch")
+	flag.StringVar(&cfg.monitor, "monitor", "0.1", "torchrun's --monitor_interval for its fast column")
+	flag.DurationVar(&cfg.timeout, "timeout", 60*time.Second, "bound on each run; then its process group is killed")
+	flag.StringVar(&cfg.out, "out", "bench/results/launch.jsonl", "raw results (JSON lines)")
+	flag.Parse()
+	cfg.launchers = []launcher{
+		{"gorun", "gorun", ""},
+		{"torchrun (monitor " + cfg.monitor + ")", "torchrun", cfg.monitor},
+		{"torchrun (default)", "torchrun", ""},
+	}
+	if err := runAll(&cfg); err != nil {
+		fmt.Fprintln(os.Stderr, "launchbench:", err)
+		os.Exit(1)
+	}
+}
+
+// result is one run of one launcher.
+type result struct {
+	Bench    string  `json:"bench"`
+	Launcher string  `json:"launcher"`
+	Rep      int     `json:"rep"`
+	Argv     string  `json:"argv"`
+	WallMS   float64 `json:"wall_ms,omitempty"`
+	// Agent peak RSS: VmHWM of the launcher process at its exit.
+	AgentHWMKiB int64 `json:"agent_vmhwm_kib,omitempty"`
+	// wait4's ru_maxrss for the launcher: the largest of the launcher and
+	// the descendants it reaped. A cross-check only.
+	Wait4MaxRSSKiB int64  `json:"wait4_maxrss_kib,omitempty"`
+	LeftBehind     int    `json:"left_behind,omitempty"`
+	Error          string `json:"error,omitempty"`
+}
+
+func runAll(cfg *config) error {
+	var err error
+	if cfg.self, err = os.Executable(); err != nil {
+		return err
+	}
+	if _, err := os.Stat(cfg.gorun); err != nil {
+		return fmt.Errorf("gorun binary: %w (run `make build`)", err)
+	}
+	v, err := exec.Command(cfg.python, "-c", "import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
+	if err != nil {
+		return fmt.Errorf("%s cannot import torch: %w", cfg.python, err)
+	}
+	cfg.torchrunVersion = strings.TrimSpace(string(v))
+	// Orphans of a launcher are reparented to us, so none escapes the count.
+	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("become a subreaper: %w", err)
+	}
+	if cfg.tmp, err = os.MkdirTemp("", "launchbench-"); err != nil {
+		return err
+	}
+	defer os.RemoveAll(cfg.tmp)
+	if err := os.MkdirAll(filepath.Dir(cfg.out), 0o755); err != nil {
+		return err
+	}
+	raw, err := os.Create(cfg.out)
+	if err != nil {
+		return err
+	}
+	defer raw.Close()
+
+	var all []result
+	report := func(r result) {
+		all = append(all, r)
+		json.NewEncoder(raw).Encode(r)
+		fmt.Fprintf(os.Stderr, "launchbench: rep %d %s / %s:", r.Rep, r.Bench, r.Launcher)
+		if r.WallMS > 0 {
+			fmt.Fprintf(os.Stderr, " %.1f ms", r.WallMS)
+		}
+		if r.AgentHWMKiB > 0 {
+			fmt.Fprintf(os.Stderr, " agent VmHWM %d KiB (wait4 maxrss %d KiB)", r.AgentHWMKiB, r.Wait4MaxRSSKiB)
+		}
+		if r.Error != "" {
+			fmt.Fprintf(os.Stderr, " FAILED: %s", r.Error)
+		}
+		fmt.Fprintln(os.Stderr)
+	}
+	for rep := 1; rep <= cfg.reps; rep++ {
+		// The machine's floor: this harness starting and reaping one
+		// /bin/true, no launcher.
+		r := runOnce(cfg, floor, "floor", trueWorker, 0, false)
+		r.Rep = rep
+		report(r)
+		for _, b := range []struct {
+			bench       string
+			worker      func(markers string) []string
+			maxRestarts int
+			traced      bool
+		}{
+			{"launch", trueWorker, 0, false},
+			{"launch rss", trueWorker, 0, true},
+			{"clean", shWorker("-1"), 1, false},
+			{"restart", shWorker("0"), 1, false},
+		} {
+			for _, l := range cfg.launchers {
+				r := runOnce(cfg, l, b.bench, b.worker, b.maxRestarts, b.traced)
+				r.Rep = rep
+				report(r)
+			}
+		}
+	}
+	printTable(cfg, all)
+	return nil
+}
+
+// floor is no launcher: the worker command alone.
+var floor = launcher{"exec floor", "none", ""}
+
+func trueWorker(string) []string { return []string{"/bin/true"} }
+
+func shWorker(failRank string) func(string) []string {
+	return func(markers string) []string {
+		return []string{"sh", "-c", restartScript, "sh", failRank, markers}
+	}
+}
+
+// argv is the launcher's command line.
+func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []string) []string {
+	n := strconv.Itoa(cfg.nproc)
+	var a []string
+	switch l.kind {
+	case "gorun":
+		a = []string{cfg.gorun, "--standalone", "--nproc-per-node", n, "--redirects", "1", "--tee", "1", "--log-dir", logDir}
+		if maxRestarts > 0 {
+			a = append(a, "--max-restarts", strconv.Itoa(maxRestarts))
+		}
+		a = append(a, "--no-python")
+	case "torchrun":
+		a = []string{cfg.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, "--redirects", "1", "--tee", "1", "--log_dir", logDir}
+		if l.monitor != "" {
+			a = append(a, "--monitor_interval", l.monitor)
+		}
+		if maxRestarts > 0 {
+			a = append(a, "--max_restarts", strconv.Itoa(maxRestarts))
+		}
+		a = append(a, "--no_python")
+	case "none":
+	}
+	return append(a, worker...)
+}
+
+// runOnce runs one launcher once, in a fresh directory for its logs and
+// markers, and checks the outcome.
+func runOnce(cfg *config, l launcher, bench string, worker func(string) []string, maxRestarts int, traced bool) (r result) {
+	r = result{Bench: bench, Launcher: l.name}
+	dir, err := os.MkdirTemp(cfg.tmp, "run-")
+	if err != nil {
+		r.Error = err.Error()
+		return r
+	}
+	defer os.RemoveAll(dir)
+	markers := filepath.Join(dir, "markers")
+	console := filepath.Join(dir, "console.log")
+	os.Mkdir(markers, 0o755)
+	argv := l.argv(cfg, filepath.Join(dir, "logs"), maxRestarts, worker(markers))
+	r.Argv = strings.Join(argv, " ")
+	defer func() { r.LeftBehind = reapLeftovers() }()
+
+	if l.kind == "torchrun" {
+		if err := waitPortFree(torchrunPort, 30*time.Second); err != nil {
+			r.Error = err.Error()
+			return r
+		}
+	}
+	logf, err := os.Create(console)
+	if err != nil {
+		r.Error = err.Error()
+		return r
+	}
+	defer logf.Close()
+	var stdout bytes.Buffer
+	var cmd *exec.Cmd
+	if traced {
+		cmd = exec.Command(cfg.self, append([]string{"exitrss"}, argv...)...)
+		cmd.Stdout = &stdout // the helper's JSON; the launcher writes to logf
+	} else {
+		cmd = exec.Command(argv[0], argv[1:]...)
+		cmd.Stdout = logf
+	}
+	cmd.Stderr = logf
+	// Its own process group, so a timeout kills the whole tree; and it dies
+	// with us.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+
+	start := time.Now()
+	if err := cmd.Start(); err != nil {
+		r.Error = err.Error()
+		return r
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err = <-done:
+	case <-time.After(cfg.timeout):
+		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+		<-done
+		err = fmt.Errorf("timed out after %v, killed", cfg.timeout)
+	}
+	wall := time.Since(start)
+	if err != nil {
+		r.Error = fmt.Sprintf("%v; console tail: %s", err, tail(console, 400))
+		return r
+	}
+	if traced {
+		var h helperResult
+		if err := json.Unmarshal(stdout.Bytes(), &h); err != nil {
+			r.Error = fmt.Sprintf("exitrss printed %q: %v", stdout.String(), err)
+			return r
+		}
+		if h.Exit != 0 {
+			r.Error = fmt.Sprintf("launcher exited %d; console tail: %s", h.Exit, tail(console, 400))
+			return r
+		}
+		if h.AgentHWMKiB == 0 {
+			r.Error = "no exit stop seen: VmHWM not sampled"
+			return r
+		}
+		r.AgentHWMKiB, r.Wait4MaxRSSKiB = h.AgentHWMKiB, h.Wait4MaxRSSKiB
+		return r
+	}
+	r.WallMS = float64(wall.Microseconds()) / 1e3
+	switch bench {
+	case "clean", "restart":
+		if err := checkMarkers(markers, cfg.nproc, bench == "restart"); err != nil {
+			r.Error = err.Error()
+		}
+	}
+	return r
+}
+
+// checkMarkers verifies from the workers' marker files that every rank ran
+// attempt 0, and that all ranks ran attempt 1 exactly when a restart was
+// expected.
+func checkMarkers(dir string, nproc int, restarted bool) error {
+	for rank := 0; rank < nproc; rank++ {
+		_, err := os.Stat(filepath.Join(dir, fmt.Sprintf("attempt1.rank%d", rank)))
+		if restarted && err != nil {
+			return fmt.Errorf("rank %d did not run attempt 1: no restart happened", rank)
+		}
+		if !restarted && err == nil {
+			return fmt.Errorf("rank %d ran attempt 1 in a run without failure", rank)
+		}
+	}
+	// Attempt 0 of rank 0 must have run in both; other ranks may have been
+	// stopped before they wrote their marker when rank 0 failed.
+	if _, err := os.Stat(filepath.Join(dir, "attempt0.rank0")); err != nil {
+		return errors.New("rank 0 did not run attempt 0")
+	}
+	return nil
+}
+
+// waitPortFree waits until nothing listens on port: torchrun 1.13
+// --standalone always uses the same port, and would join a stranger's
+// rendezvous there instead of hosting its own.
+func waitPortFree(port int, within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for {
+		ln, err := net.Listen("tcp", ":"+strconv.Itoa(port))
+		if err == nil {
+			return ln.Close()
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("port %d stays busy (%v): another torchrun --standalone is running", port, err)
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// reapLeftovers kills and reaps every child of ours (all are orphans of the
+// finished launcher, reparented to us as subreaper) and returns how many
+// there were, zombies included.
+func reapLeftovers() int {
+	n := 0
+	for round := 0; round < 50; round++ {
+		kids := children(os.Getpid())
+		if len(kids) == 0 {
+			return n
+		}
+		for _, pid := range kids {
+			syscall.Kill(pid, syscall.SIGKILL)
+			var ws syscall.WaitStatus
+			syscall.Wait4(pid, &ws, 0, nil)
+			n++
+		}
+	}
+	return n
+}
+
+// children lists the PIDs whose parent is ppid.
+func children(ppid int) []int {
+	ents, _ := os.ReadDir("/proc")
+	var out []int
+	for _, e := range ents {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid ...; comm may hold spaces and parentheses.
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+		if len(f) > 1 && f[1] == strconv.Itoa(ppid) {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+func tail(path string, n int) string {
+	b, _ := os.ReadFile(path)
+	if len(b) > n {
+		b = b[len(b)-n:]
+	}
+	return strings.ReplaceAll(strings.TrimSpace(string(b)), "\n", " ⏎ ")
+}
+
+// helperResult is what exitrss prints.
+type helperResult struct {
+	Exit           int   `json:"exit"` // exit code, or 128+signal
+	AgentHWMKiB    int64 `json:"agent_vmhwm_kib"`
+	Wait4MaxRSSKiB int64 `json:"wait4_maxrss_kib"`
+}
+
+// exitRSS runs argv as a ptrace tracee and samples its peak RSS at exit:
+// with PTRACE_O_TRACEEXIT each of its threads (PTRACE_O_TRACECLONE follows
+// them; forked children such as the workers are not traced) stops on its way
+// out, before its memory is released, and /proc/PID/task/TID/status VmHWM
+// is read there. The thread that calls exit_group always stops (the others
+// may be killed past the stop), so the last sample is the process's peak
+// over its whole life. It is the launcher's own memory only: VmHWM belongs
+// to its address space, unlike wait4's ru_maxrss, which is the largest of
+// the process and the children it reaped. Signals the tracee receives are
+// passed on unchanged. It prints a helperResult as JSON.
+func exitRSS(argv []string) error {
+	if len(argv) == 0 {
+		return errors.New("usage: launchbench exitrss PROGRAM [ARGS...]")
+	}
+	path, err := exec.LookPath(argv[0])
+	if err != nil {
+		return err
+	}
+	// ptrace requests must come from the thread that started the tracee.
+	runtime.LockOSThread()
+	pid, err := syscall.ForkExec(path, argv, &syscall.ProcAttr{
+		Env:   os.Environ(),
+		Files: []uintptr{0, 2, 2}, // the launcher's output goes where ours does
+		Sys:   &syscall.SysProcAttr{Ptrace: true, Pdeathsig: syscall.SIGKILL},
+	})
+	if err != nil {
+		return err
+	}
+	var ws syscall.WaitStatus
+	if _, err := syscall.Wait4(pid, &ws, syscall.WALL, nil); err != nil {
+		return err
+	}
+	if !ws.Stopped() || ws.StopSignal() != syscall.SIGTRAP {
+		return fmt.Errorf("tracee did not stop at exec: status %#x", ws)
+	}
+	if err := unix.PtraceSetOptions(pid, unix.PTRACE_O_TRACEEXIT|unix.PTRACE_O_TRACECLONE|unix.PTRACE_O_EXITKILL); err != nil {
+		return err
+	}
+	if err := unix.PtraceCont(pid, 0); err != nil {
+		return err
+	}
+	var h helperResult
+	for {
+		var ru syscall.Rusage
+		tid, err := syscall.Wait4(-1, &ws, syscall.WALL, &ru)
+		if err == syscall.EINTR {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		switch {
+		case ws.Exited() || ws.Signaled():
+			if tid != pid {
+				continue // one of its threads
+			}
+			h.Exit = ws.ExitStatus()
+			if ws.Signaled() {
+				h.Exit = 128 + int(ws.Signal())
+			}
+			h.Wait4MaxRSSKiB = ru.Maxrss // Linux: KiB
+			return json.NewEncoder(os.Stdout).Encode(h)
+		case ws.Stopped():
+			inject := 0
+			switch sig := ws.StopSignal(); {
+			case sig == syscall.SIGTRAP && ws.TrapCause() == syscall.PTRACE_EVENT_EXIT:
+				if kib, err := vmHWM(pid, tid); err == nil && kib > h.AgentHWMKiB {
+					h.AgentHWMKiB = kib
+				}
+			case sig == syscall.SIGTRAP: // clone events
+			case sig == syscall.SIGSTOP: // a new thread's first stop
+			default:
+				inject = int(sig)
+			}
+			unix.PtraceCont(tid, inject) // ESRCH: the thread is gone
+		}
+	}
+}
+
+// vmHWM reads a thread's VmHWM (the peak RSS of its address space) in KiB.
+func vmHWM(pid, tid int) (int64, error) {
+	f, err := os.Open(fmt.Sprintf("/proc/%d/task/%d/status", pid, tid))
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "VmHWM:"); ok {
+			return strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+		}
+	}
+	return 0, errors.New("no VmHWM")
+}
+
+func printTable(cfg *config, all []result) {
+	// values(bench, launcher, f): f of each successful run, in rep order.
+	values := func(bench, name string, f func(result) float64) []float64 {
+		var v []float64
+		for _, r := range all {
+			if r.Bench == bench && r.Launcher == name && r.Error == "" {
+				v = append(v, f(r))
+			}
+		}
+		return v
+	}
+	wall := func(r result) float64 { return r.WallMS }
+	hwm := func(r result) float64 { return float64(r.AgentHWMKiB) / 1024 }
+	// added: per repetition, restart minus clean of the same repetition.
+	added := func(name string) []float64 {
+		var v []float64
+		for rep := 1; rep <= cfg.reps; rep++ {
+			var c, x *result
+			for i := range all {
+				r := &all[i]
+				if r.Rep == rep && r.Launcher == name && r.Error == "" {
+					switch r.Bench {
+					case "clean":
+						c = r
+					case "restart":
+						x = r
+					}
+				}
+			}
+			if c != nil && x != nil {
+				v = append(v, x.WallMS-c.WallMS)
+			}
+		}
+		return v
+	}
+
+	g, t := cfg.launchers[0], cfg.launchers[1]
+	fmt.Printf("Command: `%s`\n\n", strings.Join(os.Args, " "))
+	fmt.Printf("gorun: %s. torchrun: `%s -m torch.distributed.run`, %s. %d CPUs.\n", cfg.gorun, cfg.python, cfg.torchrunVersion, runtime.NumCPU())
+	fmt.Printf("All launchers: `--standalone`, %d workers, `--redirects 1 --tee 1` (torchrun 1.13 needs it on Python 3.11; gorun gets the same).\n", cfg.nproc)
+	fmt.Printf("Medians of %d repetitions, launchers interleaved within each.\n\n", cfg.reps)
+	fmt.Printf("| benchmark | metric |")
+	for _, l := range cfg.launchers {
+		fmt.Printf(" %s |", l.name)
+	}
+	fmt.Printf(" gorun ÷ %s |\n|---|---|", t.name)
+	for range cfg.launchers {
+		fmt.Printf("---|")
+	}
+	fmt.Printf("---|\n")
+	medians := map[string]float64{} // "row/launcher" → median, for the goals
+	row := func(bench, metric string, get func(name string) []float64, format string) {
+		fmt.Printf("| %s | %s |", bench, metric)
+		for _, l := range cfg.launchers {
+			v := get(l.name)
+			medians[metric+"/"+l.name] = stats.Median(v)
+			if len(v) == 0 {
+				fmt.Printf(" failed |")
+				continue
+			}
+			fmt.Printf(" "+format+" |", stats.Median(v))
+		}
+		gv, tv := medians[metric+"/"+g.name], medians[metric+"/"+t.name]
+		if tv != 0 && len(get(g.name)) > 0 {
+			fmt.Printf(" %.3f× |\n", gv/tv)
+		} else {
+			fmt.Printf(" — |\n")
+		}
+	}
+	launch := fmt.Sprintf("launch: %d × /bin/true", cfg.nproc)
+	restart := fmt.Sprintf("restart: %d × sh, --max-restarts 1", cfg.nproc)
+	row(launch, "wall, start to exit (ms)", func(n string) []float64 { return values("launch", n, wall) }, "%.1f")
+	row(launch, "agent peak RSS (MiB, VmHWM at exit)", func(n string) []float64 { return values("launch rss", n, hwm) }, "%.1f")
+	row(restart, "wall, no failure (ms)", func(n string) []float64 { return values("clean", n, wall) }, "%.1f")
+	row(restart, "wall, rank 0 exits 3 on attempt 0 (ms)", func(n string) []float64 { return values("restart", n, wall) }, "%.1f")
+	row(restart, "added by the restart (ms)", added, "%.1f")
+	fmt.Printf("| exec floor | one /bin/true started and reaped by this harness, no launcher (ms) | %.1f | | | |\n",
+		stats.Median(values("floor", floor.name, wall)))
+
+	left, failed := 0, []string{}
+	for _, r := range all {
+		left += r.LeftBehind
+		if r.Error != "" {
+			failed = append(failed, fmt.Sprintf("%s / %s / rep %d: %s", r.Bench, r.Launcher, r.Rep, r.Error))
+		}
+	}
+	fmt.Printf("\nProcesses left behind by the launchers (killed and reaped by the benchmark), all runs: %d.\n", left)
+	verdict := func(ok bool) string {
+		if ok {
+			return "met"
+		}
+		return "not met"
+	}
+	w := medians["wall, start to exit (ms)/"+g.name]
+	m := medians["agent peak RSS (MiB, VmHWM at exit)/"+g.name]
+	a := medians["added by the restart (ms)/"+g.name]
+	fmt.Printf("\nGoals (issue 3), gorun: launch ≤ 20 ms: %.1f ms, %s; agent RSS ≤ 20 MB: %.1f MB, %s; restart adds ≤ 50 ms: %.1f ms, %s.\n",
+		w, verdict(w <= 20), m*1.048576, verdict(m*1.048576 <= 20), a, verdict(a <= 50))
+	for _, f := range failed {
+		fmt.Printf("\nfailure: %s", f)
+	}
+	fmt.Println()
+}

@@ -1,0 +1,225 @@
+// Command rdzvbench measures multi-node rendezvous on loopback: N agents
+// with the c10d backend, the time from the last agent's start (its join) to
+// every worker of every agent started. gorun and torchrun run the same
+// job, interleaved within each repetition; medians are reported.
+//
+// N-1 agents start first and are given time to settle into the
+// rendezvous; then the clock starts and the last agent is launched. Each
+// worker (sh, one per agent) records when it started.
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/stats"
+)
+
+type launcher struct {
+	name   string
+	agents int
+	settle time.Duration // how long the first N-1 agents get to join
+	argv   func(port int, logDir string) []string
+}
+
+func main() {
+	gorun := flag.String("gorun", "bin/gorun", "gorun binary")
+	python := flag.String("python", "/usr/bin/python3", "Python with torch (torchrun = PYTHON -m torch.distributed.run)")
+	reps := flag.Int("reps", 3, "repetitions (medians are reported)")
+	gorunAgents := flag.Int("agents", 64, "gorun agents")
+	torchAgents := flag.Int("torch-agents", 16, "torchrun agents (each imports torch: ~240 MB and ~2 s of CPU)")
+	flag.Parse()
+	fmt.Printf("Command: %s\n\n", strings.Join(os.Args, " "))
+
+	worker := []string{"sh", "-c", `date +%s%N > "$RDZVBENCH_OUT/$RANK"`}
+	gorunArgv := func(n int) func(int, string) []string {
+		return func(port int, logDir string) []string {
+			return append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--nnodes", strconv.Itoa(n), "--nproc-per-node", "1",
+				"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + strconv.Itoa(port), "--rdzv-id", "bench",
+				"--local-addr", "127.0.0.1", "--log-dir", logDir, "--no-python"}, worker...)
+		}
+	}
+	torchArgv := func(n int) func(int, string) []string {
+		return func(port int, logDir string) []string {
+			return append([]string{*python, "-m", "torch.distributed.run", "--nnodes", strconv.Itoa(n), "--nproc_per_node", "1",
+				"--rdzv_backend", "c10d", "--rdzv_endpoint", "127.0.0.1:" + strconv.Itoa(port), "--rdzv_id", "bench",
+				"--redirects", "1", "--tee", "1", "--log_dir", logDir, "--no_python"}, worker...)
+		}
+	}
+	launchers := []launcher{
+		{fmt.Sprintf("gorun, %d agents", *gorunAgents), *gorunAgents, 3 * time.Second, gorunArgv(*gorunAgents)},
+		{fmt.Sprintf("gorun, %d agents", *torchAgents), *torchAgents, 2 * time.Second, gorunArgv(*torchAgents)},
+		{fmt.Sprintf("torchrun, %d agents", *torchAgents), *torchAgents, time.Duration(*torchAgents) * 1500 * time.Millisecond, torchArgv(*torchAgents)},
+	}
+	results := map[string][]float64{}
+	execd := map[string][]float64{}
+	for rep := 1; rep <= *reps; rep++ {
+		for _, l := range launchers {
+			ms, agentMs, err := measure(l)
+			if err != nil {
+				fmt.Fprintf(os.Stderr, "rdzvbench: %s: %v\n", l.name, err)
+				os.Exit(1)
+			}
+			fmt.Fprintf(os.Stderr, "rdzvbench: rep %d %s: workers' first line %.1f ms, agents exec'd %.1f ms\n", rep, l.name, ms, agentMs)
+			results[l.name] = append(results[l.name], ms)
+			if agentMs > 0 {
+				execd[l.name] = append(execd[l.name], agentMs)
+			}
+		}
+	}
+	fmt.Printf("Medians of %d repetitions, %d CPUs. One worker per agent, c10d backend on loopback.\n\n", *reps, runtime.NumCPU())
+	fmt.Println("| launcher | last join → every agent has exec'd its workers (ms) | last join → every worker's first line (ms) |")
+	fmt.Println("|---|---|---|")
+	for _, l := range launchers {
+		a := "n/a (no such log line)"
+		if v := execd[l.name]; len(v) > 0 {
+			a = fmt.Sprintf("%.1f", stats.Median(v))
+		}
+		fmt.Printf("| %s | %s | %.1f |\n", l.name, a, stats.Median(results[l.name]))
+	}
+}
+
+// measure runs one job and returns the milliseconds from the last agent's
+// start to the last worker's first line (the worker records the time), and,
+// for gorun, to the last agent having exec'd its worker (its "workers
+// started" log line; 0 for torchrun, which logs no such line).
+func measure(l launcher) (float64, float64, error) {
+	dir, err := os.MkdirTemp("", "rdzvbench")
+	if err != nil {
+		return 0, 0, err
+	}
+	defer func() {
+		if os.Getenv("RDZVBENCH_KEEP") == "" {
+			os.RemoveAll(dir)
+		} else {
+			fmt.Fprintln(os.Stderr, "kept", dir)
+		}
+	}()
+	out := filepath.Join(dir, "started")
+	os.Mkdir(out, 0o755)
+	port, err := freePort()
+	if err != nil {
+		return 0, 0, err
+	}
+	var cmds []*exec.Cmd
+	defer func() {
+		for _, c := range cmds {
+			if c.Process != nil {
+				syscall.Kill(-c.Process.Pid, syscall.SIGKILL)
+				c.Wait()
+			}
+		}
+	}()
+	start := func() (*exec.Cmd, error) {
+		argv := l.argv(port, filepath.Join(dir, "logs"))
+		c := exec.Command(argv[0], argv[1:]...)
+		c.Env = append(os.Environ(), "RDZVBENCH_OUT="+out)
+		c.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+		logf, err := os.Create(filepath.Join(dir, fmt.Sprintf("agent%d.log", len(cmds))))
+		if err != nil {
+			return nil, err
+		}
+		defer logf.Close()
+		c.Stdout, c.Stderr = logf, logf
+		if err := c.Start(); err != nil {
+			return nil, err
+		}
+		cmds = append(cmds, c)
+		return c, nil
+	}
+	for range l.agents - 1 {
+		if _, err := start(); err != nil {
+			return 0, 0, err
+		}
+	}
+	time.Sleep(l.settle)
+	t0 := time.Now()
+	if _, err := start(); err != nil {
+		return 0, 0, err
+	}
+	// A worker's file exists before date has written it: count the
+	// files that hold a time.
+	deadline := time.Now().Add(120 * time.Second)
+	var last int64
+	for {
+		n := 0
+		last = 0
+		entries, _ := os.ReadDir(out)
+		for _, e := range entries {
+			b, _ := os.ReadFile(filepath.Join(out, e.Name()))
+			if ns, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil {
+				n++
+				last = max(last, ns)
+			}
+		}
+		if n == l.agents {
+			break
+		}
+		if time.Now().After(deadline) {
+			b, _ := os.ReadFile(filepath.Join(dir, "agent0.log"))
+			return 0, 0, fmt.Errorf("%d of %d workers started in 120 s; agent 0 said:\n%s", n, l.agents, b)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	for _, c := range cmds {
+		done := make(chan error, 1)
+		go func() { done <- c.Wait() }()
+		select {
+		case <-done:
+		case <-time.After(60 * time.Second):
+			syscall.Kill(-c.Process.Pid, syscall.SIGKILL)
+			<-done
+		}
+		c.Process = nil
+	}
+	return float64(last-t0.UnixNano()) / 1e6, agentsStarted(dir, l.agents, t0), nil
+}
+
+// agentsStarted reads the agents' JSON logs for their "workers started"
+// lines and returns the milliseconds from t0 to the last of them, or 0 if
+// not every agent logged one.
+func agentsStarted(dir string, agents int, t0 time.Time) float64 {
+	var last time.Time
+	n := 0
+	for i := range agents {
+		b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprintf("agent%d.log", i)))
+		for _, line := range strings.Split(string(b), "\n") {
+			var e struct {
+				Msg string `json:"msg"`
+				TS  string `json:"ts"`
+			}
+			if json.Unmarshal([]byte(line), &e) != nil || e.Msg != "workers started" {
+				continue
+			}
+			if ts, err := time.Parse(time.RFC3339Nano, e.TS); err == nil {
+				n++
+				if ts.After(last) {
+					last = ts
+				}
+			}
+		}
+	}
+	if n != agents {
+		return 0
+	}
+	return float64(last.Sub(t0).Microseconds()) / 1e3
+}
+
+func freePort() (int, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port, nil
+}

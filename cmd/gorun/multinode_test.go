@@ -1,0 +1,289 @@
+package main
+
+import (
+	"fmt"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
+)
+
+// Multi-node jobs on loopback: every agent is a real gorun process with its
+// own workers; they find each other through the c10d rendezvous.
+
+// fastRdzv are rendezvous timings that keep the tests short: a node whose
+// keep-alive lapses for ~0.6 s is lost.
+const fastRdzv = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=3,join_timeout=30"
+
+func c10dArgs(port int, nnodes string, extra ...string) []string {
+	return append([]string{
+		"--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + strconv.Itoa(port),
+		"--rdzv-id", "job", "--rdzv-conf", fastRdzv, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+	}, extra...)
+}
+
+// TestMultiNodeTorchGloo: two agents, two PyTorch workers each; the four
+// workers all_reduce through group rank 0's worker store.
+func TestMultiNodeTorchGloo(t *testing.T) {
+	py := torchtest.Python(t)
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	script, _ := filepath.Abs(filepath.Join("..", "..", "examples", "torch", "allreduce.py"))
+	var agents []*agentProc
+	for range 2 {
+		args := c10dArgs(port, "2", "--nproc-per-node", "2", "--log-dir", t.TempDir(), script)
+		p := startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + py}, args...)
+		agents = append(agents, p)
+	}
+	var lines []string
+	for _, p := range agents {
+		for range 2 {
+			lines = append(lines, p.expectLine(t, "all_reduce sum="))
+		}
+	}
+	for _, p := range agents {
+		if code := p.exitCode(t, 60*time.Second); code != 0 {
+			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+	all := strings.Join(lines, "\n")
+	for r := range 4 {
+		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
+			t.Fatalf("no line %q in\n%s", want, all)
+		}
+	}
+}
+
+// worldWorker prints where it stands, then waits to be stopped — or, from
+// round doneRound on, exits 0.
+func worldWorker(doneRound int) string {
+	return fmt.Sprintf(`echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
+		[ "$GORUN_GENERATION" -ge %d ] && exit 0
+		trap 'exit 0' TERM; while :; do sleep 0.05; done`, doneRound)
+}
+
+var roundLine = regexp.MustCompile(`round=(\d+) rank=(\d+) world=(\d+) group=(\d+)/(\d+) restarts=(\d+)`)
+
+// expectRound waits for the agent's worker to report round r and returns
+// its world size and restart count.
+func (p *agentProc) expectRound(t *testing.T, r int) (world, restarts int) {
+	t.Helper()
+	for {
+		l := p.expectLine(t, "round=")
+		m := roundLine.FindStringSubmatch(l)
+		if m == nil {
+			t.Fatalf("bad line %q", l)
+		}
+		if got, _ := strconv.Atoi(m[1]); got == r {
+			world, _ = strconv.Atoi(m[3])
+			restarts, _ = strconv.Atoi(m[6])
+			return world, restarts
+		}
+	}
+}
+
+// TestMultiNodeLoseAndGrow: three agents (--nnodes 2:3) run; one is
+// SIGKILLed and the other two notice the lapsed keep-alive, count a
+// restart and re-rendezvous on two nodes; a fourth agent arrives and the
+// job scales up to three again without counting a restart.
+func TestMultiNodeLoseAndGrow(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := worldWorker(2)
+	start := func() *agentProc {
+		return startAgent(t, bin, c10dArgs(port, "2:3", "--max-restarts", "3", "--log-dir", t.TempDir(),
+			"--no-python", "sh", "-c", worker)...)
+	}
+	host := start()
+	waitStderr(t, host, "hosting the rendezvous store")
+	b, c := start(), start()
+	for _, p := range []*agentProc{host, b, c} {
+		if world, restarts := p.expectRound(t, 0); world != 3 || restarts != 0 {
+			t.Fatalf("round 0: world %d restarts %d; stderr:\n%s", world, restarts, p.stderr)
+		}
+	}
+	// Lose c: its worker dies with it (Pdeathsig) and its keep-alive lapses.
+	lostAt := time.Now()
+	c.cmd.Process.Signal(syscall.SIGKILL)
+	c.exitCode(t, 5*time.Second)
+	for _, p := range []*agentProc{host, b} {
+		if world, restarts := p.expectRound(t, 1); world != 2 || restarts != 1 {
+			t.Fatalf("round 1: world %d restarts %d; stderr:\n%s", world, restarts, p.stderr)
+		}
+	}
+	t.Logf("lost node to survivors re-rendezvoused: %v", time.Since(lostAt))
+	// Grow: a new agent waits; the running ones admit it.
+	d := start()
+	for _, p := range []*agentProc{host, b, d} {
+		if world, restarts := p.expectRound(t, 2); world != 3 || restarts != 1 {
+			t.Fatalf("round 2: world %d restarts %d (scale-up is not a restart); stderr:\n%s", world, restarts, p.stderr)
+		}
+	}
+	for _, p := range []*agentProc{host, b, d} {
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}
+
+// TestMultiNodeRestartCountedForTheJob: a worker on one node fails once;
+// both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1.
+func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
+		[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ] && exit 3
+		[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && { trap 'exit 0' TERM; while :; do sleep 0.05; done; }
+		exit 0`
+	var agents []*agentProc
+	for range 2 {
+		agents = append(agents, startAgent(t, bin, c10dArgs(port, "2", "--max-restarts", "1", "--log-dir", t.TempDir(),
+			"--no-python", "sh", "-c", worker)...))
+	}
+	for _, p := range agents {
+		p.expectRound(t, 0)
+	}
+	for _, p := range agents {
+		for {
+			l := p.expectLine(t, "round=")
+			if m := roundLine.FindStringSubmatch(l); m != nil && m[6] == "1" {
+				break
+			}
+		}
+	}
+	for _, p := range agents {
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}
+
+// TestMultiNodeRestartsExhausted: with no restart left, the failing node
+// prints the failure table and closes the job; the other node ends too,
+// both with exit code 1.
+func TestMultiNodeRestartsExhausted(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
+		[ "$RANK" = 1 ] && exit 4
+		trap 'exit 0' TERM; while :; do sleep 0.05; done`
+	var agents []*agentProc
+	for range 2 {
+		agents = append(agents, startAgent(t, bin, c10dArgs(port, "2", "--log-dir", t.TempDir(),
+			"--no-python", "sh", "-c", worker)...))
+	}
+	summaries := 0
+	for _, p := range agents {
+		if code := p.exitCode(t, 30*time.Second); code != 1 {
+			t.Fatalf("exit %d, want 1; stderr:\n%s", code, p.stderr)
+		}
+		if strings.Contains(p.stderr.String(), "Root Cause (first observed failure):") {
+			summaries++
+		}
+	}
+	if summaries != 1 {
+		t.Fatalf("%d failure tables, want 1 (from the failing node)", summaries)
+	}
+}
+
+// TestMultiNodeStatic: torchrun's static backend over several nodes:
+// --node-rank decides the group rank.
+func TestMultiNodeStatic(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := worldWorker(0)
+	var agents []*agentProc
+	for _, rank := range []string{"1", "0"} { // rank 1 first: it must wait for rank 0's store
+		agents = append(agents, startAgent(t, bin, "--nnodes", "2", "--node-rank", rank, "--master-addr", "127.0.0.1",
+			"--master-port", strconv.Itoa(port), "--local-addr", "127.0.0.1", "--nproc-per-node", "2",
+			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker))
+	}
+	for i, p := range agents {
+		wantGroup := []string{"1", "0"}[i]
+		for range 2 {
+			m := roundLine.FindStringSubmatch(p.expectLine(t, "round="))
+			if m == nil || m[4] != wantGroup || m[3] != "4" {
+				t.Fatalf("node-rank %s worker: %v", wantGroup, m)
+			}
+		}
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}
+
+// TestMultiNodeRendezvousTimeout: one node of two never comes: after
+// join_timeout the agent gives up with exit code 6.
+func TestMultiNodeRendezvousTimeout(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
+		"--rdzv-conf", "join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
+	if code := p.exitCode(t, 20*time.Second); code != ExitRendezvousTimeout {
+		t.Fatalf("exit %d, want %d; stderr:\n%s", code, ExitRendezvousTimeout, p.stderr)
+	}
+}
+
+// waitStderr waits until the agent's log contains s.
+func waitStderr(t *testing.T, p *agentProc, s string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(p.stderr.String(), s) {
+		if time.Now().After(deadline) {
+			t.Fatalf("agent never logged %q; stderr:\n%s", s, p.stderr)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestMultiNodeStoreHostLost: the agent hosting the rendezvous store is
+// SIGKILLed; the other cannot re-rendezvous without the store, so it stops
+// its workers and fails within the keep-alive window instead of hanging.
+func TestMultiNodeStoreHostLost(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := worldWorker(99)
+	host := startAgent(t, bin, c10dArgs(port, "2", "--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)...)
+	waitStderr(t, host, "hosting the rendezvous store")
+	other := startAgent(t, bin, c10dArgs(port, "2", "--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)...)
+	host.expectRound(t, 0)
+	other.expectRound(t, 0)
+	host.cmd.Process.Signal(syscall.SIGKILL)
+	start := time.Now()
+	if code := other.exitCode(t, 20*time.Second); code != ExitWorkersFailed {
+		t.Fatalf("exit %d, want %d; stderr:\n%s", code, ExitWorkersFailed, other.stderr)
+	}
+	if !strings.Contains(other.stderr.String(), "rendezvous store stopped answering") {
+		t.Fatalf("stderr does not say why:\n%s", other.stderr)
+	}
+	t.Logf("store host lost to the other agent's exit: %v", time.Since(start))
+}
+
+// TestMultiNodeFileStore: --rdzv-conf store_type=file, torchrun's FileStore
+// rendezvous: the agents meet in a shared file instead of a TCPStore.
+func TestMultiNodeFileStore(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	file := filepath.Join(t.TempDir(), "rdzv")
+	worker := worldWorker(0)
+	var agents []*agentProc
+	for range 2 {
+		agents = append(agents, startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", file,
+			"--rdzv-conf", "store_type=file,"+fastRdzv, "--local-addr", "127.0.0.1", "--nproc-per-node", "2",
+			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker))
+	}
+	for _, p := range agents {
+		for range 2 {
+			if m := roundLine.FindStringSubmatch(p.expectLine(t, "round=")); m == nil || m[3] != "4" {
+				t.Fatalf("worker line %v; stderr:\n%s", m, p.stderr)
+			}
+		}
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}

@@ -1,0 +1,528 @@
+package launcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/filestore"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// Errors of multi-node rendezvous that the CLI maps to exit codes.
+var (
+	// ErrRendezvousTimeout: the round did not complete in join_timeout.
+	ErrRendezvousTimeout = errors.New("rendezvous timed out")
+	// ErrRendezvousClosed: the job had already ended when this node came.
+	ErrRendezvousClosed = errors.New("rendezvous closed")
+)
+
+// JobFailedError is returned when the job failed without a local worker
+// failing: on another node, or by losing a node, with no restart left.
+// gorun exits with code 1, like a local failure.
+type JobFailedError struct{ Reason string }
+
+func (e *JobFailedError) Error() string { return "job failed: " + e.Reason }
+
+// newMembership picks the membership the configuration asks for.
+func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (membership, error) {
+	if cfg.MaxNodes == 1 {
+		return &singleNode{cfg: cfg, log: log, runID: runID}, nil
+	}
+	switch cfg.Rendezvous.Backend {
+	case backendC10d, backendStatic:
+		return newDynamicNode(ctx, cfg, log, runID)
+	}
+	return nil, fmt.Errorf("--rdzv-backend %s: %w; use c10d", cfg.Rendezvous.Backend, ErrNotImplemented)
+}
+
+// dynamicNode is the membership of a multi-node job, run by gorun's
+// dynamic rendezvous over a store every agent reaches:
+//
+//   - c10d: a TCPStore at --rdzv-endpoint (default port 29400), hosted by
+//     the agent that can bind it (is_host, or inferred as torchrun does), or
+//     a FileStore at that path with store_type=file;
+//   - static: the same at --master-addr:--master-port, hosted by node rank
+//     0, with min = max = --nnodes and group ranks = node ranks.
+//
+// Group rank 0 hosts each round's worker store and publishes its address
+// in the round's keys. Restarts are counted for the whole job in the store.
+type dynamicNode struct {
+	cfg   *Config
+	log   *zap.Logger
+	runID string
+	me    rendezvous.NodeDesc
+	addr  string           // the address this node advertises
+	host  *tcpstore.Server // the rendezvous store, when this node hosts it
+	store rendezvous.Store // every agent's view of the rendezvous store
+	dyn   *rendezvous.Dynamic
+	round rendezvous.Round
+	// lastSeen is when the rendezvous store last answered a watch: a store
+	// silent for longer than the keep-alive window means its host is gone.
+	lastSeen time.Time
+}
+
+// nodeInfo is what each node publishes in the rendezvous.
+type nodeInfo struct {
+	NProc    int    `json:"nproc"`
+	Addr     string `json:"addr"`
+	NodeRank int    `json:"node_rank"` // static only
+}
+
+// Keys in the rendezvous store, besides the rendezvous's own.
+func (d *dynamicNode) restartsKey() string { return "gorun." + d.runID + ".restarts" }
+func (d *dynamicNode) outcomeKey() string  { return "gorun." + d.runID + ".outcome" }
+
+const (
+	outcomeSucceeded = "succeeded"
+	outcomeFailed    = "failed"
+	defaultC10dRead  = 60 * time.Second // torchrun's read_timeout
+)
+
+func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*dynamicNode, error) {
+	r := cfg.Rendezvous
+	static := r.Backend == backendStatic
+	d := &dynamicNode{cfg: cfg, log: log, runID: runID}
+	d.addr = r.LocalAddr
+	if d.addr == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return nil, fmt.Errorf("this node's address (set --local-addr): %w", err)
+		}
+		d.addr = h
+	}
+	d.me = rendezvous.NodeDesc{Addr: d.addr, Pid: os.Getpid()}
+
+	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
+	dcfg, err := rendezvous.ParseDynamicConfig(runID, minNodes, maxNodes, r.Conf)
+	if err != nil {
+		return nil, fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
+	}
+	dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
+	if err := d.connect(ctx, static, dcfg.JoinTimeout); err != nil {
+		d.close()
+		return nil, err
+	}
+	data, _ := json.Marshal(nodeInfo{NProc: cfg.NProcPerNode, Addr: d.addr, NodeRank: r.NodeRank})
+	if d.dyn, err = rendezvous.NewDynamic(d.store, d.me, data, dcfg); err != nil {
+		d.close()
+		return nil, fmt.Errorf("rendezvous: %w", err)
+	}
+	return d, nil
+}
+
+// logProgress prints one rendezvous progress line: who joined, how many
+// are still awaited, when the last call ends.
+func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress) {
+	names := func(ns []rendezvous.NodeDesc) []string {
+		out := make([]string, len(ns))
+		for i, n := range ns {
+			out[i] = n.String()
+		}
+		return out
+	}
+	fields := []zap.Field{
+		zap.Int("round", p.Round), zap.Strings("joined", names(p.Participants)),
+		zap.Int("awaited_for_min", max(0, minNodes-len(p.Participants))), zap.Int("max", maxNodes),
+	}
+	if len(p.Waiting) > 0 {
+		fields = append(fields, zap.Strings("waiting_for_next_round", names(p.Waiting)))
+	}
+	if !p.LastCall.IsZero() && !p.Complete {
+		fields = append(fields, zap.Time("last_call_ends", p.LastCall))
+	}
+	msg := "rendezvous in progress"
+	if p.Complete {
+		msg = "rendezvous complete"
+	}
+	log.Info(msg, fields...)
+}
+
+// connect opens the rendezvous store, hosting it first when this node is
+// the host.
+func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time.Duration) error {
+	r := d.cfg.Rendezvous
+	readTimeout, err := confSeconds(r.Conf, "read_timeout", defaultC10dRead)
+	if err != nil {
+		return fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
+	}
+	if !static && strings.EqualFold(r.Conf["store_type"], "file") {
+		fcfg := filestore.DefaultConfig()
+		fcfg.Timeout = readTimeout
+		s, err := filestore.Open(ctx, r.Endpoint, fcfg)
+		if err != nil {
+			return fmt.Errorf("rendezvous FileStore %s: %w", r.Endpoint, err)
+		}
+		d.store = s
+		return nil
+	}
+	host, port := r.MasterAddr, r.MasterPort
+	if r.Endpoint != "" || !static {
+		def := defaultC10dPort
+		if static {
+			def = -1
+		}
+		if host, port, err = splitEndpoint(r.Endpoint, def); err != nil {
+			return fmt.Errorf("%w: --rdzv-endpoint: %v", ErrInvalidConfig, err)
+		}
+	}
+	endpoint := net.JoinHostPort(host, strconv.Itoa(port))
+	explicit, hasExplicit := r.Conf["is_host"]
+	isHost := static && r.NodeRank == 0
+	if !static {
+		isHost = isLocalHost(host)
+	}
+	if hasExplicit {
+		if isHost, err = confBool(r.Conf, "is_host", false); err != nil {
+			return fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
+		}
+	}
+	if isHost {
+		srv, err := tcpstore.Listen(net.JoinHostPort("", strconv.Itoa(port)), tcpstore.ServerConfig{Logger: d.log.Named("rdzv-store")})
+		switch {
+		case err == nil:
+			d.host = srv
+			d.log.Info("hosting the rendezvous store", zap.String("endpoint", endpoint))
+		case hasExplicit && explicit != "":
+			return fmt.Errorf("hosting the rendezvous store (is_host=%s) on port %d: %w", explicit, port, err)
+		default:
+			// torchrun's fallback: another agent on this host got there
+			// first, so be its client.
+			d.log.Info("the rendezvous store is hosted by another agent; joining as a client",
+				zap.String("endpoint", endpoint), zap.Error(err))
+		}
+	}
+	dctx, cancel := context.WithTimeout(ctx, joinTimeout)
+	defer cancel()
+	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: readTimeout})
+	if err != nil {
+		return fmt.Errorf("rendezvous store %s: %w", endpoint, err)
+	}
+	d.store = c
+	return nil
+}
+
+// isLocalHost reports whether host names this machine: torchrun's is_host
+// inference, which matches the endpoint against the local addresses.
+func isLocalHost(host string) bool {
+	if host == "localhost" {
+		return true
+	}
+	if h, err := os.Hostname(); err == nil {
+		// "job-0" hosting "job-0.job-svc" (a Kubernetes Indexed Job behind
+		// a headless Service): the pod's name is the first label, and its
+		// DNS record may not exist yet when it starts.
+		if strings.EqualFold(h, host) || strings.HasPrefix(strings.ToLower(host), strings.ToLower(h)+".") {
+			return true
+		}
+	}
+	ips, err := net.LookupIP(host)
+	if err != nil {
+		return false
+	}
+	addrs, _ := net.InterfaceAddrs()
+	for _, ip := range ips {
+		if ip.IsLoopback() {
+			return true
+		}
+		for _, a := range addrs {
+			if n, ok := a.(*net.IPNet); ok && n.IP.Equal(ip) {
+				return true
+			}
+		}
+	}
+	return false
+}
+
+func (d *dynamicNode) next(ctx context.Context) (*plan, error) {
+	// Every node starts its worker store before joining and publishes
+	// where it is; the round's group rank 0 keeps its own and the others
+	// close theirs. So when the round completes nobody waits for rank 0
+	// to be scheduled and start one: its address is already there.
+	srv, err := d.offerWorkerStore(ctx)
+	if err != nil {
+		return nil, err
+	}
+	round, err := d.dyn.Next(ctx)
+	if err != nil {
+		srv.Close()
+	}
+	switch {
+	case errors.Is(err, rendezvous.ErrRendezvousClosed):
+		d.leave(ctx)
+		return nil, d.closedError(ctx)
+	case errors.Is(err, rendezvous.ErrRendezvousTimeout):
+		return nil, fmt.Errorf("%w: %v", ErrRendezvousTimeout, err)
+	case err != nil:
+		return nil, fmt.Errorf("rendezvous: %w", err)
+	}
+	d.round = round
+	d.lastSeen = time.Now()
+	p := &plan{round: round.Number}
+	if err := d.fillPlan(ctx, p, round, srv); err != nil {
+		p.release()
+		return nil, err
+	}
+	return p, nil
+}
+
+// fillPlan turns a completed round into this node's plan. srv is the worker
+// store this node offered; it stays up only on group rank 0.
+func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Round, srv *tcpstore.Server) error {
+	infos, groupRank, rank0, err := d.order(round)
+	if err != nil {
+		srv.Close()
+		return err
+	}
+	if groupRank == 0 {
+		p.store = srv
+	} else {
+		srv.Close()
+	}
+	restarts, err := d.store.Add(ctx, d.restartsKey(), 0)
+	if err != nil {
+		return fmt.Errorf("rendezvous store: %w", err)
+	}
+	v, err := d.store.Get(ctx, d.workerStoreKey(rank0))
+	if err != nil {
+		return fmt.Errorf("reading group rank 0's worker store: %w", err)
+	}
+	host, portS, err := net.SplitHostPort(string(v))
+	if err != nil {
+		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)
+	}
+	port, err := strconv.Atoi(portS)
+	if err != nil {
+		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)
+	}
+	nodes := make(nodeRanks, len(infos))
+	for i, in := range infos {
+		nodes[i].nproc = in.NProc
+		p.members = append(p.members, in.Addr)
+	}
+	p.assignments = assign(nodes, groupRank)
+	p.env = workerEnv(d.cfg, d.runID, host, port, int(restarts), round.Number)
+	return nil
+}
+
+// order returns the members' published infos in group-rank order and this
+// node's group rank: the round's ranks for c10d, the node ranks for static.
+func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, int, rendezvous.NodeDesc, error) {
+	type member struct {
+		info nodeInfo
+		node rendezvous.NodeDesc
+		me   bool
+	}
+	ms := make([]member, len(round.Members))
+	for i, m := range round.Members {
+		if err := json.Unmarshal(m.Data, &ms[i].info); err != nil {
+			return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: node %s published %q: %w", m.Node, m.Data, err)
+		}
+		ms[i].node, ms[i].me = m.Node, m.Node == d.me
+	}
+	if d.cfg.Rendezvous.Backend == backendStatic {
+		slices.SortFunc(ms, func(a, b member) int { return a.info.NodeRank - b.info.NodeRank })
+		for i, m := range ms {
+			if m.info.NodeRank != i {
+				return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("%w: static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
+					ErrInvalidConfig, nodeRanksOf(ms, func(m member) int { return m.info.NodeRank }), len(ms)-1)
+			}
+		}
+	}
+	infos := make([]nodeInfo, len(ms))
+	me := -1
+	for i, m := range ms {
+		infos[i] = m.info
+		if m.me {
+			me = i
+		}
+	}
+	if me < 0 {
+		return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, d.me)
+	}
+	return infos, me, ms[0].node, nil
+}
+
+func nodeRanksOf[T any](xs []T, f func(T) int) []int {
+	out := make([]int, len(xs))
+	for i, x := range xs {
+		out[i] = f(x)
+	}
+	return out
+}
+
+// workerStoreKey is where node publishes the worker store it offers.
+func (d *dynamicNode) workerStoreKey(node rendezvous.NodeDesc) string {
+	return "gorun." + d.runID + ".worker_store/" + node.String()
+}
+
+// offerWorkerStore starts a fresh, empty worker store on this node and
+// publishes its address, to be used if this node becomes group rank 0.
+func (d *dynamicNode) offerWorkerStore(ctx context.Context) (*tcpstore.Server, error) {
+	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Logger: d.log.Named("store")})
+	if err != nil {
+		return nil, fmt.Errorf("worker store: %w", err)
+	}
+	addr := net.JoinHostPort(d.addr, strconv.Itoa(srv.Addr().(*net.TCPAddr).Port))
+	if err := d.store.Set(ctx, d.workerStoreKey(d.me), []byte(addr)); err != nil {
+		srv.Close()
+		return nil, fmt.Errorf("publishing the worker store: %w", err)
+	}
+	return srv, nil
+}
+
+func (d *dynamicNode) watch(ctx context.Context) (*change, error) {
+	cfg := d.dyn.Config()
+	window := cfg.KeepAliveInterval * time.Duration(cfg.KeepAliveMaxAttempt)
+	// A poll must not block on a store that is gone (the client would
+	// retry connecting for the whole read_timeout).
+	wctx, cancel := context.WithTimeout(ctx, window)
+	defer cancel()
+	st, err := d.dyn.Status(wctx)
+	if err != nil {
+		if time.Since(d.lastSeen) > window {
+			return &change{closed: true, storeLost: true}, nil
+		}
+		return nil, err
+	}
+	d.lastSeen = time.Now()
+	switch {
+	case st.Closed:
+		ok, _ := d.outcome(ctx)
+		return &change{closed: true, ok: ok}, nil
+	case len(st.Lost) > 0:
+		c := &change{waiting: st.Waiting}
+		for _, n := range st.Lost {
+			c.lost = append(c.lost, n.String())
+		}
+		return c, nil
+	case st.Waiting > 0:
+		return &change{waiting: st.Waiting}, nil
+	}
+	return nil, nil
+}
+
+// failed counts the round's failure once for the whole job: the first node
+// to report it increments the job's restart counter, the others read it.
+func (d *dynamicNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {
+	rs := d.round.Store(d.store, d.runID)
+	me := []byte(d.me.String())
+	got, err := rs.CompareSet(ctx, "failed", nil, me)
+	if err != nil {
+		return false, fmt.Errorf("rendezvous store: %w", err)
+	}
+	delta := int64(0)
+	if string(got) == string(me) {
+		delta = 1
+		d.log.Warn("round failed; counting a restart for the job", zap.Int("round", p.round), zap.String("cause", cause))
+	}
+	n, err := d.store.Add(ctx, d.restartsKey(), delta)
+	if err != nil {
+		return false, fmt.Errorf("rendezvous store: %w", err)
+	}
+	return n <= int64(d.cfg.MaxRestarts), nil
+}
+
+func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
+	if ok {
+		// torchrun's exit barrier: a node that finishes first must not
+		// look like a node lost to the others.
+		bctx, cancel := context.WithTimeout(ctx, d.cfg.ExitBarrierTimeout)
+		err := d.round.Store(d.store, d.runID).Barrier(bctx, "exit_barrier", int64(len(p.members)))
+		cancel()
+		if err != nil {
+			d.log.Warn("exit barrier: not every node finished in time", zap.Error(err))
+		}
+	}
+	outcome := outcomeFailed
+	if ok {
+		outcome = outcomeSucceeded
+	}
+	// The first outcome stays; later ones agree or come too late.
+	if _, err := d.store.CompareSet(ctx, d.outcomeKey(), nil, []byte(outcome)); err != nil {
+		d.log.Debug("recording the job's outcome", zap.Error(err))
+	}
+	if err := d.dyn.SetClosed(ctx); err != nil {
+		d.log.Debug("closing the rendezvous", zap.Error(err))
+	}
+	if d.host != nil {
+		d.waitOthersGone(ctx)
+	}
+	d.leave(ctx)
+	return nil
+}
+
+// waitOthersGone keeps the rendezvous store up, after the job closed, until
+// the other nodes have seen the end and left (or their keep-alive lapsed):
+// the store dies with its host, and a node that cannot read the store
+// cannot tell a finished job from a lost one.
+func (d *dynamicNode) waitOthersGone(ctx context.Context) {
+	cfg := d.dyn.Config()
+	deadline := time.Now().Add(cfg.KeepAliveInterval*time.Duration(cfg.KeepAliveMaxAttempt) + cfg.KeepAliveInterval)
+	for time.Now().Before(deadline) {
+		st, err := d.dyn.Status(ctx)
+		if err != nil || st.Participants+st.Waiting <= 1 {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+	d.log.Warn("closing the rendezvous store while other nodes may still need it")
+}
+
+// outcome reads how the job ended, as the closing node recorded it.
+func (d *dynamicNode) outcome(ctx context.Context) (ok bool, known bool) {
+	if present, err := d.store.Check(ctx, d.outcomeKey()); err != nil || !present {
+		return false, false
+	}
+	v, err := d.store.Get(ctx, d.outcomeKey())
+	if err != nil {
+		return false, false
+	}
+	return string(v) == outcomeSucceeded, true
+}
+
+// closedError explains a closed rendezvous met while joining.
+func (d *dynamicNode) closedError(ctx context.Context) error {
+	ok, known := d.outcome(ctx)
+	switch {
+	case known && !ok:
+		return &JobFailedError{Reason: "another node ended the job after a failure"}
+	case known:
+		return fmt.Errorf("%w: the job already finished", ErrRendezvousClosed)
+	}
+	return ErrRendezvousClosed
+}
+
+func (d *dynamicNode) leave(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := d.dyn.Leave(ctx); err != nil {
+		d.log.Debug("leaving the rendezvous", zap.Error(err))
+	}
+}
+
+func (d *dynamicNode) close() {
+	if d.dyn != nil {
+		d.dyn.Close()
+	}
+	if d.store != nil {
+		d.store.Close()
+	}
+	if d.host != nil {
+		d.host.Close()
+	}
+}

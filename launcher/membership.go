@@ -1,0 +1,196 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// membership is how an agent learns its place in the job, round after
+// round: the policy of who runs which ranks, apart from the mechanism of
+// running them (group.go) and the loop that reacts to events (agent.go).
+type membership interface {
+	// next completes the next rendezvous round and returns this node's
+	// plan for it, including a running worker store when this node hosts
+	// it. It returns errJobClosed when the job ended elsewhere.
+	next(ctx context.Context) (*plan, error)
+	// watch reports a change of the job that ends the current round (a
+	// node waiting to join, a node lost, the job closed), or nil.
+	watch(ctx context.Context) (*change, error)
+	// failed records that the current round failed here (cause says
+	// how) and reports whether a restart is left, counted for the whole
+	// job.
+	failed(ctx context.Context, p *plan, cause string) (restartsLeft bool, err error)
+	// finish ends the job with this node's outcome: it waits for the
+	// other nodes at the exit barrier after a success, then closes the
+	// rendezvous so that no node starts another round.
+	finish(ctx context.Context, p *plan, ok bool) error
+	// leave takes this node out of the job (stopped by a signal).
+	leave(ctx context.Context)
+	close()
+}
+
+// plan is one round, seen from this node.
+type plan struct {
+	round       int
+	assignments []Assignment // this node's workers
+	env         WorkerEnv
+	// store is the worker store this node hosts for the round, or nil.
+	store *tcpstore.Server
+	// members names the nodes of the round, by group rank (for logs and
+	// failure reports).
+	members []string
+}
+
+// release stops what the plan holds.
+func (p *plan) release() {
+	if p.store != nil {
+		p.store.Close()
+	}
+}
+
+// change is something that ends a running round.
+type change struct {
+	waiting int      // nodes waiting to join (scale-up)
+	lost    []string // nodes whose keep-alive lapsed
+	closed  bool     // the job was closed by another node
+	ok      bool     // with closed: whether the job succeeded
+	// storeLost: the rendezvous store stopped answering for longer than
+	// the keep-alive window: its host is gone, and the job with it.
+	storeLost bool
+}
+
+func (c *change) String() string {
+	switch {
+	case c.storeLost:
+		return "the rendezvous store stopped answering (its host is gone)"
+	case c.closed && c.ok:
+		return "the job finished on the other nodes"
+	case c.closed:
+		return "the job failed on another node"
+	case len(c.lost) > 0:
+		return fmt.Sprintf("lost node(s) %v", c.lost)
+	default:
+		return fmt.Sprintf("%d node(s) waiting to join", c.waiting)
+	}
+}
+
+// errJobClosed: the job ended on another node while this one was joining.
+type jobClosedError struct{ ok bool }
+
+func (e *jobClosedError) Error() string {
+	if e.ok {
+		return "the job already finished on the other nodes"
+	}
+	return "the job failed on another node (its restarts were used up)"
+}
+
+// errJobClosed matches any *jobClosedError.
+var errJobClosed = errors.New("job closed")
+
+func (e *jobClosedError) Is(target error) bool { return target == errJobClosed }
+
+// singleNode is the membership of a one-node job: no rendezvous store,
+// ranks are local ranks, restarts are counted here.
+type singleNode struct {
+	cfg      *Config
+	log      *zap.Logger
+	runID    string
+	restarts int
+}
+
+func (s *singleNode) next(context.Context) (*plan, error) {
+	srv, env, err := s.startStore()
+	if err != nil {
+		return nil, err
+	}
+	return &plan{round: s.restarts, assignments: assign(nodeRanks{{nproc: s.cfg.NProcPerNode}}, 0), env: env, store: srv}, nil
+}
+
+// startStore starts the worker store: a fresh, empty TCPStore each
+// attempt, so that every restart begins in a clean namespace whatever
+// PyTorch the workers run (1.13 prefixes keys per attempt; newer versions
+// do not).
+func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
+	listen, advertise := "127.0.0.1:0", "127.0.0.1"
+	if r := s.cfg.Rendezvous; !r.Standalone {
+		// Static: the user chose the address and port workers use,
+		// --rdzv-endpoint HOST:PORT or --master-addr and --master-port.
+		host, port := r.MasterAddr, r.MasterPort
+		if r.Endpoint != "" {
+			var err error
+			if host, port, err = splitEndpoint(r.Endpoint, -1); err != nil {
+				return nil, WorkerEnv{}, fmt.Errorf("%w: --rdzv-endpoint: %v", ErrInvalidConfig, err)
+			}
+		}
+		listen, advertise = net.JoinHostPort("", strconv.Itoa(port)), host
+	}
+	srv, err := tcpstore.Listen(listen, tcpstore.ServerConfig{Logger: s.log.Named("store")})
+	if err != nil {
+		return nil, WorkerEnv{}, fmt.Errorf("worker store on %s: %w", listen, err)
+	}
+	env := workerEnv(s.cfg, s.runID, advertise, srv.Addr().(*net.TCPAddr).Port, s.restarts, s.restarts)
+	return srv, env, nil
+}
+
+func (s *singleNode) watch(context.Context) (*change, error) { return nil, nil }
+
+func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) {
+	if s.restarts >= s.cfg.MaxRestarts {
+		return false, nil
+	}
+	s.restarts++
+	return true, nil
+}
+
+func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
+func (s *singleNode) leave(context.Context)                     {}
+func (s *singleNode) close()                                    {}
+
+// workerEnv is the WorkerEnv of a round whose worker store is at
+// host:port.
+func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) WorkerEnv {
+	return WorkerEnv{
+		Role:         cfg.Role,
+		RunID:        runID,
+		MasterAddr:   host,
+		MasterPort:   port,
+		RestartCount: restarts,
+		MaxRestarts:  cfg.MaxRestarts,
+		StoreURL:     "tcp://" + net.JoinHostPort(host, strconv.Itoa(port)),
+		Generation:   generation,
+		OMPThreads:   ompThreads(cfg.NProcPerNode),
+	}
+}
+
+// nodeRanks lists the nodes of a round in group-rank order with their
+// worker counts; nodes may run different numbers of workers.
+type nodeRanks []struct{ nproc int }
+
+// assign gives the workers of node groupRank their ranks: global ranks are
+// laid out node after node, in group-rank order.
+func assign(nodes nodeRanks, groupRank int) []Assignment {
+	base, world := 0, 0
+	for i, n := range nodes {
+		if i < groupRank {
+			base += n.nproc
+		}
+		world += n.nproc
+	}
+	nproc := nodes[groupRank].nproc
+	as := make([]Assignment, nproc)
+	for i := range as {
+		as[i] = Assignment{
+			LocalRank: i, Rank: base + i, RoleRank: base + i,
+			LocalWorldSize: nproc, WorldSize: world, RoleWorldSize: world,
+			GroupRank: groupRank, GroupWorldSize: len(nodes),
+		}
+	}
+	return as
+}

@@ -1,0 +1,693 @@
+package rendezvous
+
+// The dynamic rendezvous, torchrun's c10d/etcd-v2 algorithm
+// (torch/distributed/elastic/rendezvous/dynamic_rendezvous.py), as a pure
+// core: a state shared by every node of a run, operations that look at it
+// and name the next action, and apply, which performs an action on a copy.
+// Nothing here does I/O, starts a goroutine or reads the clock; time is a
+// parameter. dynamic_exec.go runs these decisions against a Store.
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"math"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// Defaults of the DynamicConfig fields: torchrun's.
+const (
+	DefaultJoinTimeout         = 600 * time.Second
+	DefaultLastCallTimeout     = 30 * time.Second
+	DefaultCloseTimeout        = 30 * time.Second
+	DefaultHeartbeatTimeout    = 5 * time.Second
+	DefaultKeepAliveInterval   = 5 * time.Second
+	DefaultKeepAliveMaxAttempt = 3
+)
+
+// rollbackWindow is how long past its join deadline a node still tries to
+// take itself out of the state, so that the others do not count it until its
+// heartbeat expires. torchrun's value.
+const rollbackWindow = 5 * time.Second
+
+var (
+	// ErrRendezvousClosed: the run was closed (SetClosed) — the job is done
+	// and no node may start another round.
+	ErrRendezvousClosed = errors.New("rendezvous closed")
+	// ErrRendezvousTimeout: a round did not complete within JoinTimeout (or
+	// leaving, closing or a heartbeat did not finish in its time). It wraps
+	// ErrTimeout.
+	ErrRendezvousTimeout error = &wrapped{"rendezvous timed out", ErrTimeout}
+)
+
+// wrapped is a sentinel that is also another sentinel.
+type wrapped struct {
+	msg   string
+	inner error
+}
+
+func (e *wrapped) Error() string { return e.msg }
+func (e *wrapped) Unwrap() error { return e.inner }
+
+// NodeDesc names one agent in a dynamic rendezvous. Two agents on one host
+// differ by Pid, two handles in one process by LocalID, as torchrun's
+// _NodeDesc does.
+type NodeDesc struct {
+	// Addr is the address the node advertises (--local-addr, or its host
+	// name).
+	Addr    string `json:"addr"`
+	Pid     int    `json:"pid"`
+	LocalID int    `json:"local_id"`
+}
+
+// String returns torchrun's spelling, "addr_pid_localid". It is
+// unambiguous even when Addr holds underscores: the last two fields are
+// numbers.
+func (n NodeDesc) String() string {
+	return n.Addr + "_" + strconv.Itoa(n.Pid) + "_" + strconv.Itoa(n.LocalID)
+}
+
+// compareNodes is the order ranks follow: address, then pid, then local id,
+// as torchrun sorts its _NodeDesc dataclass (pids compare as numbers).
+func compareNodes(a, b NodeDesc) int {
+	return cmp.Or(strings.Compare(a.Addr, b.Addr), cmp.Compare(a.Pid, b.Pid), cmp.Compare(a.LocalID, b.LocalID))
+}
+
+// DynamicConfig configures a dynamic rendezvous. Every node of a run must
+// use the same values. A zero duration or count means torchrun's default.
+type DynamicConfig struct {
+	// RunID names the run (--rdzv-id); it is part of every store key.
+	RunID string
+	// MinNodes and MaxNodes bound a round (--nnodes MIN:MAX). A round
+	// completes at once when MaxNodes nodes have joined, or LastCallTimeout
+	// after the latest joiner once at least MinNodes have.
+	MinNodes, MaxNodes int
+	// JoinTimeout bounds Next as a whole: leaving the previous round and
+	// completing the next. Default 600 s.
+	JoinTimeout time.Duration
+	// LastCallTimeout is the grace period, restarted by every joiner, that a
+	// round with at least MinNodes (but fewer than MaxNodes) nodes waits for
+	// more before it completes. Default 30 s.
+	LastCallTimeout time.Duration
+	// CloseTimeout bounds SetClosed and Leave. Default 30 s.
+	CloseTimeout time.Duration
+	// HeartbeatTimeout bounds one background heartbeat write. Default 5 s.
+	HeartbeatTimeout time.Duration
+	// KeepAliveInterval is the heartbeat period. Default 5 s.
+	KeepAliveInterval time.Duration
+	// KeepAliveMaxAttempt heartbeats may be missed before the others count
+	// a node as dead and drop it: after KeepAliveInterval ×
+	// KeepAliveMaxAttempt without one (15 s by default). Default 3.
+	KeepAliveMaxAttempt int
+	// OnProgress, when set, is called by Next each time it reads a state
+	// whose membership differs from the last it reported (who joined, who
+	// waits, when the last call ends), so that an agent can log progress;
+	// Status cannot serve that purpose while Next holds the store. Next
+	// reads when it writes, when it is woken (completion, a new round) and
+	// at its own timers (at least once per KeepAliveInterval), so joins may
+	// be reported that late. It runs on Next's goroutine and must not
+	// block.
+	OnProgress func(Progress)
+}
+
+// Progress is the view of a round in progress that Next reports through
+// OnProgress.
+type Progress struct {
+	Round        int
+	Complete     bool
+	Participants []NodeDesc // in rank order
+	Waiting      []NodeDesc // for the next round
+	// LastCall is when the round completes unless more nodes join; zero
+	// until MinNodes nodes have joined.
+	LastCall time.Time
+}
+
+func (p Progress) equal(q Progress) bool {
+	return p.Round == q.Round && p.Complete == q.Complete && p.LastCall.Equal(q.LastCall) &&
+		slices.Equal(p.Participants, q.Participants) && slices.Equal(p.Waiting, q.Waiting)
+}
+
+// withDefaults fills in the zero fields.
+func (c DynamicConfig) withDefaults() DynamicConfig {
+	def := func(d *time.Duration, v time.Duration) {
+		if *d == 0 {
+			*d = v
+		}
+	}
+	def(&c.JoinTimeout, DefaultJoinTimeout)
+	def(&c.LastCallTimeout, DefaultLastCallTimeout)
+	def(&c.CloseTimeout, DefaultCloseTimeout)
+	def(&c.HeartbeatTimeout, DefaultHeartbeatTimeout)
+	def(&c.KeepAliveInterval, DefaultKeepAliveInterval)
+	if c.KeepAliveMaxAttempt == 0 {
+		c.KeepAliveMaxAttempt = DefaultKeepAliveMaxAttempt
+	}
+	return c
+}
+
+// validate checks a config after withDefaults.
+func (c DynamicConfig) validate() error {
+	switch {
+	case c.RunID == "":
+		return fmt.Errorf("%w: dynamic rendezvous: empty run id", ErrInvalidArgument)
+	case c.MinNodes < 1 || c.MaxNodes < c.MinNodes:
+		return fmt.Errorf("%w: dynamic rendezvous: nodes %d:%d (need 1 ≤ min ≤ max)", ErrInvalidArgument, c.MinNodes, c.MaxNodes)
+	case c.JoinTimeout < 0, c.LastCallTimeout < 0, c.CloseTimeout < 0, c.HeartbeatTimeout < 0, c.KeepAliveInterval < 0:
+		return fmt.Errorf("%w: dynamic rendezvous: negative timeout", ErrInvalidArgument)
+	case c.KeepAliveMaxAttempt < 0:
+		return fmt.Errorf("%w: dynamic rendezvous: negative keep_alive_max_attempt", ErrInvalidArgument)
+	}
+	return nil
+}
+
+// ttl is how long a heartbeat keeps a node alive in the others' eyes.
+func (c DynamicConfig) ttl() time.Duration {
+	return c.KeepAliveInterval * time.Duration(c.KeepAliveMaxAttempt)
+}
+
+// ParseDynamicConfig builds a DynamicConfig from torchrun's --rdzv-conf
+// keys: join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
+// keep_alive_interval (seconds; fractions are accepted where torchrun takes
+// only integers) and keep_alive_max_attempt. Keys it does not know belong to
+// the store backend (read_timeout, is_host, store_type, …) and are ignored.
+// A malformed or non-positive value is an error wrapping ErrInvalidArgument
+// (torchrun rejects non-positive timeouts too).
+func ParseDynamicConfig(runID string, minNodes, maxNodes int, conf map[string]string) (DynamicConfig, error) {
+	c := DynamicConfig{RunID: runID, MinNodes: minNodes, MaxNodes: maxNodes}
+	durations := []struct {
+		key string
+		dst *time.Duration
+	}{
+		{"join_timeout", &c.JoinTimeout},
+		{"last_call_timeout", &c.LastCallTimeout},
+		{"close_timeout", &c.CloseTimeout},
+		{"heartbeat_timeout", &c.HeartbeatTimeout},
+		{"keep_alive_interval", &c.KeepAliveInterval},
+	}
+	for _, f := range durations {
+		v, ok := conf[f.key]
+		if !ok {
+			continue
+		}
+		d, err := parseSeconds(v)
+		if err != nil {
+			return DynamicConfig{}, fmt.Errorf("%w: rdzv-conf %s=%q: %v", ErrInvalidArgument, f.key, v, err)
+		}
+		*f.dst = d
+	}
+	if v, ok := conf["keep_alive_max_attempt"]; ok {
+		n, err := strconv.Atoi(strings.TrimSpace(v))
+		if err != nil || n < 1 {
+			return DynamicConfig{}, fmt.Errorf("%w: rdzv-conf keep_alive_max_attempt=%q: need a positive integer", ErrInvalidArgument, v)
+		}
+		c.KeepAliveMaxAttempt = n
+	}
+	c = c.withDefaults()
+	if err := c.validate(); err != nil {
+		return DynamicConfig{}, err
+	}
+	return c, nil
+}
+
+// parseSeconds reads a positive, finite number of seconds.
+func parseSeconds(s string) (time.Duration, error) {
+	f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
+	switch {
+	case err != nil:
+		return 0, errors.New("not a number of seconds")
+	case math.IsNaN(f) || f <= 0:
+		return 0, errors.New("must be positive")
+	case f*float64(time.Second) >= math.MaxInt64:
+		return 0, errors.New("too large")
+	}
+	d := time.Duration(f * float64(time.Second))
+	if d <= 0 {
+		return 0, errors.New("below a nanosecond")
+	}
+	return d, nil
+}
+
+// dynState is the state that every node of a run shares: one JSON document
+// under the run's key, replaced as a whole by compare-set. torchrun keeps
+// participants{node→rank}, wait_list and last_heartbeats{node→time} apart;
+// here they are one table, because every node in either list has exactly
+// one heartbeat and both lists are disjoint, which the layout then enforces.
+type dynState struct {
+	Round    int  `json:"round"`
+	Complete bool `json:"complete"`
+	Closed   bool `json:"closed,omitzero"`
+	// Deadline is when the last call ends; zero when no last call runs.
+	Deadline time.Time `json:"deadline,omitzero"`
+	// Size is the number of participants the round completed with. A
+	// complete round with fewer has lost a member, and Next does not hand
+	// it out (see nextJoinAction).
+	Size int `json:"size,omitzero"`
+	// Wake counts the writes that waiting nodes must see (see wakes). The
+	// executor names its wake-up keys after it.
+	Wake uint64 `json:"wake"`
+	// Nodes are the participants and the waiting nodes, sorted by
+	// compareNodes.
+	Nodes []nodeState `json:"nodes,omitempty"`
+}
+
+// nodeState is one node of the state.
+type nodeState struct {
+	NodeDesc
+	// Waiting: in the wait list for the next round rather than a
+	// participant of this one.
+	Waiting bool `json:"waiting,omitzero"`
+	// Rank is set when the round completes: the node's index among the
+	// participants in compareNodes order.
+	Rank      int       `json:"rank,omitzero"`
+	Heartbeat time.Time `json:"heartbeat"`
+	// Data is what the node gave NewDynamic.
+	Data []byte `json:"data,omitempty"`
+}
+
+func (s *dynState) clone() *dynState {
+	c := *s
+	c.Nodes = slices.Clone(s.Nodes)
+	return &c
+}
+
+// find returns n's index in Nodes, or where it would go.
+func (s *dynState) find(n NodeDesc) (int, bool) {
+	return slices.BinarySearchFunc(s.Nodes, n, func(e nodeState, n NodeDesc) int { return compareNodes(e.NodeDesc, n) })
+}
+
+// role reports whether n is a participant and whether it is waiting.
+func (s *dynState) role(n NodeDesc) (participant, waiting bool) {
+	i, ok := s.find(n)
+	if !ok {
+		return false, false
+	}
+	return !s.Nodes[i].Waiting, s.Nodes[i].Waiting
+}
+
+func (s *dynState) participants() int {
+	n := 0
+	for _, e := range s.Nodes {
+		if !e.Waiting {
+			n++
+		}
+	}
+	return n
+}
+
+// action is what an operation decides to do next.
+type action int
+
+const (
+	actSync                   action = iota // wait for the state to change
+	actFinish                               // the operation is done
+	actErrClosed                            // fail: the run is closed
+	actErrTimeout                           // fail: out of time
+	actKeepAlive                            // refresh my heartbeat
+	actAddToParticipants                    // join the round
+	actAddToWaitList                        // wait for the next round
+	actRemoveFromParticipants               // leave the round
+	actRemoveFromWaitList                   // stop waiting
+	actMarkComplete                         // close the round, assign ranks
+	actMarkClosed                           // close the run
+)
+
+var actionNames = [...]string{
+	actSync:                   "sync",
+	actFinish:                 "finish",
+	actErrClosed:              "error-closed",
+	actErrTimeout:             "error-timeout",
+	actKeepAlive:              "keep-alive",
+	actAddToParticipants:      "add-to-participants",
+	actAddToWaitList:          "add-to-wait-list",
+	actRemoveFromParticipants: "remove-from-participants",
+	actRemoveFromWaitList:     "remove-from-wait-list",
+	actMarkComplete:           "mark-complete",
+	actMarkClosed:             "mark-closed",
+}
+
+func (a action) String() string {
+	if int(a) < len(actionNames) {
+		return actionNames[a]
+	}
+	return "action(" + strconv.Itoa(int(a)) + ")"
+}
+
+// wakes reports whether the change from before to after can alter the
+// decision of a node that decided to sync on before, so that it must be
+// woken rather than left to its timers. A node syncs in three situations:
+//
+//   - a participant of a round still gathering: it waits for completion.
+//     A joiner needs to wake nobody: the last call's end is known to the
+//     node that set it (it wakes then and completes the round), and the
+//     others learn of an extension when they wake at the end they knew;
+//   - a node in the wait list of a complete round: it waits for the round
+//     to end (its last participant leaving);
+//   - a node outside a complete, full round: it waits for room.
+//
+// and every one of them must see the run closed. So: completion, the next
+// round, closing, and a complete round ceasing to be full. Joins, waits
+// and departures that change none of these wake nobody, which keeps a
+// crowd of N joiners at O(N) reads instead of O(N²).
+func wakes(before, after *dynState, cfg DynamicConfig) bool {
+	return before.Closed != after.Closed ||
+		before.Round != after.Round ||
+		before.Complete != after.Complete ||
+		after.Complete && before.participants() >= cfg.MaxNodes && after.participants() < cfg.MaxNodes
+}
+
+// keepAliveDue reports whether me is in the state with a heartbeat at least
+// one interval old.
+func keepAliveDue(s *dynState, me NodeDesc, now time.Time, cfg DynamicConfig) bool {
+	i, ok := s.find(me)
+	return ok && !s.Nodes[i].Heartbeat.After(now.Add(-cfg.KeepAliveInterval))
+}
+
+// nextJoinAction is torchrun's join operation: given the freshest state,
+// what me does next to become a participant of a complete round before
+// deadline (its own, local: JoinTimeout after Next began).
+//
+// One addition: a complete round that has lost a member (fewer participants
+// than it completed with) is not finished but left, as if Next had been
+// called again at once; torchrun would hand out a world with a hole.
+func nextJoinAction(s *dynState, me NodeDesc, now, deadline time.Time, cfg DynamicConfig) action {
+	if s.Closed {
+		return actErrClosed
+	}
+	participant, waiting := s.role(me)
+	if s.Complete && participant && s.participants() == s.Size {
+		return actFinish
+	}
+	if now.After(deadline) {
+		// Within the rollback window, take myself out so that nobody waits
+		// for my heartbeat to expire; past it, just give up.
+		if !now.After(deadline.Add(rollbackWindow)) {
+			if participant {
+				return actRemoveFromParticipants
+			}
+			if waiting {
+				return actRemoveFromWaitList
+			}
+		}
+		return actErrTimeout
+	}
+	switch {
+	case s.Complete && participant: // a member is gone: this round is over
+		return actRemoveFromParticipants
+	case s.Complete:
+		// Not mine: wait for the next one if there will be room.
+		if !waiting && s.participants() < cfg.MaxNodes {
+			return actAddToWaitList
+		}
+	case participant:
+		n := s.participants()
+		if n >= cfg.MinNodes && n <= cfg.MaxNodes && !s.Deadline.IsZero() && s.Deadline.Before(now) {
+			return actMarkComplete
+		}
+	default:
+		return actAddToParticipants
+	}
+	if keepAliveDue(s, me, now, cfg) {
+		return actKeepAlive
+	}
+	return actSync
+}
+
+// nextExitAction is torchrun's exit operation, run before every join: leave
+// the round I took part in.
+func nextExitAction(s *dynState, me NodeDesc, now, deadline time.Time) action {
+	if participant, _ := s.role(me); !participant {
+		return actFinish
+	}
+	if now.After(deadline) {
+		return actErrTimeout
+	}
+	return actRemoveFromParticipants
+}
+
+// nextLeaveAction is the exit operation for a node that shuts down: it
+// also leaves the wait list, where a cancelled Next may have left it.
+func nextLeaveAction(s *dynState, me NodeDesc, now, deadline time.Time) action {
+	participant, waiting := s.role(me)
+	switch {
+	case !participant && !waiting:
+		return actFinish
+	case now.After(deadline):
+		return actErrTimeout
+	case participant:
+		return actRemoveFromParticipants
+	default:
+		return actRemoveFromWaitList
+	}
+}
+
+// nextCloseAction is torchrun's close operation.
+func nextCloseAction(s *dynState, now, deadline time.Time) action {
+	switch {
+	case s.Closed:
+		return actFinish
+	case now.After(deadline):
+		return actErrTimeout
+	default:
+		return actMarkClosed
+	}
+}
+
+// nextKeepAliveAction is torchrun's keep-alive operation: refresh my
+// heartbeat if it is due. A node dropped from the state does not put
+// itself back.
+func nextKeepAliveAction(s *dynState, me NodeDesc, now, deadline time.Time, cfg DynamicConfig) action {
+	switch {
+	case !keepAliveDue(s, me, now, cfg):
+		return actFinish
+	case now.After(deadline):
+		return actErrTimeout
+	default:
+		return actKeepAlive
+	}
+}
+
+// apply performs a on behalf of me at now and reports whether the state
+// changed. Sync, finish and the errors change nothing. It does not touch
+// Wake: that is the writer's business.
+func (s *dynState) apply(a action, me NodeDesc, data []byte, now time.Time, cfg DynamicConfig) bool {
+	now = now.UTC() // drops the monotonic reading: the state crosses machines
+	i, in := s.find(me)
+	switch a {
+	case actKeepAlive:
+		if !in {
+			return false
+		}
+		s.Nodes[i].Heartbeat = now
+	case actAddToParticipants, actAddToWaitList:
+		e := nodeState{NodeDesc: me, Waiting: a == actAddToWaitList, Heartbeat: now, Data: slices.Clone(data)}
+		if in {
+			s.Nodes[i] = e
+		} else {
+			s.Nodes = slices.Insert(s.Nodes, i, e)
+		}
+		if a == actAddToWaitList {
+			break
+		}
+		// Full: complete at once. Enough: (re)start the last call, so each
+		// new joiner buys the stragglers another LastCallTimeout.
+		switch n := s.participants(); {
+		case n == cfg.MaxNodes:
+			s.markComplete()
+		case n >= cfg.MinNodes:
+			s.Deadline = now.Add(cfg.LastCallTimeout)
+		}
+	case actRemoveFromParticipants:
+		if !in || s.Nodes[i].Waiting {
+			return false
+		}
+		s.Nodes = slices.Delete(s.Nodes, i, i+1)
+		s.removeEpilogue(now, cfg)
+	case actRemoveFromWaitList:
+		if !in || !s.Nodes[i].Waiting {
+			return false
+		}
+		s.Nodes = slices.Delete(s.Nodes, i, i+1)
+	case actMarkComplete:
+		if s.Complete {
+			return false
+		}
+		s.markComplete()
+	case actMarkClosed:
+		if s.Closed {
+			return false
+		}
+		s.Closed = true
+	default:
+		return false
+	}
+	return true
+}
+
+// markComplete closes the round: ranks follow node order, so every node
+// computes the same assignment.
+func (s *dynState) markComplete() {
+	s.Complete = true
+	s.Deadline = time.Time{}
+	rank := 0
+	for i := range s.Nodes {
+		if !s.Nodes[i].Waiting {
+			s.Nodes[i].Rank = rank
+			rank++
+		}
+	}
+	s.Size = rank
+}
+
+// removeEpilogue follows every removal of a participant (by its own exit or
+// by sanitize) at now: the last participant of a complete round to go
+// starts the next round; a round still gathering that drops below MinNodes
+// loses its last call.
+//
+// Starting the next round admits the wait list into it at once (torchrun
+// leaves each waiting node to add itself when it next polls). They asked
+// for this round and their heartbeats are fresh (sanitize runs first), and
+// admitting them in the same write spares a crowd of N nodes, restarting
+// together, a second race of N writers for the state.
+func (s *dynState) removeEpilogue(now time.Time, cfg DynamicConfig) {
+	n := s.participants()
+	switch {
+	case s.Complete && n == 0:
+		s.Complete = false
+		s.Size = 0
+		s.Round++
+		s.admitWaiting(now, cfg)
+	case !s.Complete && n < cfg.MinNodes:
+		s.Deadline = time.Time{}
+	}
+}
+
+// admitWaiting moves waiting nodes, in node order, into a round that is
+// gathering, as far as MaxNodes allows, and then completes it or starts
+// its last call as adding each of them would have.
+func (s *dynState) admitWaiting(now time.Time, cfg DynamicConfig) {
+	n := s.participants()
+	admitted := false
+	for i := range s.Nodes {
+		if n == cfg.MaxNodes {
+			break
+		}
+		if s.Nodes[i].Waiting {
+			s.Nodes[i].Waiting = false
+			s.Nodes[i].Rank = 0
+			n++
+			admitted = true
+		}
+	}
+	switch {
+	case !admitted:
+	case n == cfg.MaxNodes:
+		s.markComplete()
+	case n >= cfg.MinNodes:
+		s.Deadline = now.UTC().Add(cfg.LastCallTimeout)
+	}
+}
+
+// sanitize drops the nodes whose heartbeat is older than the keep-alive
+// TTL, as of now, and reports whether it dropped any. Every reader runs it
+// on every read, so a dead node is gone for everyone at about the same
+// time whether or not anyone writes.
+func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
+	expire := now.Add(-cfg.ttl())
+	dropped, participant := false, false
+	s.Nodes = slices.DeleteFunc(s.Nodes, func(e nodeState) bool {
+		if !e.Heartbeat.Before(expire) {
+			return false
+		}
+		dropped = true
+		participant = participant || !e.Waiting
+		return true
+	})
+	if participant {
+		s.removeEpilogue(now, cfg)
+	}
+	return dropped
+}
+
+// wakeAt is when a join that decided to sync should look again even if
+// nobody writes: the earliest of my deadline passing, the last call ending,
+// my heartbeat falling due and another node's heartbeat expiring — the
+// instants at which nextJoinAction or sanitize can decide differently on
+// the same state. It is never later than one keep-alive interval from now.
+func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfig) time.Time {
+	at := now.Add(cfg.KeepAliveInterval)
+	consider := func(t time.Time) {
+		if t.After(now) && t.Before(at) {
+			at = t
+		}
+	}
+	// The comparisons they feed are strict (now.After(x)), hence the +1ns.
+	consider(deadline.Add(time.Nanosecond))
+	if !s.Complete && !s.Deadline.IsZero() {
+		consider(s.Deadline.Add(time.Nanosecond))
+	}
+	for _, e := range s.Nodes {
+		if e.NodeDesc == me {
+			consider(e.Heartbeat.Add(cfg.KeepAliveInterval))
+		} else {
+			consider(e.Heartbeat.Add(cfg.ttl() + time.Nanosecond))
+		}
+	}
+	return at
+}
+
+// round returns the completed round as me sees it, if me is in it.
+func (s *dynState) round(me NodeDesc) (Round, bool) {
+	if !s.Complete {
+		return Round{}, false
+	}
+	r := Round{Number: s.Round, Rank: -1}
+	for _, e := range s.Nodes {
+		if e.Waiting {
+			continue
+		}
+		r.Members = append(r.Members, Member{Node: e.NodeDesc, Rank: e.Rank, Data: slices.Clone(e.Data)})
+		if e.NodeDesc == me {
+			r.Rank = e.Rank
+		}
+	}
+	// Node order is rank order already; sort anyway, ranks are what count.
+	slices.SortFunc(r.Members, func(a, b Member) int { return cmp.Compare(a.Rank, b.Rank) })
+	return r, r.Rank >= 0
+}
+
+// progress is the state as OnProgress reports it.
+func (s *dynState) progress() Progress {
+	p := Progress{Round: s.Round, Complete: s.Complete, LastCall: s.Deadline}
+	for _, e := range s.Nodes {
+		if e.Waiting {
+			p.Waiting = append(p.Waiting, e.NodeDesc)
+		} else {
+			p.Participants = append(p.Participants, e.NodeDesc)
+		}
+	}
+	return p
+}
+
+// status is the state as Status reports it, for a node whose last round
+// was last (nil before its first).
+func (s *dynState) status(last *Round) Status {
+	st := Status{Round: s.Round, Closed: s.Closed, Complete: s.Complete}
+	for _, e := range s.Nodes {
+		if e.Waiting {
+			st.Waiting++
+		} else {
+			st.Participants++
+		}
+	}
+	if last != nil {
+		for _, m := range last.Members {
+			if _, ok := s.find(m.Node); !ok {
+				st.Lost = append(st.Lost, m.Node)
+			}
+		}
+	}
+	return st
+}

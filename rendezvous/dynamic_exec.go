@@ -1,0 +1,578 @@
+package rendezvous
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// Member is one node of a completed round.
+type Member struct {
+	Node NodeDesc
+	Rank int
+	// Data is what the node gave NewDynamic (an agent puts its local world
+	// size and address there), so that nobody needs a second exchange.
+	Data []byte
+}
+
+// Round is a completed rendezvous round as one node sees it.
+type Round struct {
+	// Number counts the rounds of the run from 0.
+	Number int
+	// Rank is this node's rank (its group rank).
+	Rank int
+	// Members are the round's nodes in rank order: Members[i].Rank == i.
+	Members []Member
+}
+
+// Store returns a view of s for keys private to this round, under the
+// prefix "gorun.rendezvous.<runID>.<round>" (torchrun uses
+// "torch.rendezvous.<run_id>.<round>"): a later round starts clean.
+func (r Round) Store(s Store, runID string) Store {
+	return NewPrefixStore("gorun.rendezvous."+runID+"."+strconv.Itoa(r.Number), s)
+}
+
+// Status is the run as one read of the state shows it; an agent polls it
+// while its workers run.
+type Status struct {
+	// Round is the run's current round, which is past this node's last one
+	// once the others have moved on.
+	Round    int
+	Complete bool
+	// Closed: the job is done; do not rendezvous again.
+	Closed bool
+	// Participants counts the nodes in the current round.
+	Participants int
+	// Waiting counts the nodes waiting for the next round: above zero, a
+	// complete round should re-rendezvous to admit them (scale-up).
+	Waiting int
+	// Lost lists the members of this node's last round that are no longer
+	// in the state: their heartbeats lapsed, or they left. Either way that
+	// round is broken.
+	Lost []NodeDesc
+}
+
+// Dynamic is one node's handle on a dynamic rendezvous run: torchrun's
+// DynamicRendezvousHandler over any Store.
+//
+// The run's state lives under the key "gorun.rendezvous.<run_id>" as JSON,
+// replaced by CompareSet with the bytes last read as the token, so a
+// writer that lost a race gets the winner's state in the same reply and
+// decides again. A waiting node does not poll: every write that can change
+// a waiting node's decision (a round completing or ending, the run closing,
+// a full round making room) is followed by a Set of
+// "gorun.rendezvous.<run_id>/wake/<n>", n being the state's new Wake
+// number, and a waiter blocks in Wait on the key of the number after the
+// one it read, until the next instant at which time alone could change its
+// decision (a deadline, a heartbeat, another node's heartbeat expiring).
+//
+// Next, Leave and SetClosed run one at a time; Status and Close may be
+// called at any time. Next holds the store (a Wait) for up to one
+// KeepAliveInterval at a time, so a tcpstore.Client given to a Dynamic is
+// best not shared with callers that cannot wait that long.
+type Dynamic struct {
+	store Store
+	me    NodeDesc
+	data  []byte
+	cfg   DynamicConfig
+	key   string
+	now   func() time.Time // the clock; tests replace it
+
+	life  context.Context // done after Close: in-flight operations end
+	close context.CancelFunc
+
+	op sync.Mutex // serializes Next, Leave and SetClosed
+
+	mu     sync.Mutex
+	closed bool
+	last   *Round     // the round Next last returned
+	ka     *keepAlive // the running heartbeat, or nil
+}
+
+// keepAlive is a running heartbeat goroutine.
+type keepAlive struct {
+	stop context.CancelFunc
+	done chan struct{}
+}
+
+// errHandleClosed is returned by operations on a closed Dynamic.
+var errHandleClosed = fmt.Errorf("dynamic rendezvous handle: %w", ErrClosed)
+
+// emptyState is what an absent or empty key stands for.
+var emptyState = func() []byte {
+	b, err := json.Marshal(&dynState{})
+	if err != nil {
+		panic(err)
+	}
+	return b
+}()
+
+// NewDynamic returns a handle for node me in the run cfg.RunID on store. It
+// does no I/O: the state is created by the first operation that reads it.
+// data travels with the node's entry and comes back in every Member.
+func NewDynamic(store Store, me NodeDesc, data []byte, cfg DynamicConfig) (*Dynamic, error) {
+	cfg = cfg.withDefaults()
+	if err := cfg.validate(); err != nil {
+		return nil, err
+	}
+	if store == nil {
+		return nil, fmt.Errorf("%w: dynamic rendezvous: nil store", ErrInvalidArgument)
+	}
+	if me.Addr == "" {
+		return nil, fmt.Errorf("%w: dynamic rendezvous: node with no address", ErrInvalidArgument)
+	}
+	life, cancel := context.WithCancel(context.Background())
+	return &Dynamic{
+		store: store,
+		me:    me,
+		data:  slices.Clone(data),
+		cfg:   cfg,
+		key:   "gorun.rendezvous." + cfg.RunID,
+		now:   time.Now,
+		life:  life,
+		close: cancel,
+	}, nil
+}
+
+// Node returns the node this handle speaks for.
+func (d *Dynamic) Node() NodeDesc { return d.me }
+
+// Config returns the configuration, defaults filled in.
+func (d *Dynamic) Config() DynamicConfig { return d.cfg }
+
+// Next leaves the round this node was in, if any, and joins the next one,
+// returning when it completes: at once when MaxNodes nodes are in,
+// LastCallTimeout after the latest joiner once MinNodes are. A node that
+// finds the round complete without it waits for the one after. It fails
+// with an error wrapping ErrRendezvousClosed when the run is closed, and
+// with one wrapping ErrRendezvousTimeout (and ErrTimeout) after
+// JoinTimeout. While the node is in no Next, a goroutine keeps its
+// heartbeat, so that the others do not count it as dead.
+//
+// Next, Leave and SetClosed run one at a time: to stop a Next in flight,
+// cancel its context (or Close the handle).
+func (d *Dynamic) Next(ctx context.Context) (Round, error) {
+	d.op.Lock()
+	defer d.op.Unlock()
+	if err := d.stopKeepAlive(); err != nil {
+		return Round{}, err
+	}
+	ctx, done := d.bind(ctx)
+	defer done()
+	// Past the deadline the join may still spend the rollback window
+	// taking itself out; the context only guards against a hung store.
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.JoinTimeout+rollbackWindow)
+	defer cancel()
+	deadline := d.now().Add(d.cfg.JoinTimeout)
+
+	snap, err := d.read(ctx)
+	if err != nil {
+		return Round{}, d.fail("next", err)
+	}
+	exit := func(s *dynState, now time.Time) action { return nextExitAction(s, d.me, now, deadline) }
+	join := func(s *dynState, now time.Time) action { return nextJoinAction(s, d.me, now, deadline, d.cfg) }
+	var report func(*dynState)
+	if d.cfg.OnProgress != nil {
+		var last *Progress
+		report = func(s *dynState) {
+			if p := s.progress(); last == nil || !p.equal(*last) {
+				last = &p
+				d.cfg.OnProgress(p)
+			}
+		}
+	}
+	st, err := d.run(ctx, snap, "next", deadline, []decider{exit, join}, report)
+	if err != nil {
+		return Round{}, d.fail("next", err)
+	}
+	r, ok := st.round(d.me)
+	if !ok { // the join op finishes only as a member
+		return Round{}, fmt.Errorf("rendezvous: run %q: join finished outside the round", d.cfg.RunID)
+	}
+	i, _ := st.find(d.me)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return Round{}, errHandleClosed
+	}
+	d.last = &r
+	d.startKeepAlive(st.Nodes[i].Heartbeat.Add(d.cfg.KeepAliveInterval))
+	return r, nil
+}
+
+// Status reads the state once. A read that finds dead nodes writes the
+// sanitized state back (once; a lost race is not retried), so that a node
+// that is not in Next still makes them go.
+func (d *Dynamic) Status(ctx context.Context) (Status, error) {
+	ctx, done := d.bind(ctx)
+	defer done()
+	snap, err := d.read(ctx)
+	if err != nil {
+		return Status{}, d.fail("status", err)
+	}
+	now := d.now()
+	st := snap.st.clone()
+	if st.sanitize(now, d.cfg) {
+		if _, err := d.commit(ctx, snap, st); err != nil {
+			return Status{}, d.fail("status", err)
+		}
+		st = snap.st.clone()
+		st.sanitize(now, d.cfg)
+	}
+	d.mu.Lock()
+	last := d.last
+	d.mu.Unlock()
+	return st.status(last), nil
+}
+
+// SetClosed marks the run closed: the job is done, and every node's Next
+// fails with ErrRendezvousClosed from now on, the waiting ones at once.
+// It gives up after CloseTimeout.
+func (d *Dynamic) SetClosed(ctx context.Context) error {
+	d.op.Lock()
+	defer d.op.Unlock()
+	ctx, done := d.bind(ctx)
+	defer done()
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.CloseTimeout)
+	defer cancel()
+	deadline := d.now().Add(d.cfg.CloseTimeout)
+	snap, err := d.read(ctx)
+	if err == nil {
+		closeOp := func(s *dynState, now time.Time) action { return nextCloseAction(s, now, deadline) }
+		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil)
+	}
+	return d.fail("set closed", err)
+}
+
+// Leave takes this node out of the run (out of its round, or out of the
+// wait list) and stops its heartbeat: a node shutting down cleanly, which
+// the others then need not wait KeepAliveInterval × KeepAliveMaxAttempt to
+// see gone. It gives up after CloseTimeout.
+func (d *Dynamic) Leave(ctx context.Context) error {
+	d.op.Lock()
+	defer d.op.Unlock()
+	if err := d.stopKeepAlive(); err != nil {
+		return err
+	}
+	ctx, done := d.bind(ctx)
+	defer done()
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.CloseTimeout)
+	defer cancel()
+	deadline := d.now().Add(d.cfg.CloseTimeout)
+	snap, err := d.read(ctx)
+	if err == nil {
+		leave := func(s *dynState, now time.Time) action { return nextLeaveAction(s, d.me, now, deadline) }
+		_, err = d.run(ctx, snap, "leave", deadline, []decider{leave}, nil)
+	}
+	return d.fail("leave", err)
+}
+
+// Close stops the heartbeat and ends any operation in flight, without
+// writing to the store: the others drop this node when its heartbeat
+// lapses. Later operations fail with an error wrapping ErrClosed. Close is
+// idempotent and returns nil.
+func (d *Dynamic) Close() error {
+	d.mu.Lock()
+	d.closed = true
+	ka := d.ka
+	d.ka = nil
+	d.mu.Unlock()
+	d.close()
+	if ka != nil {
+		ka.stop()
+		<-ka.done
+	}
+	return nil
+}
+
+// bind derives from ctx a context that Close also ends.
+func (d *Dynamic) bind(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(d.life, func() { cancel(errHandleClosed) })
+	return ctx, func() {
+		stop()
+		cancel(nil)
+	}
+}
+
+// fail wraps a failed operation's error, reporting ErrClosed when Close
+// was the reason.
+func (d *Dynamic) fail(op string, err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case d.life.Err() != nil:
+		return fmt.Errorf("rendezvous: run %q: %s: %w", d.cfg.RunID, op, errHandleClosed)
+	default:
+		return fmt.Errorf("rendezvous: run %q: %s: %w", d.cfg.RunID, op, err)
+	}
+}
+
+// snapshot is the state as last read or written.
+type snapshot struct {
+	st    *dynState // decoded from token; never modified (clone it)
+	token []byte    // the bytes in the store: CompareSet's expected value
+}
+
+// read fetches the state. A CompareSet that expects an absent key both
+// reads without blocking (Get would wait for the key) and creates the
+// empty state when there is none.
+func (d *Dynamic) read(ctx context.Context) (*snapshot, error) {
+	b, err := d.store.CompareSet(ctx, d.key, nil, emptyState)
+	if err != nil {
+		return nil, fmt.Errorf("read state: %w", err)
+	}
+	return d.decode(b)
+}
+
+func (d *Dynamic) decode(b []byte) (*snapshot, error) {
+	st := &dynState{}
+	if len(b) > 0 {
+		if err := json.Unmarshal(b, st); err != nil {
+			return nil, fmt.Errorf("state under %q is not a gorun rendezvous state: %w", d.key, err)
+		}
+		slices.SortFunc(st.Nodes, func(a, b nodeState) int { return compareNodes(a.NodeDesc, b.NodeDesc) })
+	}
+	return &snapshot{st: st, token: b}, nil
+}
+
+// commit tries to replace snap's state with st and reports whether it won.
+// Either way snap ends up holding the store's current state: st, or the
+// winner's. A change that waiters must see (wakes) takes the next Wake
+// number, and the winner then wakes them.
+func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (bool, error) {
+	notify := wakes(snap.st, st, d.cfg)
+	if notify {
+		st.Wake = snap.st.Wake + 1
+	}
+	b, err := json.Marshal(st)
+	if err != nil {
+		return false, err
+	}
+	cur, err := d.store.CompareSet(ctx, d.key, snap.token, b)
+	if err != nil {
+		return false, fmt.Errorf("write state: %w", err)
+	}
+	switch {
+	case bytes.Equal(cur, b):
+		*snap = snapshot{st: st, token: b}
+		if notify {
+			return true, d.notify(ctx, st.Wake)
+		}
+		return true, nil
+	case bytes.Equal(cur, snap.token):
+		// c10d answers a CompareSet on an absent key with the expected
+		// value: somebody deleted the state. Start over from a fresh one.
+		fresh, err := d.read(ctx)
+		if err != nil {
+			return false, err
+		}
+		*snap = *fresh
+		return false, nil
+	default:
+		fresh, err := d.decode(cur)
+		if err != nil {
+			return false, err
+		}
+		*snap = *fresh
+		return false, nil
+	}
+}
+
+// notifyKeep is how many wake-up keys are kept; the writer of number n
+// deletes that of n-notifyKeep. A waiter more than that far behind just
+// sleeps until its own wake-up time.
+const notifyKeep = 64
+
+func (d *Dynamic) wakeKey(n uint64) string {
+	return d.key + "/wake/" + strconv.FormatUint(n, 10)
+}
+
+// notify wakes the nodes waiting for wake-up n.
+func (d *Dynamic) notify(ctx context.Context, n uint64) error {
+	if err := d.store.Set(ctx, d.wakeKey(n), nil); err != nil {
+		return fmt.Errorf("wake-up %d: %w", n, err)
+	}
+	if n > notifyKeep {
+		d.store.Delete(ctx, d.wakeKey(n-notifyKeep)) // tidying only; an error here changes nothing
+	}
+	return nil
+}
+
+// decider is one of the operations of dynamic.go bound to a node and a
+// deadline.
+type decider func(s *dynState, now time.Time) action
+
+// run executes ops in sequence (each until it finishes) from snap, and
+// returns the state the last one finished on; report, if not nil, sees
+// every state that the last op decided on, as written or read.
+//
+// Each pass sanitizes the freshest state and lets the operations decide
+// and apply their actions to it locally until one decides to sync, finish
+// or fail; then, if anything changed, it writes the result with one
+// CompareSet. A batch of actions so written is what torchrun's executor
+// would do with no other writer between its steps, so it is one valid
+// ordering; it saves a write per step, and contention, when many nodes
+// call Next together (exit and join become one write). A lost race
+// discards the batch and decides again, at once, on the winner's state,
+// which came back with the loss. (No random back-off: sleeps below a
+// millisecond are not to be had, and above one they cost more than the
+// retries they save.)
+func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState)) (*dynState, error) {
+	done := 0 // ops finished on a state that is in the store
+	for {
+		now := d.now()
+		st := snap.st.clone()
+		dropped := st.sanitize(now, d.cfg)
+		cur, changed := done, dropped
+		var a action
+		for steps := 0; ; steps++ {
+			if steps > 2*len(ops)+8 { // a decider that never settles is a bug; do not spin
+				return nil, fmt.Errorf("%s: no progress after %d steps (last %v)", name, steps, a)
+			}
+			a = ops[cur](st, now)
+			if a == actFinish && cur < len(ops)-1 {
+				cur++
+				continue
+			}
+			if a < actKeepAlive { // sync, finish, or an error: the batch ends
+				break
+			}
+			changed = st.apply(a, d.me, d.data, now, d.cfg) || changed
+		}
+		if changed {
+			won, err := d.commit(ctx, snap, st)
+			if err != nil {
+				return nil, err
+			}
+			if !won {
+				continue
+			}
+		}
+		done = cur
+		if report != nil && done == len(ops)-1 {
+			report(st)
+		}
+		switch a {
+		case actFinish:
+			return st, nil
+		case actErrClosed:
+			return nil, ErrRendezvousClosed
+		case actErrTimeout:
+			return nil, fmt.Errorf("%w: %s: round %d has %d of %d..%d nodes", ErrRendezvousTimeout, name, st.Round, st.participants(), d.cfg.MinNodes, d.cfg.MaxNodes)
+		}
+		if err := d.await(ctx, snap, st, now, deadline); err != nil { // actSync
+			return nil, err
+		}
+	}
+}
+
+// await blocks until the wake-up after snap's or until st's own wake-up
+// time, then re-reads snap.
+func (d *Dynamic) await(ctx context.Context, snap *snapshot, st *dynState, now, deadline time.Time) error {
+	target := snap.st.Wake + 1
+	wake := st.wakeAt(d.me, now, deadline, d.cfg)
+	notified := false
+	if dur := wake.Sub(now); dur > 0 {
+		wctx, cancel := context.WithTimeout(ctx, dur)
+		err := d.store.Wait(wctx, d.wakeKey(target))
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return context.Cause(ctx)
+		case err == nil:
+			notified = true
+		case !errors.Is(err, ErrTimeout) && !errors.Is(err, context.DeadlineExceeded):
+			return fmt.Errorf("wait for wake-up %d: %w", target, err)
+		}
+	}
+	fresh, err := d.read(ctx)
+	if err != nil {
+		return err
+	}
+	if notified && fresh.st.Wake < target {
+		// The key was there but the state is older: it was reset under
+		// old wake-up keys. Sleep instead of spinning on them.
+		if err := sleep(ctx, wake.Sub(d.now())); err != nil {
+			return err
+		}
+		if fresh, err = d.read(ctx); err != nil {
+			return err
+		}
+	}
+	*snap = *fresh
+	return nil
+}
+
+// sleep waits for d or ctx.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-t.C:
+		return nil
+	}
+}
+
+// startKeepAlive starts the heartbeat goroutine, first due at next; d.mu
+// must be held.
+func (d *Dynamic) startKeepAlive(next time.Time) {
+	ctx, stop := context.WithCancel(d.life)
+	ka := &keepAlive{stop: stop, done: make(chan struct{})}
+	d.ka = ka
+	go func() {
+		defer close(ka.done)
+		for sleep(ctx, next.Sub(d.now())) == nil {
+			next = d.keepAliveOnce(ctx)
+		}
+	}()
+}
+
+// stopKeepAlive stops the heartbeat goroutine and waits for it; it fails
+// when the handle is closed.
+func (d *Dynamic) stopKeepAlive() error {
+	d.mu.Lock()
+	ka := d.ka
+	d.ka = nil
+	closed := d.closed
+	d.mu.Unlock()
+	if ka != nil {
+		ka.stop()
+		<-ka.done
+	}
+	if closed {
+		return errHandleClosed
+	}
+	return nil
+}
+
+// keepAliveOnce refreshes this node's heartbeat if it is due and returns
+// when the next one is. Errors are not fatal (the node has
+// KeepAliveMaxAttempt-1 more chances): it tries again an interval later.
+func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.HeartbeatTimeout)
+	defer cancel()
+	retry := d.now().Add(d.cfg.KeepAliveInterval)
+	deadline := d.now().Add(d.cfg.HeartbeatTimeout)
+	snap, err := d.read(ctx)
+	if err != nil {
+		return retry
+	}
+	beat := func(s *dynState, now time.Time) action { return nextKeepAliveAction(s, d.me, now, deadline, d.cfg) }
+	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil)
+	if err != nil {
+		return retry
+	}
+	if i, ok := st.find(d.me); ok {
+		return st.Nodes[i].Heartbeat.Add(d.cfg.KeepAliveInterval)
+	}
+	return retry // dropped from the state: nothing to keep alive
+}
