@@ -54,9 +54,11 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		}
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
-	if a.m, err = newMembership(ctx, &a.cfg, log, a.runID); err != nil {
+	m, err := newMembership(ctx, &a.cfg, log, a.runID)
+	if err != nil {
 		return err
 	}
+	a.m = m
 	a.multiNode = cfg.MaxNodes > 1
 	return a.run(ctx)
 }

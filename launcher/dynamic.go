@@ -41,7 +41,11 @@ func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID stri
 	}
 	switch cfg.Rendezvous.Backend {
 	case backendC10d, backendStatic:
-		return newDynamicNode(ctx, cfg, log, runID)
+		d, err := newDynamicNode(ctx, cfg, log, runID)
+		if err != nil {
+			return nil, err // not a typed nil in the interface
+		}
+		return d, nil
 	}
 	return nil, fmt.Errorf("--rdzv-backend %s: %w; use c10d", cfg.Rendezvous.Backend, ErrNotImplemented)
 }
@@ -205,6 +209,9 @@ func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time
 	dctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	defer cancel()
 	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: readTimeout})
+	if errors.Is(err, rendezvous.ErrTimeout) {
+		return fmt.Errorf("%w: no rendezvous store answered at %s within join_timeout %v: %v", ErrRendezvousTimeout, endpoint, joinTimeout, err)
+	}
 	if err != nil {
 		return fmt.Errorf("rendezvous store %s: %w", endpoint, err)
 	}

@@ -287,3 +287,61 @@ func TestMultiNodeFileStore(t *testing.T) {
 		}
 	}
 }
+
+// TestMultiNodeUnreachableEndpoint: nobody serves the endpoint and this
+// agent may not host it: one clear line and the rendezvous-timeout code
+// after join_timeout, nothing left running.
+func TestMultiNodeUnreachableEndpoint(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
+		"--rdzv-conf", "is_host=false,join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
+	if code := p.exitCode(t, 20*time.Second); code != ExitRendezvousTimeout {
+		t.Fatalf("exit %d, want %d; stderr:\n%s", code, ExitRendezvousTimeout, p.stderr)
+	}
+	if !strings.Contains(p.stderr.String(), "no rendezvous store answered at 127.0.0.1:") {
+		t.Fatalf("stderr:\n%s", p.stderr)
+	}
+}
+
+// TestMultiNodeUnevenNodes: nodes may run different numbers of workers;
+// global ranks are laid out node after node in group-rank order.
+func TestMultiNodeUnevenNodes(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	worker := worldWorker(0)
+	var agents []*agentProc
+	for _, nproc := range []string{"1", "3"} {
+		agents = append(agents, startAgent(t, bin, c10dArgs(port, "2", "--nproc-per-node", nproc, "--log-dir", t.TempDir(),
+			"--no-python", "sh", "-c", worker)...))
+	}
+	ranks := map[string][]string{} // group rank → global ranks
+	for i, p := range agents {
+		for range []int{1, 3}[i] {
+			m := roundLine.FindStringSubmatch(p.expectLine(t, "round="))
+			if m == nil || m[3] != "4" {
+				t.Fatalf("worker line %v", m)
+			}
+			ranks[m[4]] = append(ranks[m[4]], m[2])
+		}
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+	all := map[string]bool{}
+	for g, rs := range ranks {
+		for _, r := range rs {
+			all[r] = true
+		}
+		// Group rank 0's workers hold the lowest global ranks.
+		if g == "0" {
+			for _, r := range rs {
+				if n, _ := strconv.Atoi(r); n >= len(rs) {
+					t.Fatalf("group 0 has rank %s among %v", r, ranks)
+				}
+			}
+		}
+	}
+	if len(all) != 4 {
+		t.Fatalf("global ranks %v, want 0..3 once each", ranks)
+	}
+}
