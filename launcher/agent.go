@@ -226,7 +226,7 @@ func (a *agent) decide(ctx context.Context, p *plan, out outcome) (bool, error) 
 		return true, out.err
 	case out.change != nil && out.change.closed:
 		if !out.change.storeLost {
-			a.m.leave(context.WithoutCancel(ctx))
+			a.m.closed(context.WithoutCancel(ctx))
 		}
 		if out.change.ok {
 			return true, nil
@@ -315,7 +315,7 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 	grace := a.cfg.ShutdownTimeout
 	var poll <-chan time.Time
 	if a.multiNode {
-		t := time.NewTicker(a.cfg.MonitorInterval)
+		t := time.NewTicker(a.m.watchEvery(a.cfg.MonitorInterval))
 		defer t.Stop()
 		poll = t.C
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -23,6 +24,8 @@ type membership interface {
 	// watch reports a change of the job that ends the current round (a
 	// node waiting to join, a node lost, the job closed), or nil.
 	watch(ctx context.Context) (*change, error)
+	// watchEvery is how often to call watch, given --monitor-interval.
+	watchEvery(monitor time.Duration) time.Duration
 	// failed records that the current round failed here (cause says
 	// how) and reports whether a restart is left, counted for the whole
 	// job.
@@ -33,6 +36,8 @@ type membership interface {
 	finish(ctx context.Context, p *plan, ok bool) error
 	// leave takes this node out of the job (stopped by a signal).
 	leave(ctx context.Context)
+	// closed tells the job that this node has seen it closed by another.
+	closed(ctx context.Context)
 	close()
 }
 
@@ -139,7 +144,8 @@ func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
 	return srv, env, nil
 }
 
-func (s *singleNode) watch(context.Context) (*change, error) { return nil, nil }
+func (s *singleNode) watch(context.Context) (*change, error)         { return nil, nil }
+func (s *singleNode) watchEvery(monitor time.Duration) time.Duration { return monitor }
 
 func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) {
 	if s.restarts >= s.cfg.MaxRestarts {
@@ -151,6 +157,7 @@ func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) 
 
 func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
 func (s *singleNode) leave(context.Context)                     {}
+func (s *singleNode) closed(context.Context)                    {}
 func (s *singleNode) close()                                    {}
 
 // workerEnv is the WorkerEnv of a round whose worker store is at

@@ -174,6 +174,10 @@ func runAll(cfg *config) error {
 		r := runOnce(cfg, floor, "floor", trueWorker, 0, false)
 		r.Rep = rep
 		report(r)
+		// gorun's own start-up: the binary started and exiting at once.
+		r = runOnce(cfg, gorunStartup, "startup", trueWorker, 0, false)
+		r.Rep = rep
+		report(r)
 		for _, b := range []struct {
 			bench       string
 			worker      func(markers string) []string
@@ -198,6 +202,10 @@ func runAll(cfg *config) error {
 
 // floor is no launcher: the worker command alone.
 var floor = launcher{"exec floor", "none", ""}
+
+// gorunStartup is `gorun --version`: the binary's start-up (process
+// creation, runtime and package initialisation) and nothing else.
+var gorunStartup = launcher{"gorun start-up", "version", ""}
 
 func trueWorker(string) []string { return []string{"/bin/true"} }
 
@@ -227,6 +235,8 @@ func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []str
 			a = append(a, "--max_restarts", strconv.Itoa(maxRestarts))
 		}
 		a = append(a, "--no_python")
+	case "version":
+		return []string{cfg.gorun, "--version"}
 	case "none":
 	}
 	return append(a, worker...)
@@ -590,6 +600,8 @@ func printTable(cfg *config, all []result) {
 	row(restart, "added by the restart (ms)", added, "%.1f")
 	fmt.Printf("| exec floor | one /bin/true started and reaped by this harness, no launcher (ms) | %.1f | | | |\n",
 		stats.Median(values("floor", floor.name, wall)))
+	fmt.Printf("| gorun start-up | `gorun --version` started and reaped: the binary's own start-up (ms) | %.1f | | | |\n",
+		stats.Median(values("startup", gorunStartup.name, wall)))
 
 	left, failed := 0, []string{}
 	for _, r := range all {

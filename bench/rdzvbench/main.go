@@ -63,40 +63,44 @@ func main() {
 	}
 	results := map[string][]float64{}
 	execd := map[string][]float64{}
+	cpu := map[string][]float64{}
 	for rep := 1; rep <= *reps; rep++ {
 		for _, l := range launchers {
-			ms, agentMs, err := measure(l)
+			ms, agentMs, cpuMs, err := measure(l)
 			if err != nil {
 				fmt.Fprintf(os.Stderr, "rdzvbench: %s: %v\n", l.name, err)
 				os.Exit(1)
 			}
 			fmt.Fprintf(os.Stderr, "rdzvbench: rep %d %s: workers' first line %.1f ms, agents exec'd %.1f ms\n", rep, l.name, ms, agentMs)
 			results[l.name] = append(results[l.name], ms)
+			cpu[l.name] = append(cpu[l.name], cpuMs)
 			if agentMs > 0 {
 				execd[l.name] = append(execd[l.name], agentMs)
 			}
 		}
 	}
 	fmt.Printf("Medians of %d repetitions, %d CPUs. One worker per agent, c10d backend on loopback.\n\n", *reps, runtime.NumCPU())
-	fmt.Println("| launcher | last join → every agent has exec'd its workers (ms) | last join → every worker's first line (ms) |")
-	fmt.Println("|---|---|---|")
+	fmt.Println("| launcher | last join → every agent has exec'd its workers (ms) | last join → every worker's first line (ms) | CPU after the last join, agents + workers, to exit (ms) |")
+	fmt.Println("|---|---|---|---|")
 	for _, l := range launchers {
 		a := "n/a (no such log line)"
 		if v := execd[l.name]; len(v) > 0 {
 			a = fmt.Sprintf("%.1f", stats.Median(v))
 		}
-		fmt.Printf("| %s | %s | %.1f |\n", l.name, a, stats.Median(results[l.name]))
+		fmt.Printf("| %s | %s | %.1f | %.0f |\n", l.name, a, stats.Median(results[l.name]), stats.Median(cpu[l.name]))
 	}
 }
 
 // measure runs one job and returns the milliseconds from the last agent's
-// start to the last worker's first line (the worker records the time), and,
-// for gorun, to the last agent having exec'd its worker (its "workers
-// started" log line; 0 for torchrun, which logs no such line).
-func measure(l launcher) (float64, float64, error) {
+// start to the last worker's first line (the worker records the time); for
+// gorun, to the last agent having exec'd its worker (its "workers started"
+// log line; 0 for torchrun, which logs no such line); and the CPU
+// milliseconds all agents and their workers spent after the last join,
+// start to exit.
+func measure(l launcher) (float64, float64, float64, error) {
 	dir, err := os.MkdirTemp("", "rdzvbench")
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	defer func() {
 		if os.Getenv("RDZVBENCH_KEEP") == "" {
@@ -109,7 +113,7 @@ func measure(l launcher) (float64, float64, error) {
 	os.Mkdir(out, 0o755)
 	port, err := freePort()
 	if err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	var cmds []*exec.Cmd
 	defer func() {
@@ -139,13 +143,19 @@ func measure(l launcher) (float64, float64, error) {
 	}
 	for range l.agents - 1 {
 		if _, err := start(); err != nil {
-			return 0, 0, err
+			return 0, 0, 0, err
 		}
 	}
 	time.Sleep(l.settle)
+	// CPU already spent by each waiting agent, so that what the job costs
+	// after the last join can be told apart.
+	var before time.Duration
+	for _, c := range cmds {
+		before += schedCPU(c.Process.Pid)
+	}
 	t0 := time.Now()
 	if _, err := start(); err != nil {
-		return 0, 0, err
+		return 0, 0, 0, err
 	}
 	// A worker's file exists before date has written it: count the
 	// files that hold a time.
@@ -155,6 +165,15 @@ func measure(l launcher) (float64, float64, error) {
 		n := 0
 		last = 0
 		entries, _ := os.ReadDir(out)
+		if len(entries) < l.agents {
+			// Not every worker has even created its file: do not spend
+			// the machine's CPU reading the others.
+			time.Sleep(5 * time.Millisecond)
+			if time.Now().After(deadline) {
+				return 0, 0, 0, fmt.Errorf("%d of %d workers started in 120 s", len(entries), l.agents)
+			}
+			continue
+		}
 		for _, e := range entries {
 			b, _ := os.ReadFile(filepath.Join(out, e.Name()))
 			if ns, err := strconv.ParseInt(strings.TrimSpace(string(b)), 10, 64); err == nil {
@@ -167,10 +186,11 @@ func measure(l launcher) (float64, float64, error) {
 		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(filepath.Join(dir, "agent0.log"))
-			return 0, 0, fmt.Errorf("%d of %d workers started in 120 s; agent 0 said:\n%s", n, l.agents, b)
+			return 0, 0, 0, fmt.Errorf("%d of %d workers started in 120 s; agent 0 said:\n%s", n, l.agents, b)
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+	var total time.Duration // agents' and their workers' whole CPU
 	for _, c := range cmds {
 		done := make(chan error, 1)
 		go func() { done <- c.Wait() }()
@@ -180,9 +200,31 @@ func measure(l launcher) (float64, float64, error) {
 			syscall.Kill(-c.Process.Pid, syscall.SIGKILL)
 			<-done
 		}
+		if ru, ok := c.ProcessState.SysUsage().(*syscall.Rusage); ok {
+			total += time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+		}
 		c.Process = nil
 	}
-	return float64(last-t0.UnixNano()) / 1e6, agentsStarted(dir, l.agents, t0), nil
+	cpuAfter := float64((total - before).Microseconds()) / 1e3
+	return float64(last-t0.UnixNano()) / 1e6, agentsStarted(dir, l.agents, t0), cpuAfter, nil
+}
+
+// schedCPU is the time pid's threads have spent on a CPU so far
+// (/proc/PID/task/*/schedstat, nanoseconds).
+func schedCPU(pid int) time.Duration {
+	stats, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*/schedstat", pid))
+	var ns int64
+	for _, f := range stats {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			continue
+		}
+		if fs := strings.Fields(string(b)); len(fs) > 0 {
+			v, _ := strconv.ParseInt(fs[0], 10, 64)
+			ns += v
+		}
+	}
+	return time.Duration(ns)
 }
 
 // agentsStarted reads the agents' JSON logs for their "workers started"
