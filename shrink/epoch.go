@@ -1,0 +1,146 @@
+// Package shrink is survivor agreement: when ranks of a running job fail,
+// every survivor must act on the same exclusion list at the same point.
+//
+// The agreement has three parts:
+//
+//   - Decider, a pure state machine run by one coordinator agent: it gathers
+//     failure reports for a settle window, so that near-simultaneous failures
+//     become one epoch, and then decides the next Epoch — shrink to the
+//     survivors, or fall back to a restart when too few would remain.
+//   - Board, the epochs' home in the worker store: the coordinator publishes
+//     epoch n+1 with one fenced write (a compare-set that only creates), so a
+//     second coordinator racing it adopts the first's decision instead of
+//     publishing another; workers wait on the epoch key (a store wait, not
+//     polling) and acknowledge; the coordinator counts the acknowledgements.
+//
+// The coordinator is chosen deterministically (the first live agent in the
+// rendezvous's order), and since reports live on the Board, not in the
+// coordinator's memory, a successor picks up where a dead coordinator left.
+//
+// Ranks in an Epoch are global ranks, the numbering the job was launched
+// with; Epoch.ShrinkList translates them into the group-relative ranks that
+// pg.ProcessGroup.Shrink (and PyTorch's shrink_group) take.
+package shrink
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// Action is what survivors do in an epoch.
+type Action string
+
+const (
+	// ActionShrink: survivors abort their group, shrink it to the survivors
+	// and carry on; the excluded ranks are not restarted.
+	ActionShrink Action = "shrink"
+	// ActionRestart: shrinking cannot work (too few survivors, or the
+	// agreement could not finish); the launcher restarts the whole group,
+	// torchrun's way.
+	ActionRestart Action = "restart"
+)
+
+// ErrNoSurvivors: every rank of the group would be excluded.
+var ErrNoSurvivors = errors.New("no surviving ranks")
+
+// Epoch is one agreed membership of the job. Epoch 0 is the group as it was
+// launched; each later epoch removes at least one rank.
+type Epoch struct {
+	Number int `json:"epoch"`
+	// Excluded are the global ranks this epoch removes, sorted.
+	Excluded []int `json:"excluded"`
+	// Lost are all global ranks removed so far, this epoch's included,
+	// sorted.
+	Lost []int `json:"lost"`
+	// Ranks[g] is global rank g's rank in this epoch's group, -1 once lost:
+	// dense, in the launch order (pg.Survivors' renumbering).
+	Ranks []int `json:"ranks"`
+	// WorldSize is the number of ranks left.
+	WorldSize int `json:"world_size"`
+	// Action is what survivors do.
+	Action Action `json:"action"`
+	// Reasons says why each excluded rank was excluded, by global rank.
+	Reasons map[int]string `json:"reasons,omitempty"`
+	// Coordinator names the agent that decided the epoch.
+	Coordinator string `json:"coordinator,omitempty"`
+	// DecidedAt is when the coordinator decided.
+	DecidedAt time.Time `json:"decided_at"`
+}
+
+// Initial returns epoch 0 of a job of world ranks.
+func Initial(world int) Epoch {
+	ranks := make([]int, world)
+	for g := range ranks {
+		ranks[g] = g
+	}
+	return Epoch{Number: 0, Excluded: []int{}, Lost: []int{}, Ranks: ranks, WorldSize: world, Action: ActionShrink}
+}
+
+// Alive reports whether global rank g is in e's group.
+func (e Epoch) Alive(g int) bool { return g >= 0 && g < len(e.Ranks) && e.Ranks[g] >= 0 }
+
+// next returns the epoch after e that excludes the global ranks in exclude
+// (already-lost ranks are ignored). minWorld is the floor below which the
+// epoch's action is a restart instead of a shrink.
+func (e Epoch) next(exclude map[int]string, minWorld int, coordinator string, now time.Time) (Epoch, error) {
+	n := Epoch{
+		Number:      e.Number + 1,
+		Ranks:       slices.Clone(e.Ranks),
+		Reasons:     map[int]string{},
+		Coordinator: coordinator,
+		DecidedAt:   now,
+		Lost:        slices.Clone(e.Lost),
+	}
+	for g, why := range exclude {
+		if !e.Alive(g) {
+			continue
+		}
+		n.Excluded = append(n.Excluded, g)
+		n.Reasons[g] = why
+	}
+	if len(n.Excluded) == 0 {
+		return Epoch{}, fmt.Errorf("shrink: epoch %d: no live rank to exclude", n.Number)
+	}
+	slices.Sort(n.Excluded)
+	n.Lost = append(n.Lost, n.Excluded...)
+	slices.Sort(n.Lost)
+	next := 0
+	for g := range n.Ranks {
+		if n.Ranks[g] < 0 || slices.Contains(n.Excluded, g) {
+			n.Ranks[g] = -1
+			continue
+		}
+		n.Ranks[g] = next
+		next++
+	}
+	n.WorldSize = next
+	if next == 0 {
+		return Epoch{}, fmt.Errorf("shrink: epoch %d: %w (all %d excluded)", n.Number, ErrNoSurvivors, e.WorldSize)
+	}
+	n.Action = ActionShrink
+	if next < max(minWorld, 1) {
+		n.Action = ActionRestart
+	}
+	return n, nil
+}
+
+// ShrinkList returns the ranks that move a survivor from prev's group to e's:
+// e's excluded ranks in prev's numbering, sorted — the list to pass to
+// pg.ProcessGroup.Shrink or PyTorch's shrink_group. prev must be the epoch
+// before e.
+func (e Epoch) ShrinkList(prev Epoch) []int {
+	out := make([]int, 0, len(e.Excluded))
+	for _, g := range e.Excluded {
+		if prev.Alive(g) {
+			out = append(out, prev.Ranks[g])
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func (e Epoch) String() string {
+	return fmt.Sprintf("epoch %d (%s): excluded %v, world %d", e.Number, e.Action, e.Excluded, e.WorldSize)
+}
