@@ -1,0 +1,215 @@
+// Tests of the PyTorch fault-tolerance helper (gorun_ft.py) with real
+// PyTorch 1.13 gloo workers. The test itself plays the agents' part: it
+// SIGKILLs a rank, then decides and publishes the next epoch with package
+// shrink, exactly as a coordinator agent does.
+package torch_test
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+type worker struct {
+	cmd  *exec.Cmd
+	out  *testutil.SyncBuffer
+	done chan error
+}
+
+// startWorkers starts world train_elastic.py ranks on a fresh worker store,
+// waits until every one is training, and returns a client of the store.
+func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) (*tcpstore.Client, []*worker) {
+	t.Helper()
+	py := torchtest.Python(t)
+	_, self, _, _ := runtime.Caller(0)
+	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	port := strconv.Itoa(srv.Addr().(*net.TCPAddr).Port)
+
+	ws := make([]*worker, world)
+	for r := range world {
+		w := &worker{out: new(testutil.SyncBuffer), done: make(chan error, 1)}
+		w.cmd = exec.Command(py, append([]string{"-u", script}, args...)...)
+		w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
+			"WORLD_SIZE="+strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
+			"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1")
+		w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
+		w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := w.cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		go func() { w.done <- w.cmd.Wait() }()
+		ws[r] = w
+	}
+	t.Cleanup(func() {
+		for _, w := range ws {
+			w.cmd.Process.Kill()
+			<-w.done
+		}
+	})
+	for r, w := range ws {
+		for !strings.Contains(w.out.String(), "training") {
+			select {
+			case err := <-w.done:
+				t.Fatalf("rank %d exited before training: %v\n%s", r, err, w.out)
+			case <-ctx.Done():
+				t.Fatalf("rank %d never started training\n%s", r, w.out)
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}
+	store, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 30 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { store.Close() })
+	return store, ws
+}
+
+// killAndPublish SIGKILLs the given ranks and, as the coordinator agent
+// would, reports them, lets the settle window pass, decides the next epoch
+// and publishes it.
+func killAndPublish(ctx context.Context, t *testing.T, board *shrink.Board, cfg shrink.Config, ws []*worker, ranks ...int) shrink.Epoch {
+	t.Helper()
+	d := shrink.NewDecider("test-coordinator", cfg, shrink.Initial(len(ws)))
+	for _, r := range ranks {
+		ws[r].cmd.Process.Kill()
+		d.Report(time.Now(), shrink.Report{Ranks: []int{r}, Reason: "Signal 9 (SIGKILL)", From: "test"})
+	}
+	time.Sleep(time.Until(d.Due()))
+	e, ok, err := d.Decide(time.Now())
+	if err != nil || !ok {
+		t.Fatalf("Decide: %v %v", ok, err)
+	}
+	held, won, err := board.Publish(ctx, e)
+	if err != nil || !won {
+		t.Fatalf("Publish: won=%v %v", won, err)
+	}
+	return held
+}
+
+var doneLine = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) loss=(\S+)`)
+
+// TestTorchGlooShrink: four gloo ranks train; rank 2 is SIGKILLed mid-run;
+// the survivors move to epoch 1, shrink to three and finish with the same
+// model.
+func TestTorchGlooShrink(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const steps = 120
+	store, ws := startWorkers(ctx, t, 4, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	board := shrink.NewBoard(store, "")
+	time.Sleep(400 * time.Millisecond) // some steps in
+	killed := time.Now()
+	e := killAndPublish(ctx, t, board, shrink.DefaultConfig(), ws, 2)
+	if e.Action != shrink.ActionShrink || e.WorldSize != 3 {
+		t.Fatalf("epoch %v, want a shrink to 3", e)
+	}
+
+	var losses []string
+	var ranks []int
+	for g, w := range ws {
+		if g == 2 {
+			continue
+		}
+		select {
+		case err := <-w.done:
+			if err != nil {
+				t.Fatalf("survivor %d: %v\n%s", g, err, w.out)
+			}
+		case <-ctx.Done():
+			t.Fatalf("survivor %d did not finish\n%s", g, w.out)
+		}
+		w.done <- nil // for the cleanup
+		out := w.out.String()
+		if !strings.Contains(out, "shrink epoch=1 world=3 excluded=[2]") {
+			t.Errorf("survivor %d did not report the shrink:\n%s", g, out)
+		}
+		m := doneLine.FindStringSubmatch(out)
+		if m == nil {
+			t.Fatalf("survivor %d printed no done line:\n%s", g, out)
+		}
+		r, _ := strconv.Atoi(m[1])
+		ranks = append(ranks, r)
+		if m[2] != "3" || m[3] != strconv.Itoa(steps) {
+			t.Errorf("survivor %d: %s, want world=3 steps=%d", g, m[0], steps)
+		}
+		losses = append(losses, m[4])
+		if r != e.Ranks[g] {
+			t.Errorf("global rank %d finished as rank %d, epoch says %d", g, r, e.Ranks[g])
+		}
+	}
+	// The workers' gloo timeout is 60 s: a survivor left blocked on a
+	// peer that is waiting for the decision would finish only after it.
+	if took := time.Since(killed); took > 30*time.Second {
+		t.Errorf("survivors finished %v after the kill: recovery waited for a timeout", took.Round(time.Millisecond))
+	}
+	slices.Sort(ranks)
+	if !slices.Equal(ranks, []int{0, 1, 2}) {
+		t.Errorf("survivors finished as ranks %v, want 0 1 2", ranks)
+	}
+	if losses[0] != losses[1] || losses[1] != losses[2] {
+		t.Errorf("survivors disagree on the model: losses %v", losses)
+	}
+	if loss, err := strconv.ParseFloat(losses[0], 64); err != nil || loss > 1e-3 {
+		t.Errorf("final loss %v (%v): the survivors did not keep training", losses[0], err)
+	}
+	if n, err := board.Acks(ctx, 1); err != nil || n != 3 {
+		t.Errorf("acks of epoch 1 = %d %v, want 3", n, err)
+	}
+}
+
+// TestTorchGlooBelowFloor: with a floor of three, losing one of three ranks
+// is decided as a restart; the survivors stop with exit code 1 so that the
+// launcher restarts the group.
+func TestTorchGlooBelowFloor(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	store, ws := startWorkers(ctx, t, 3, "--steps", "100000", "--step-ms", "15")
+	board := shrink.NewBoard(store, "")
+	time.Sleep(200 * time.Millisecond)
+	e := killAndPublish(ctx, t, board, shrink.Config{MinWorldSize: 3}, ws, 0)
+	if e.Action != shrink.ActionRestart {
+		t.Fatalf("epoch %v, want a restart", e)
+	}
+	for g, w := range ws[1:] {
+		select {
+		case err := <-w.done:
+			var ee *exec.ExitError
+			if !asExit(err, &ee) || ee.ExitCode() != 1 {
+				t.Errorf("survivor %d: exit %v, want code 1\n%s", g+1, err, w.out)
+			}
+			if !strings.Contains(w.out.String(), "restart") {
+				t.Errorf("survivor %d did not say why it stopped:\n%s", g+1, w.out)
+			}
+		case <-ctx.Done():
+			t.Fatalf("survivor %d kept running after a restart epoch\n%s", g+1, w.out)
+		}
+		w.done <- nil
+	}
+}
+
+func asExit(err error, target **exec.ExitError) bool {
+	ee, ok := err.(*exec.ExitError)
+	*target = ee
+	return ok
+}

@@ -1,0 +1,270 @@
+"""Keep a PyTorch job running on the survivors when ranks die.
+
+One file, nothing beyond torch. Under `gorun --on-failure shrink` gorun's
+agents agree on who is gone and publish each change of membership as an
+*epoch* in the worker store (gorun's package shrink, key layout below). This
+helper watches for epochs and moves the worker's default process group to
+each one:
+
+- it aborts the current group where the backend can (NCCL), so that a
+  collective stuck on a dead peer returns;
+- it calls ``dist.shrink_group(excluded)`` where PyTorch has it and the
+  backend is NCCL (NCCL >= 2.27);
+- otherwise (gloo, PyTorch 1.13) it destroys the group and initialises a new
+  one among the survivors, on a fresh PrefixStore, with the new rank and
+  world size.
+
+Use::
+
+    import gorun_ft
+    group = gorun_ft.ElasticGroup("gloo")
+    while step < steps:
+        try:
+            if resync:                    # first collective of a new group
+                group.resync(model_state...); resync = False
+            if group.check():             # an epoch came meanwhile: moved
+                resync = True; continue
+            ...the step's collectives...
+        except RuntimeError as err:       # a peer died mid-collective
+            group.recover(err)            # wait for the epoch, then shrink
+            resync = True
+
+Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
+``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
+``ranks``, ``world_size``, ``action``, ``reasons``); ``ack/<n>`` counts the
+survivors that moved to epoch n.
+"""
+import datetime
+import gc
+import json
+import os
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+BOARD_PREFIX = "gorun/shrink"
+
+
+class RestartRequired(Exception):
+    """The agents decided to restart the group instead of shrinking it (too
+    few survivors left). Exit non-zero: the launcher restarts the workers."""
+
+
+class Excluded(Exception):
+    """This rank was excluded by an epoch: it must stop, not rejoin."""
+
+
+class Epoch:
+    """One agreed membership. Ranks are global ranks (the launch numbering)."""
+
+    def __init__(self, number, excluded, lost, ranks, world_size, action, reasons=None):
+        self.number = number
+        self.excluded = sorted(excluded)
+        self.lost = sorted(lost)
+        self.ranks = list(ranks)  # ranks[g]: g's rank in this epoch's group, -1 if lost
+        self.world_size = world_size
+        self.action = action
+        self.reasons = reasons or {}
+
+    @classmethod
+    def initial(cls, world):
+        return cls(0, [], [], range(world), world, "shrink")
+
+    @classmethod
+    def decode(cls, raw):
+        d = json.loads(raw)
+        return cls(d["epoch"], d.get("excluded") or [], d.get("lost") or [], d["ranks"],
+                   d["world_size"], d["action"], d.get("reasons"))
+
+    def alive(self, g):
+        return 0 <= g < len(self.ranks) and self.ranks[g] >= 0
+
+    def shrink_list(self, prev):
+        """This epoch's excluded ranks in prev's numbering: what shrink_group takes."""
+        return sorted(prev.ranks[g] for g in self.excluded if prev.alive(g))
+
+
+def _connect_store(timeout):
+    """The worker store: the agent's (TORCHELASTIC_USE_AGENT_STORE=True), or
+    rank 0's, as env:// would have it."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    master = not agent and int(os.environ["RANK"]) == 0
+    world = None if agent else int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(host, port, world, master, timeout, wait_for_workers=False)
+
+
+def _key(*parts):
+    return "/".join((BOARD_PREFIX,) + tuple(str(p) for p in parts))
+
+
+class ElasticGroup:
+    """The worker's default process group, moved from epoch to epoch."""
+
+    def __init__(self, backend="gloo", timeout=datetime.timedelta(seconds=60), log=None):
+        self.backend = backend
+        self.timeout = timeout
+        self.global_rank = int(os.environ["RANK"])
+        self.epoch = Epoch.initial(int(os.environ["WORLD_SIZE"]))
+        self._log = log or (lambda msg: print(msg, flush=True))
+        # Each restart of the job bootstraps under its own namespace.
+        self._ns = "gorun_ft/attempt_" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.store = _connect_store(timeout)
+        self._seen = threading.Event()  # the watcher saw epoch n+1
+        self._moved = threading.Event()  # recover() has moved past it
+        self._stop = threading.Event()
+        # Held while the epoch changes, so the watcher never aborts a group
+        # that recover() has just built.
+        self._lock = threading.Lock()
+        self._init_group()
+        self._watcher = threading.Thread(target=self._watch, name="gorun-ft-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def rank(self):
+        return self.epoch.ranks[self.global_rank]
+
+    @property
+    def world_size(self):
+        return self.epoch.world_size
+
+    def _init_group(self):
+        prefix = "%s/epoch_%d" % (self._ns, self.epoch.number)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+
+    def _watch(self):
+        """Wait on the next epoch's key through a store connection of its own
+        (a store wait, not polling); when it appears, flag it and abort the
+        group where the backend can, so a collective stuck on a dead peer
+        returns to the training loop."""
+        try:
+            store = _connect_store(self.timeout)
+        except RuntimeError:
+            return
+        while not self._stop.is_set():
+            n = self.epoch.number + 1
+            try:
+                store.wait([_key("epoch", n)], datetime.timedelta(seconds=5))
+            except RuntimeError:
+                continue  # the wait timed out; ask again
+            with self._lock:
+                if n != self.epoch.number + 1:
+                    continue  # recover() moved on meanwhile
+                self._seen.set()
+                _abort_default_group()
+            while not self._moved.wait(0.5) and not self._stop.is_set():
+                pass
+            self._moved.clear()
+
+    def check(self):
+        """Move to the next epoch if the watcher has seen one, and say whether
+        it did. Call it once a step, before the step's collectives."""
+        if self._seen.is_set():
+            self.recover()
+            return True
+        return False
+
+    def recover(self, err=None):
+        """Wait for the next epoch and move the group to it. Raises Excluded if
+        this rank is out, RestartRequired if the agents chose a restart."""
+        if err is not None:
+            self._log("rank %d: collective failed, awaiting the agents' decision: %s"
+                      % (self.global_rank, str(err).splitlines()[0]))
+            # The traceback holds the failed collective's frames, and through
+            # them the backend's connections: let them go with the group.
+            err.__traceback__ = None
+        if not self._shrinks():
+            # Tear the broken group down now, not after the decision: closing
+            # our connections fails the collectives of peers still blocked
+            # on us (ULFM's revoke), instead of leaving them to the group's
+            # timeout.
+            self._destroy()
+        nxt = self._await(self.epoch.number + 1)
+        with self._lock:
+            prev, self.epoch = self.epoch, nxt
+            if self._seen.is_set():
+                self._seen.clear()
+                self._moved.set()
+        if not nxt.alive(self.global_rank):
+            self.close()
+            raise Excluded("rank %d excluded in epoch %d" % (self.global_rank, nxt.number))
+        if nxt.action == "restart":
+            self.close()
+            raise RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (nxt.number, nxt.world_size))
+        if self._shrinks():
+            flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
+            dist.shrink_group(nxt.shrink_list(prev), shrink_flags=flags)
+        else:
+            self._destroy()
+            self._init_group()
+        self.store.add(_key("ack", nxt.number), 1)
+        self._log("shrink epoch=%d world=%d excluded=%s" % (nxt.number, nxt.world_size, nxt.excluded))
+        return nxt
+
+    def _shrinks(self):
+        """Whether the group shrinks in place (NCCL with PyTorch's shrink_group)
+        rather than being re-initialised among the survivors."""
+        return self.backend == "nccl" and hasattr(dist, "shrink_group")
+
+    @staticmethod
+    def _destroy():
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except RuntimeError:
+                pass  # a broken group may refuse a clean teardown
+        # Collect now: a failed collective's objects sit in reference cycles
+        # (frames, exceptions), and its connections close only when they go.
+        gc.collect()
+
+    def _await(self, n):
+        key = _key("epoch", n)
+        while True:
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=30))
+                return Epoch.decode(self.store.get(key))
+            except RuntimeError as e:
+                if "timeout" not in str(e).lower():
+                    raise
+
+    def resync(self, *tensors):
+        """Copy the new rank 0's tensors to every survivor: after a failure some
+        survivors may have finished the failed step and others not."""
+        for t in tensors:
+            dist.broadcast(t, 0)
+
+    def close(self):
+        self._stop.set()
+        self._destroy()
+
+
+def _abort_default_group():
+    """Abort the default group's communicators where the backend supports it
+    (NCCL in recent PyTorch); gloo has no abort, and its collectives fail on
+    their own when a peer's connection breaks."""
+    if not dist.is_initialized():
+        return
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        if torch.cuda.is_available() and hasattr(pg, "_get_backend"):
+            backend = pg._get_backend(torch.device("cuda"))
+            if hasattr(backend, "abort"):
+                backend.abort()
+    except (RuntimeError, AttributeError, ValueError):
+        pass
+
+
+def run(main):
+    """Run main(); map the helper's outcomes to exit codes: 0 for an excluded
+    rank (it is not restarted), 1 for RestartRequired."""
+    try:
+        return main()
+    except Excluded as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return 0
+    except RestartRequired as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return 1

@@ -1,0 +1,92 @@
+"""A tiny deterministic training job that keeps going when ranks die.
+
+Linear regression, y = x·w*, trained by data-parallel SGD: each rank computes
+the gradient on its own samples (drawn from a generator seeded by its global
+rank and the step), the gradients are summed with all_reduce and divided by
+the world size. Under gorun --on-failure shrink, when a rank dies the
+survivors move to the agents' next epoch (gorun_ft), re-sync the model from
+the new rank 0 and carry on. Every survivor ends with
+
+    done rank=R world=W steps=S loss=X
+
+where loss is measured on a fixed evaluation set, so all survivors print the
+same X.
+
+    gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
+"""
+import argparse
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gorun_ft  # noqa: E402
+
+DIM = 8
+
+
+def batch(global_rank, step, n=32):
+    g = torch.Generator().manual_seed(1_000_003 * global_rank + step)
+    x = torch.randn(n, DIM, generator=g, dtype=torch.float64)
+    return x, x @ true_weights()
+
+
+def true_weights():
+    return torch.arange(1, DIM + 1, dtype=torch.float64) / DIM
+
+
+def eval_loss(w):
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(256, DIM, generator=g, dtype=torch.float64)
+    return float(((x @ w - x @ true_weights()) ** 2).mean())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--step-ms", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--backend", default="gloo")
+    args = ap.parse_args()
+
+    group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60))
+    me = group.global_rank
+    w = torch.zeros(DIM, dtype=torch.float64)
+    step = torch.zeros(1, dtype=torch.float64)  # a tensor, so resync can broadcast it
+    print("rank %d: training, world %d" % (me, group.world_size), flush=True)
+    resync = False
+    while int(step.item()) < args.steps:
+        try:
+            if resync:
+                # After a change of membership some survivors may have
+                # finished the failed step and others not: every survivor
+                # takes the new rank 0's model and step count, as its first
+                # collective in the new group.
+                group.resync(w, step)
+                resync = False
+            if group.check():
+                resync = True
+                continue
+            x, y = batch(me, int(step.item()))
+            grad = 2 * x.t() @ (x @ w - y) / len(x)
+            dist.all_reduce(grad)
+            w -= args.lr * grad / group.world_size
+            step += 1
+        except RuntimeError as err:
+            group.recover(err)
+            resync = True
+            continue
+        if args.step_ms:
+            time.sleep(args.step_ms / 1000)
+    loss = eval_loss(w)
+    print("done rank=%d world=%d steps=%d loss=%.9g" % (group.rank, group.world_size, int(step.item()), loss), flush=True)
+    group.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(gorun_ft.run(main))
