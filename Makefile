@@ -8,7 +8,7 @@ BUILDTAGS ?= urfave_cli_no_docs
 # The launcher is one static binary.
 export CGO_ENABLED ?= 0
 
-.PHONY: all build example test test-deps test-short bench lint fuzz clean
+.PHONY: all build example test test-deps test-short bench lint fuzz gpu-smoke clean
 
 all: build
 
@@ -41,6 +41,15 @@ lint:
 FUZZTIME ?= 60s
 fuzz:
 	$(GO) test ./rendezvous/tcpstore/ -run '^$$' -fuzz FuzzDecoder -fuzztime $(FUZZTIME)
+
+# gpu-smoke checks pg/nccl on a machine with a GPU: a world-1 communicator
+# through a store, an allreduce on device memory checked on the host, abort,
+# async error none; one PASS or FAIL line. NCCL is NCCL_LIBRARY when set,
+# else PyTorch's pip copy (site-packages/nvidia/nccl/lib/libnccl.so.2) when
+# $(PYTHON_EXEC) finds one, else libnccl.so.2 from the loader's path.
+NCCL_LIBRARY ?= $(shell $(PYTHON_EXEC) -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || echo libnccl.so.2)
+gpu-smoke:
+	CGO_ENABLED=1 $(GO) run $(GOFLAGS) ./pg/nccl/gpusmoke -nccl '$(NCCL_LIBRARY)'
 
 # bench: see BENCHMARKS.md for what it measures and the recorded results.
 bench: build test-deps

@@ -60,6 +60,8 @@ func NewAbortedError(reason error) *AbortedError {
 // PeerError reports that rank Rank of the group failed or became
 // unreachable during Op.
 type PeerError struct {
+	// Rank is the peer's rank in the group, or -1 when the backend cannot
+	// tell which peer failed (NCCL reports only that one did).
 	Rank int
 	// Op is the operation that noticed ("allreduce", "recv", "connect").
 	Op string
@@ -68,6 +70,9 @@ type PeerError struct {
 }
 
 func (e *PeerError) Error() string {
+	if e.Rank < 0 {
+		return fmt.Sprintf("%s: a peer was lost: %v", e.Op, e.Err)
+	}
 	return fmt.Sprintf("%s: peer rank %d lost: %v", e.Op, e.Rank, e.Err)
 }
 

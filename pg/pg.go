@@ -12,7 +12,10 @@
 // what makes a backend a ProcessGroup.
 //
 // Collectives are synchronous: a call returns when this rank's part is done
-// and the output buffer holds the result. Every rank of the group must call
+// and the output buffer holds the result. A collective that fails — a peer
+// lost, its context's deadline passed — may leave the group aborted (pg/nccl
+// always does: the operation is still on the device), and its peers in an
+// unknown state: after a failure, count on Shrink and Close only. Every rank of the group must call
 // the same collectives in the same order with matching arguments, as with
 // any MPI-style group; a mismatch is a bug in the caller, which a backend
 // may detect (and report with ErrInvalidArgument) but need not.

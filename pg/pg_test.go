@@ -159,6 +159,9 @@ func TestErrors(t *testing.T) {
 		t.Errorf("NewAbortedError(nil) = %q, want it to say the caller aborted", got)
 	}
 
+	if got, want := (&PeerError{Rank: -1, Op: "ncclAllReduce", Err: io.EOF}).Error(), "ncclAllReduce: a peer was lost: EOF"; got != want {
+		t.Errorf("PeerError with an unknown rank = %q, want %q", got, want)
+	}
 	pe := error(&PeerError{Rank: 5, Op: "allreduce", Err: io.EOF})
 	if !errors.Is(pe, ErrPeerLost) || !errors.Is(pe, io.EOF) {
 		t.Errorf("PeerError does not wrap both ErrPeerLost and its cause")

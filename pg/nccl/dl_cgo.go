@@ -1,0 +1,612 @@
+//go:build cgo
+
+package nccl
+
+/*
+#cgo LDFLAGS: -ldl
+#include <dlfcn.h>
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+// Declared here from nccl.h and cuda.h facts, so that building needs neither:
+// ncclResult_t, CUresult, ncclDataType_t and ncclRedOp_t are int-sized C
+// enums; ncclComm_t, CUcontext and CUstream are pointers; CUdeviceptr is an
+// unsigned long long; CUdevice is an int.
+typedef int gr_res;
+typedef struct { char internal[128]; } gr_uid;
+
+// ncclConfig_t as of NCCL 2.17 (version code 21700). NCCL copies
+// min(size, sizeof its own ncclConfig_t) bytes, keeps its defaults for the
+// rest, and ignores fields newer than the version given, so every library
+// from 2.14 on accepts it.
+typedef struct {
+	size_t size;
+	unsigned int magic;
+	unsigned int version;
+	int blocking;
+	int cgaClusterSize;
+	int minCTAs;
+	int maxCTAs;
+	const char *netName;
+} gr_config;
+
+static void *gr_open(const char *path, char *err, size_t n) {
+	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (!h) {
+		const char *e = dlerror();
+		snprintf(err, n, "%s", e ? e : "unknown dlopen error");
+	}
+	return h;
+}
+
+static void *gr_sym(void *h, const char *name, char *err, size_t n) {
+	dlerror();
+	void *p = dlsym(h, name);
+	if (!p) {
+		const char *e = dlerror();
+		snprintf(err, n, "%s", e ? e : "symbol is NULL");
+	}
+	return p;
+}
+
+// A context handle is a gr_dev: the driver's cuCtxSetCurrent and the
+// context. Every call that touches the device makes the context current
+// first, in the same C call: the Go scheduler may have moved the goroutine
+// to another OS thread since the last one.
+typedef struct {
+	void *set_current;
+	void *ctx;
+} gr_dev;
+static int gr_use(uintptr_t h) {
+	gr_dev *d = (gr_dev *)h;
+	if (!d) return 0;
+	return ((int (*)(void *))d->set_current)(d->ctx);
+}
+static uintptr_t gr_new_dev(void *set_current, uintptr_t ctx) {
+	gr_dev *d = malloc(sizeof *d);
+	if (!d) return 0;
+	d->set_current = set_current;
+	d->ctx = (void *)ctx;
+	return (uintptr_t)d;
+}
+#define GR_USE(ctx) do { if (gr_use(ctx) != 0) return 1; } while (0) // ncclUnhandledCudaError
+
+// NCCL.
+static gr_res gr_getVersion(void *f, int *v) { return ((gr_res (*)(int *))f)(v); }
+static gr_res gr_getUniqueId(void *f, gr_uid *id) { return ((gr_res (*)(gr_uid *))f)(id); }
+static const char *gr_errorString(void *f, int r) { return ((const char *(*)(int))f)(r); }
+static const char *gr_lastError(void *f, uintptr_t c) { return ((const char *(*)(void *))f)((void *)c); }
+static gr_res gr_initRank(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid *id, int rank) {
+	GR_USE(ctx);
+	void *c = NULL;
+	gr_res r = ((gr_res (*)(void **, int, gr_uid, int))f)(&c, n, *id, rank);
+	*out = (uintptr_t)c;
+	return r;
+}
+static gr_res gr_initRankConfig(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid *id, int rank, int blocking) {
+	GR_USE(ctx);
+	gr_config cfg = {sizeof(gr_config), 0xcafebeef, 21700, blocking, INT_MIN, INT_MIN, INT_MIN, NULL};
+	void *c = NULL;
+	gr_res r = ((gr_res (*)(void **, int, gr_uid, int, gr_config *))f)(&c, n, *id, rank, &cfg);
+	*out = (uintptr_t)c;
+	return r;
+}
+static gr_res gr_asyncError(void *f, uintptr_t c, int *e) { return ((gr_res (*)(void *, int *))f)((void *)c, e); }
+static gr_res gr_commCall(void *f, uintptr_t ctx, uintptr_t c) {
+	GR_USE(ctx);
+	return ((gr_res (*)(void *))f)((void *)c);
+}
+static gr_res gr_shrink(void *f, uintptr_t ctx, uintptr_t c, int *ex, int n, uintptr_t *out, int flags) {
+	GR_USE(ctx);
+	void *nc = NULL;
+	gr_res r = ((gr_res (*)(void *, int *, int, void **, void *, int))f)((void *)c, ex, n, &nc, NULL, flags);
+	*out = (uintptr_t)nc;
+	return r;
+}
+static gr_res gr_revoke(void *f, uintptr_t ctx, uintptr_t c, int flags) {
+	GR_USE(ctx);
+	return ((gr_res (*)(void *, int))f)((void *)c, flags);
+}
+static gr_res gr_groupStart(void *f) { return ((gr_res (*)(void))f)(); }
+static gr_res gr_groupEnd(void *f, uintptr_t ctx) {
+	GR_USE(ctx);
+	return ((gr_res (*)(void))f)();
+}
+static gr_res gr_allReduce(void *f, uintptr_t ctx, uintptr_t s, uintptr_t r, size_t n, int dt, int op, uintptr_t c, uintptr_t st) {
+	GR_USE(ctx);
+	return ((gr_res (*)(const void *, void *, size_t, int, int, void *, void *))f)((const void *)s, (void *)r, n, dt, op, (void *)c, (void *)st);
+}
+static gr_res gr_broadcast(void *f, uintptr_t ctx, uintptr_t s, uintptr_t r, size_t n, int dt, int root, uintptr_t c, uintptr_t st) {
+	GR_USE(ctx);
+	return ((gr_res (*)(const void *, void *, size_t, int, int, void *, void *))f)((const void *)s, (void *)r, n, dt, root, (void *)c, (void *)st);
+}
+static gr_res gr_allGather(void *f, uintptr_t ctx, uintptr_t s, uintptr_t r, size_t n, int dt, uintptr_t c, uintptr_t st) {
+	GR_USE(ctx);
+	return ((gr_res (*)(const void *, void *, size_t, int, void *, void *))f)((const void *)s, (void *)r, n, dt, (void *)c, (void *)st);
+}
+// ncclReduceScatter has ncclAllReduce's signature (count is recvcount).
+#define gr_reduceScatter gr_allReduce
+// ncclSend(const void*, ...) and ncclRecv(void*, ...) share a layout.
+static gr_res gr_p2p(void *f, uintptr_t ctx, uintptr_t b, size_t n, int dt, int peer, uintptr_t c, uintptr_t st) {
+	GR_USE(ctx);
+	return ((gr_res (*)(void *, size_t, int, int, void *, void *))f)((void *)b, n, dt, peer, (void *)c, (void *)st);
+}
+
+// CUDA driver.
+static int gr_cuInit(void *f) { return ((int (*)(unsigned int))f)(0); }
+static int gr_cuCount(void *f, int *n) { return ((int (*)(int *))f)(n); }
+static int gr_cuRetain(void *get, void *retain, int ordinal, uintptr_t *out) {
+	int dev = 0;
+	int r = ((int (*)(int *, int))get)(&dev, ordinal);
+	if (r != 0) return r;
+	void *ctx = NULL;
+	r = ((int (*)(void **, int))retain)(&ctx, dev);
+	*out = (uintptr_t)ctx;
+	return r;
+}
+static int gr_cuRelease(void *get, void *release, int ordinal) {
+	int dev = 0;
+	int r = ((int (*)(int *, int))get)(&dev, ordinal);
+	if (r != 0) return r;
+	return ((int (*)(int))release)(dev);
+}
+static int gr_cuMemAlloc(void *f, uintptr_t ctx, uintptr_t *p, size_t n) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	unsigned long long d = 0;
+	int r = ((int (*)(unsigned long long *, size_t))f)(&d, n);
+	*p = (uintptr_t)d;
+	return r;
+}
+static int gr_cuMemFree(void *f, uintptr_t ctx, uintptr_t p) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	return ((int (*)(unsigned long long))f)((unsigned long long)p);
+}
+static int gr_cuHtoD(void *f, uintptr_t ctx, uintptr_t dst, const void *src, size_t n) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	return ((int (*)(unsigned long long, const void *, size_t))f)((unsigned long long)dst, src, n);
+}
+static int gr_cuDtoH(void *f, uintptr_t ctx, void *dst, uintptr_t src, size_t n) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	return ((int (*)(void *, unsigned long long, size_t))f)(dst, (unsigned long long)src, n);
+}
+static int gr_cuStreamCreate(void *f, uintptr_t ctx, uintptr_t *s) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	void *st = NULL;
+	int r = ((int (*)(void **, unsigned int))f)(&st, 0);
+	*s = (uintptr_t)st;
+	return r;
+}
+static int gr_cuStreamCall(void *f, uintptr_t ctx, uintptr_t s) {
+	int cr = gr_use(ctx);
+	if (cr != 0) return cr;
+	return ((int (*)(void *))f)((void *)s);
+}
+static const char *gr_cuErrorString(void *f, int code) {
+	const char *s = NULL;
+	if (!f || ((int (*)(int, const char **))f)(code, &s) != 0) return NULL;
+	return s;
+}
+*/
+import "C"
+
+import (
+	"strings"
+	"sync"
+	"unsafe"
+
+	"github.com/gorunhq/gorun/pg"
+)
+
+// dlLibrary is one dlopened library and the entry points looked up in it.
+type dlLibrary struct {
+	name string
+	h    unsafe.Pointer
+}
+
+func dlOpen(name string) (*dlLibrary, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var buf [512]C.char
+	h := C.gr_open(cname, &buf[0], C.size_t(len(buf)))
+	if h == nil {
+		return nil, &LoadError{Library: name, Msg: C.GoString(&buf[0])}
+	}
+	return &dlLibrary{name: name, h: h}, nil
+}
+
+// sym looks up name, or returns nil and the reason.
+func (l *dlLibrary) sym(name string) (unsafe.Pointer, error) {
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var buf [512]C.char
+	p := C.gr_sym(l.h, cname, &buf[0], C.size_t(len(buf)))
+	if p == nil {
+		return nil, &LoadError{Library: l.name, Symbol: name, Msg: C.GoString(&buf[0])}
+	}
+	return p, nil
+}
+
+// entry is an entry point to look up: names are alternatives ("a|b",
+// tried in order); optional ones are left nil when missing.
+type entry struct {
+	names    string
+	dst      *unsafe.Pointer
+	optional bool
+}
+
+// resolve looks every entry up, in order; a missing required one is the
+// error.
+func (l *dlLibrary) resolve(entries []entry) error {
+	for _, e := range entries {
+		p, err := l.first(e.names)
+		if err != nil && !e.optional {
+			return err
+		}
+		*e.dst = p
+	}
+	return nil
+}
+
+// first returns the first of names ("a|b") that the library has.
+func (l *dlLibrary) first(names string) (unsafe.Pointer, error) {
+	var firstErr error
+	for _, n := range strings.Split(names, "|") {
+		p, err := l.sym(n)
+		if err == nil {
+			return p, nil
+		}
+		if firstErr == nil {
+			firstErr = err
+		}
+	}
+	return nil, firstErr
+}
+
+// Loaded libraries are kept for the life of the process (dlclose of NCCL or
+// of the driver is never safe while anything may still use them), one per
+// name.
+var (
+	loadMu     sync.Mutex
+	loadedNCCL = map[string]*dlNCCL{}
+	loadedCUDA = map[string]*dlCUDA{}
+)
+
+// dlNCCL is libnccl.so.2 opened with dlopen.
+type dlNCCL struct {
+	lib *dlLibrary
+	f   struct {
+		getVersion, getUniqueID, errorString, lastError                            unsafe.Pointer
+		initRank, initRankConfig, asyncError, abort, destroy, shrink, revoke       unsafe.Pointer
+		groupStart, groupEnd, allReduce, broadcast, allGather, reduceScatter, send unsafe.Pointer
+		recv                                                                       unsafe.Pointer
+	}
+}
+
+// load returns cache[name], or opens name, has bind look its entry points
+// up, and caches the result.
+func load[T any](cache map[string]T, name string, bind func(*dlLibrary) (T, error)) (T, error) {
+	loadMu.Lock()
+	defer loadMu.Unlock()
+	if l, ok := cache[name]; ok {
+		return l, nil
+	}
+	var zero T
+	lib, err := dlOpen(name)
+	if err != nil {
+		return zero, err
+	}
+	l, err := bind(lib)
+	if err != nil {
+		return zero, err
+	}
+	cache[name] = l
+	return l, nil
+}
+
+func openNCCL(name string) (ncclAPI, error) {
+	return load(loadedNCCL, name, bindNCCL)
+}
+
+func bindNCCL(lib *dlLibrary) (*dlNCCL, error) {
+	n := &dlNCCL{lib: lib}
+	f := &n.f
+	err := lib.resolve([]entry{
+		{"ncclGetVersion", &f.getVersion, false},
+		{"ncclGetUniqueId", &f.getUniqueID, false},
+		{"ncclGetErrorString", &f.errorString, false},
+		{"ncclCommInitRank", &f.initRank, false},
+		{"ncclCommGetAsyncError", &f.asyncError, false},
+		{"ncclCommAbort", &f.abort, false},
+		{"ncclCommDestroy", &f.destroy, false},
+		{"ncclGroupStart", &f.groupStart, false},
+		{"ncclGroupEnd", &f.groupEnd, false},
+		{"ncclAllReduce", &f.allReduce, false},
+		{"ncclBroadcast", &f.broadcast, false},
+		{"ncclAllGather", &f.allGather, false},
+		{"ncclReduceScatter", &f.reduceScatter, false},
+		{"ncclSend", &f.send, false},
+		{"ncclRecv", &f.recv, false},
+
+		{"ncclCommInitRankConfig", &f.initRankConfig, true},
+		{"ncclGetLastError", &f.lastError, true},
+		{"ncclCommShrink", &f.shrink, true},
+		{"ncclCommRevoke", &f.revoke, true},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return n, nil
+}
+
+func (n *dlNCCL) path() string { return n.lib.name }
+
+func (n *dlNCCL) has(symbol string) bool {
+	switch symbol {
+	case "ncclCommInitRankConfig":
+		return n.f.initRankConfig != nil
+	case "ncclGetLastError":
+		return n.f.lastError != nil
+	case "ncclCommShrink":
+		return n.f.shrink != nil
+	case "ncclCommRevoke":
+		return n.f.revoke != nil
+	}
+	return false
+}
+
+func (n *dlNCCL) getVersion() (int, Result) {
+	var v C.int
+	r := C.gr_getVersion(n.f.getVersion, &v)
+	return int(v), Result(r)
+}
+
+func (n *dlNCCL) getUniqueID() (uniqueID, Result) {
+	var id C.gr_uid
+	r := C.gr_getUniqueId(n.f.getUniqueID, &id)
+	var out uniqueID
+	copy(out[:], C.GoBytes(unsafe.Pointer(&id), uniqueIDBytes))
+	return out, Result(r)
+}
+
+func (n *dlNCCL) errorString(r Result) string {
+	if s := C.gr_errorString(n.f.errorString, C.int(r)); s != nil {
+		return C.GoString(s)
+	}
+	return ""
+}
+
+func (n *dlNCCL) lastError(c commHandle) string {
+	if n.f.lastError == nil {
+		return ""
+	}
+	if s := C.gr_lastError(n.f.lastError, C.uintptr_t(c)); s != nil {
+		return C.GoString(s)
+	}
+	return ""
+}
+
+func cUID(id uniqueID) C.gr_uid {
+	var u C.gr_uid
+	for i, b := range id {
+		u.internal[i] = C.char(b)
+	}
+	return u
+}
+
+func (n *dlNCCL) commInitRank(ctx ctxHandle, nranks, rank int, id uniqueID) (commHandle, Result) {
+	u := cUID(id)
+	var c C.uintptr_t
+	r := C.gr_initRank(n.f.initRank, C.uintptr_t(ctx), &c, C.int(nranks), &u, C.int(rank))
+	return commHandle(c), Result(r)
+}
+
+func (n *dlNCCL) commInitRankConfig(ctx ctxHandle, nranks, rank int, id uniqueID, blocking bool) (commHandle, Result) {
+	if n.f.initRankConfig == nil {
+		return 0, InvalidUsage
+	}
+	u := cUID(id)
+	var c C.uintptr_t
+	b := C.int(0)
+	if blocking {
+		b = 1
+	}
+	r := C.gr_initRankConfig(n.f.initRankConfig, C.uintptr_t(ctx), &c, C.int(nranks), &u, C.int(rank), b)
+	return commHandle(c), Result(r)
+}
+
+func (n *dlNCCL) commGetAsyncError(c commHandle) (Result, Result) {
+	var e C.int
+	r := C.gr_asyncError(n.f.asyncError, C.uintptr_t(c), &e)
+	return Result(e), Result(r)
+}
+
+func (n *dlNCCL) commAbort(ctx ctxHandle, c commHandle) Result {
+	return Result(C.gr_commCall(n.f.abort, C.uintptr_t(ctx), C.uintptr_t(c)))
+}
+
+func (n *dlNCCL) commDestroy(ctx ctxHandle, c commHandle) Result {
+	return Result(C.gr_commCall(n.f.destroy, C.uintptr_t(ctx), C.uintptr_t(c)))
+}
+
+func (n *dlNCCL) commShrink(ctx ctxHandle, c commHandle, exclude []int32, flags int) (commHandle, Result) {
+	if n.f.shrink == nil || len(exclude) == 0 {
+		return 0, InvalidUsage
+	}
+	ex := (*C.int)(unsafe.Pointer(&exclude[0]))
+	var nc C.uintptr_t
+	r := C.gr_shrink(n.f.shrink, C.uintptr_t(ctx), C.uintptr_t(c), ex, C.int(len(exclude)), &nc, C.int(flags))
+	return commHandle(nc), Result(r)
+}
+
+func (n *dlNCCL) commRevoke(ctx ctxHandle, c commHandle, flags int) Result {
+	if n.f.revoke == nil {
+		return InvalidUsage
+	}
+	return Result(C.gr_revoke(n.f.revoke, C.uintptr_t(ctx), C.uintptr_t(c), C.int(flags)))
+}
+
+func (n *dlNCCL) groupStart() Result { return Result(C.gr_groupStart(n.f.groupStart)) }
+
+func (n *dlNCCL) groupEnd(ctx ctxHandle) Result {
+	return Result(C.gr_groupEnd(n.f.groupEnd, C.uintptr_t(ctx)))
+}
+
+func (n *dlNCCL) allReduce(ctx ctxHandle, send, recv devPtr, count int, dt pg.DType, op pg.ReduceOp, c commHandle, s streamHandle) Result {
+	return Result(C.gr_allReduce(n.f.allReduce, C.uintptr_t(ctx), C.uintptr_t(send), C.uintptr_t(recv),
+		C.size_t(count), C.int(dt), C.int(op), C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+func (n *dlNCCL) broadcast(ctx ctxHandle, send, recv devPtr, count int, dt pg.DType, root int, c commHandle, s streamHandle) Result {
+	return Result(C.gr_broadcast(n.f.broadcast, C.uintptr_t(ctx), C.uintptr_t(send), C.uintptr_t(recv),
+		C.size_t(count), C.int(dt), C.int(root), C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+func (n *dlNCCL) allGather(ctx ctxHandle, send, recv devPtr, sendCount int, dt pg.DType, c commHandle, s streamHandle) Result {
+	return Result(C.gr_allGather(n.f.allGather, C.uintptr_t(ctx), C.uintptr_t(send), C.uintptr_t(recv),
+		C.size_t(sendCount), C.int(dt), C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+func (n *dlNCCL) reduceScatter(ctx ctxHandle, send, recv devPtr, recvCount int, dt pg.DType, op pg.ReduceOp, c commHandle, s streamHandle) Result {
+	return Result(C.gr_reduceScatter(n.f.reduceScatter, C.uintptr_t(ctx), C.uintptr_t(send), C.uintptr_t(recv),
+		C.size_t(recvCount), C.int(dt), C.int(op), C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+func (n *dlNCCL) send(ctx ctxHandle, buf devPtr, count int, dt pg.DType, peer int, c commHandle, s streamHandle) Result {
+	return Result(C.gr_p2p(n.f.send, C.uintptr_t(ctx), C.uintptr_t(buf), C.size_t(count), C.int(dt), C.int(peer),
+		C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+func (n *dlNCCL) recv(ctx ctxHandle, buf devPtr, count int, dt pg.DType, peer int, c commHandle, s streamHandle) Result {
+	return Result(C.gr_p2p(n.f.recv, C.uintptr_t(ctx), C.uintptr_t(buf), C.size_t(count), C.int(dt), C.int(peer),
+		C.uintptr_t(c), C.uintptr_t(s)))
+}
+
+// dlCUDA is the CUDA driver (libcuda.so.1) opened with dlopen.
+type dlCUDA struct {
+	lib *dlLibrary
+	// devs holds one context handle (a C gr_dev) per device ordinal, made
+	// on the first retain and kept: the primary context of a device is the
+	// same for the life of the process.
+	devsMu sync.Mutex
+	devs   map[int]ctxHandle
+	f      struct {
+		init, deviceCount, deviceGet, retain, release, setCurrent, errorString  unsafe.Pointer
+		memAlloc, memFree, htod, dtoh, streamCreate, streamQuery, streamDestroy unsafe.Pointer
+	}
+}
+
+func openCUDA(name string) (cudaAPI, error) {
+	return load(loadedCUDA, name, bindCUDA)
+}
+
+func bindCUDA(lib *dlLibrary) (*dlCUDA, error) {
+	d := &dlCUDA{lib: lib, devs: map[int]ctxHandle{}}
+	f := &d.f
+	err := lib.resolve([]entry{
+		{"cuInit", &f.init, false},
+		{"cuDeviceGetCount", &f.deviceCount, false},
+		{"cuDeviceGet", &f.deviceGet, false},
+		{"cuDevicePrimaryCtxRetain", &f.retain, false},
+		{"cuDevicePrimaryCtxRelease_v2|cuDevicePrimaryCtxRelease", &f.release, false},
+		{"cuCtxSetCurrent", &f.setCurrent, false},
+		{"cuMemAlloc_v2", &f.memAlloc, false},
+		{"cuMemFree_v2", &f.memFree, false},
+		{"cuMemcpyHtoD_v2", &f.htod, false},
+		{"cuMemcpyDtoH_v2", &f.dtoh, false},
+		{"cuStreamCreate", &f.streamCreate, false},
+		{"cuStreamQuery", &f.streamQuery, false},
+		{"cuStreamDestroy_v2|cuStreamDestroy", &f.streamDestroy, false},
+
+		{"cuGetErrorString", &f.errorString, true},
+	})
+	if err != nil {
+		return nil, err
+	}
+	return d, nil
+}
+
+func (d *dlCUDA) path() string { return d.lib.name }
+
+func (d *dlCUDA) errorString(code int) string {
+	if s := C.gr_cuErrorString(d.f.errorString, C.int(code)); s != nil {
+		return C.GoString(s)
+	}
+	return ""
+}
+
+func (d *dlCUDA) initDriver() int { return int(C.gr_cuInit(d.f.init)) }
+
+func (d *dlCUDA) deviceCount() (int, int) {
+	var n C.int
+	r := C.gr_cuCount(d.f.deviceCount, &n)
+	return int(n), int(r)
+}
+
+func (d *dlCUDA) primaryCtxRetain(ordinal int) (ctxHandle, int) {
+	var c C.uintptr_t
+	if r := C.gr_cuRetain(d.f.deviceGet, d.f.retain, C.int(ordinal), &c); r != 0 {
+		return 0, int(r)
+	}
+	d.devsMu.Lock()
+	defer d.devsMu.Unlock()
+	if h, ok := d.devs[ordinal]; ok {
+		return h, cudaSuccess
+	}
+	h := ctxHandle(C.gr_new_dev(d.f.setCurrent, c))
+	if h == 0 {
+		C.gr_cuRelease(d.f.deviceGet, d.f.release, C.int(ordinal))
+		return 0, 2 // CUDA_ERROR_OUT_OF_MEMORY
+	}
+	d.devs[ordinal] = h
+	return h, cudaSuccess
+}
+
+func (d *dlCUDA) primaryCtxRelease(ordinal int) int {
+	return int(C.gr_cuRelease(d.f.deviceGet, d.f.release, C.int(ordinal)))
+}
+
+func (d *dlCUDA) memAlloc(ctx ctxHandle, bytes int) (devPtr, int) {
+	var p C.uintptr_t
+	r := C.gr_cuMemAlloc(d.f.memAlloc, C.uintptr_t(ctx), &p, C.size_t(bytes))
+	return devPtr(p), int(r)
+}
+
+func (d *dlCUDA) memFree(ctx ctxHandle, p devPtr) int {
+	return int(C.gr_cuMemFree(d.f.memFree, C.uintptr_t(ctx), C.uintptr_t(p)))
+}
+
+func (d *dlCUDA) memcpyHtoD(ctx ctxHandle, dst devPtr, src []byte) int {
+	if len(src) == 0 {
+		return cudaSuccess
+	}
+	return int(C.gr_cuHtoD(d.f.htod, C.uintptr_t(ctx), C.uintptr_t(dst), unsafe.Pointer(&src[0]), C.size_t(len(src))))
+}
+
+func (d *dlCUDA) memcpyDtoH(ctx ctxHandle, dst []byte, src devPtr) int {
+	if len(dst) == 0 {
+		return cudaSuccess
+	}
+	return int(C.gr_cuDtoH(d.f.dtoh, C.uintptr_t(ctx), unsafe.Pointer(&dst[0]), C.uintptr_t(src), C.size_t(len(dst))))
+}
+
+func (d *dlCUDA) streamCreate(ctx ctxHandle) (streamHandle, int) {
+	var s C.uintptr_t
+	r := C.gr_cuStreamCreate(d.f.streamCreate, C.uintptr_t(ctx), &s)
+	return streamHandle(s), int(r)
+}
+
+func (d *dlCUDA) streamQuery(ctx ctxHandle, s streamHandle) int {
+	return int(C.gr_cuStreamCall(d.f.streamQuery, C.uintptr_t(ctx), C.uintptr_t(s)))
+}
+
+func (d *dlCUDA) streamDestroy(ctx ctxHandle, s streamHandle) int {
+	return int(C.gr_cuStreamCall(d.f.streamDestroy, C.uintptr_t(ctx), C.uintptr_t(s)))
+}

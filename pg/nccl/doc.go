@@ -1,0 +1,35 @@
+// Package nccl is a pg.ProcessGroup on NVIDIA's NCCL, loaded at run time.
+//
+// libnccl.so.2 and the CUDA driver (libcuda.so.1) are opened with dlopen
+// when New is called, so building a program that imports this package
+// needs neither CUDA nor NCCL headers or libraries, only cgo. Without cgo
+// the package still builds and New says it needs cgo. The gorun launcher
+// itself (cmd/gorun) never imports it: it is for worker programs.
+//
+// What it does, following PyTorch's ProcessGroupNCCL where it has an
+// answer:
+//
+//   - New finds the GPU ("ProcessGroupNCCL is only supported with GPUs, no
+//     GPUs found!" when there is none), loads NCCL, and exchanges the
+//     ncclUniqueId through the bootstrap store: rank 0 sets the 128 raw
+//     bytes under the decimal key "0" of the bootstrap namespace, the
+//     others get it. A second generation of a job needs a fresh namespace.
+//   - Communicators are blocking (ncclCommInitRank / ncclCommInitRankConfig)
+//     or non-blocking (config.blocking = 0, polled until done).
+//   - Collectives run on device memory (DeviceBuffer) on the group's
+//     stream and are waited for by polling, so a context deadline, Abort
+//     or the watchdog end the wait; float16 and bfloat16 work here.
+//   - Abort stops the group at once and revokes the communicator where NCCL
+//     can (ncclCommRevoke, ≥ 2.28.7), keeping it so that survivors can
+//     shrink it; Close (or the abortive shrink) frees it with ncclCommAbort,
+//     never ncclCommDestroy, which waits for peers that may be gone. A
+//     watchdog polls ncclCommGetAsyncError and aborts the group on an error
+//     (a dead peer: pg.ErrPeerLost). Config.FreeOnAbort gives PyTorch's
+//     free-at-once behaviour instead.
+//   - Shrink is ncclCommShrink (NCCL ≥ 2.27.3) with NCCL_SHRINK_DEFAULT or
+//     NCCL_SHRINK_ABORT; Revoke is ncclCommRevoke (NCCL ≥ 2.28.7).
+//
+// The bindings sit behind two small interfaces (api.go), so the group's
+// logic is tested without a GPU against a test double: a small C library
+// built from testdata that exports the same entry points. It is not NCCL.
+package nccl
