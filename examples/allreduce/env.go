@@ -1,0 +1,99 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// workerEnv is what a launcher (gorun or torchrun) tells a worker, read from
+// the environment PyTorch's env:// reads.
+type workerEnv struct {
+	rank, world, localRank int
+	masterAddr             string
+	masterPort             int
+	// agentStore: the launcher serves the store (TORCHELASTIC_USE_AGENT_STORE
+	// =True); otherwise rank 0 hosts it, as PyTorch's env:// does.
+	agentStore bool
+	// attempt is TORCHELASTIC_RESTART_COUNT: each restart of the group
+	// bootstraps under its own namespace, like PyTorch 1.13's
+	// /worker/attempt_<n> prefix, so a restart never reads the previous
+	// attempt's keys from a store that outlived it.
+	attempt int
+}
+
+func readEnv(getenv func(string) string) (workerEnv, error) {
+	var e workerEnv
+	ints := []struct {
+		name     string
+		dst      *int
+		required bool
+	}{
+		{"RANK", &e.rank, true},
+		{"WORLD_SIZE", &e.world, true},
+		{"MASTER_PORT", &e.masterPort, true},
+		{"LOCAL_RANK", &e.localRank, false},
+		{"TORCHELASTIC_RESTART_COUNT", &e.attempt, false},
+	}
+	for _, v := range ints {
+		s := getenv(v.name)
+		if s == "" {
+			if v.required {
+				// PyTorch's env:// messages: "RANK expected", …
+				return e, fmt.Errorf("%s expected (run under gorun or torchrun, or set it)", v.name)
+			}
+			continue
+		}
+		n, err := strconv.Atoi(s)
+		if err != nil {
+			return e, fmt.Errorf("%s=%q is not an integer", v.name, s)
+		}
+		*v.dst = n
+	}
+	if e.masterAddr = getenv("MASTER_ADDR"); e.masterAddr == "" {
+		return e, fmt.Errorf("MASTER_ADDR expected (run under gorun or torchrun, or set it)")
+	}
+	if e.world < 1 || e.rank < 0 || e.rank >= e.world {
+		return e, fmt.Errorf("RANK=%d out of range for WORLD_SIZE=%d", e.rank, e.world)
+	}
+	e.agentStore = strings.EqualFold(getenv("TORCHELASTIC_USE_AGENT_STORE"), "true")
+	return e, nil
+}
+
+// namespace is where this attempt's group bootstraps in the store.
+func (e workerEnv) namespace() string {
+	return "allreduce/attempt_" + strconv.Itoa(e.attempt)
+}
+
+// connectStore reaches the worker store: the launcher's, or one rank 0 hosts
+// at MASTER_ADDR:MASTER_PORT when no launcher serves one. The returned
+// function closes the connection and any server.
+func connectStore(ctx context.Context, e workerEnv, timeout time.Duration) (rendezvous.Store, func(), error) {
+	addr := net.JoinHostPort(e.masterAddr, strconv.Itoa(e.masterPort))
+	var srv *tcpstore.Server
+	if !e.agentStore && e.rank == 0 {
+		var err error
+		if srv, err = tcpstore.Listen(net.JoinHostPort("", strconv.Itoa(e.masterPort)), tcpstore.ServerConfig{}); err != nil {
+			return nil, nil, fmt.Errorf("host the store on port %d: %w", e.masterPort, err)
+		}
+	}
+	c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Timeout: timeout})
+	if err != nil {
+		if srv != nil {
+			srv.Close()
+		}
+		return nil, nil, err
+	}
+	return c, func() {
+		c.Close()
+		if srv != nil {
+			srv.Close()
+		}
+	}, nil
+}

@@ -1,0 +1,219 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+)
+
+func TestReadEnv(t *testing.T) {
+	full := map[string]string{
+		"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+		"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "3",
+	}
+	with := func(k, v string) map[string]string {
+		m := make(map[string]string, len(full))
+		for kk, vv := range full {
+			m[kk] = vv
+		}
+		if v == "" {
+			delete(m, k)
+		} else {
+			m[k] = v
+		}
+		return m
+	}
+	tests := []struct {
+		name    string
+		env     map[string]string
+		wantErr string
+	}{
+		{"torchrun's full set", full, ""},
+		{"no RANK", with("RANK", ""), "RANK expected"},
+		{"no WORLD_SIZE", with("WORLD_SIZE", ""), "WORLD_SIZE expected"},
+		{"no MASTER_ADDR", with("MASTER_ADDR", ""), "MASTER_ADDR expected"},
+		{"no MASTER_PORT", with("MASTER_PORT", ""), "MASTER_PORT expected"},
+		{"rank out of range", with("RANK", "4"), "RANK=4 out of range for WORLD_SIZE=4"},
+		{"not a number", with("WORLD_SIZE", "four"), `WORLD_SIZE="four" is not an integer`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e, err := readEnv(func(k string) string { return tt.env[k] })
+			if tt.wantErr != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.wantErr) {
+					t.Fatalf("readEnv error = %v, want %q", err, tt.wantErr)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := workerEnv{rank: 2, world: 4, masterAddr: "10.0.0.1", masterPort: 29500, agentStore: true, attempt: 3}
+			if e != want {
+				t.Errorf("readEnv = %+v, want %+v", e, want)
+			}
+			if e.namespace() != "allreduce/attempt_3" {
+				t.Errorf("namespace = %q", e.namespace())
+			}
+		})
+	}
+}
+
+// buildExample builds this command into the test's temp dir.
+func buildExample(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "allreduce")
+	cmd := exec.Command("go", "build", "-o", bin, ".")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin
+}
+
+var doneLine = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S+)`)
+
+// checkDone asserts one correct done line per rank in out.
+func checkDone(t *testing.T, out string, world, steps int) {
+	t.Helper()
+	want := fmt.Sprint(world * (world + 1) / 2)
+	var ranks []int
+	for _, m := range doneLine.FindAllStringSubmatch(out, -1) {
+		r, _ := strconv.Atoi(m[1])
+		ranks = append(ranks, r)
+		if m[2] != strconv.Itoa(world) || m[3] != strconv.Itoa(steps) || m[4] != want {
+			t.Errorf("rank %s reported world=%s steps=%s sum=%s, want world=%d steps=%d sum=%s", m[1], m[2], m[3], m[4], world, steps, want)
+		}
+	}
+	slices.Sort(ranks)
+	if !slices.Equal(ranks, []int{0, 1, 2, 3}[:world]) {
+		t.Errorf("done lines from ranks %v, want 0..%d\n%s", ranks, world-1, out)
+	}
+}
+
+// TestUnderGorun runs the example as the README shows it: four ranks under
+// gorun --standalone.
+func TestUnderGorun(t *testing.T) {
+	gorun, bin := testutil.BuildGorun(t), buildExample(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, gorun, "--standalone", "--nproc-per-node", "4", "--no-python",
+		bin, "--steps", "20", "--step-ms", "1")
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("gorun: %v\n%s", err, out)
+	}
+	checkDone(t, string(out), 4, 20)
+}
+
+// TestWithoutLauncher sets the env:// variables by hand: rank 0 hosts the
+// store, as PyTorch's rank 0 does when no agent serves one.
+func TestWithoutLauncher(t *testing.T) {
+	bin := buildExample(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const world = 3
+	outs := make([]*testutil.SyncBuffer, world)
+	cmds := make([]*exec.Cmd, world)
+	for r := range world {
+		outs[r] = new(testutil.SyncBuffer)
+		cmds[r] = exec.CommandContext(ctx, bin, "--steps", "5", "--step-ms", "0", "--elems", "100000")
+		cmds[r].Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "WORLD_SIZE="+strconv.Itoa(world),
+			"MASTER_ADDR=127.0.0.1", "MASTER_PORT="+strconv.Itoa(port), "TORCHELASTIC_USE_AGENT_STORE=")
+		cmds[r].Stdout, cmds[r].Stderr = outs[r], outs[r]
+		cmds[r].SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		if err := cmds[r].Start(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var all strings.Builder
+	for r, c := range cmds {
+		if err := c.Wait(); err != nil {
+			t.Errorf("rank %d: %v\n%s", r, err, outs[r])
+		}
+		all.WriteString(outs[r].String())
+	}
+	checkDone(t, all.String(), world, 5)
+}
+
+func TestUsageErrors(t *testing.T) {
+	bin := buildExample(t)
+	tests := []struct {
+		name string
+		args []string
+		env  []string
+		want string
+	}{
+		{"no launcher env", nil, []string{"RANK=", "WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT="}, "RANK expected"},
+		{"unknown backend", []string{"--backend", "mpi"}, nil, `unknown --backend "mpi"`},
+		{"zero steps", []string{"--steps", "0"}, nil, "--steps and --elems must be at least 1"},
+		{"stray argument", []string{"extra"}, nil, "unexpected arguments"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, tt.args...)
+			cmd.Env = append(os.Environ(), tt.env...)
+			out, err := cmd.CombinedOutput()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != exitUsage {
+				t.Fatalf("exit = %v, want code %d\n%s", err, exitUsage, out)
+			}
+			if !strings.Contains(string(out), tt.want) {
+				t.Errorf("output %q does not say %q", out, tt.want)
+			}
+		})
+	}
+}
+
+// TestNCCLWithoutGPU: on a machine without a GPU (CI), --backend nccl fails
+// with one clear line — PyTorch's message, or pg/nccl's without cgo.
+func TestNCCLWithoutGPU(t *testing.T) {
+	if _, err := os.Stat("/dev/nvidia0"); err == nil {
+		t.Skip("this machine has a GPU; make gpu-smoke covers it")
+	}
+	bin := buildExample(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ln.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, "--backend", "nccl", "--steps", "1")
+	cmd.Env = append(os.Environ(), "RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1",
+		"MASTER_PORT="+strconv.Itoa(port), "TORCHELASTIC_USE_AGENT_STORE=", "GORUN_NCCL_LIBRARY=", "GORUN_CUDA_LIBRARY=")
+	out, err := cmd.CombinedOutput()
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) || ee.ExitCode() != exitFail {
+		t.Fatalf("exit = %v, want code %d\n%s", err, exitFail, out)
+	}
+	if !strings.Contains(string(out), "only supported with GPUs, no GPUs found!") && !strings.Contains(string(out), "needs cgo") {
+		t.Errorf("output does not say why:\n%s", out)
+	}
+	if n := strings.Count(strings.TrimSpace(string(out)), "\n"); n != 0 {
+		t.Errorf("want one line, got %d:\n%s", n+1, out)
+	}
+}
