@@ -35,19 +35,7 @@ func TestFollower(t *testing.T) {
 func testFollower(t *testing.T, mode string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	dial := func() *tcpstore.Client {
-		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 30 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c
-	}
+	dial := storeDialer(ctx, t)
 
 	const world, victim, steps = 4, 2, 60
 	groups := make([]pg.ProcessGroup, world)
@@ -174,19 +162,7 @@ func worker(ctx context.Context, f *Follower, g, steps int, victim bool, mode st
 func TestFollowerRestartEpoch(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	dial := func() *tcpstore.Client {
-		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c
-	}
+	dial := storeDialer(ctx, t)
 	store := dial()
 	g, err := cpu.New(ctx, cpu.Config{Bootstrap: pg.Bootstrap{Store: store, Namespace: "restart", Rank: 0, Size: 1}})
 	if err != nil {
@@ -210,5 +186,24 @@ func TestFollowerRestartEpoch(t *testing.T) {
 	}
 	if err := g.Barrier(ctx); !errors.Is(err, pg.ErrClosed) {
 		t.Errorf("group after a restart epoch: %v, want it closed", err)
+	}
+}
+
+// storeDialer starts a TCPStore server for the test and returns a function
+// that opens a new client connection to it.
+func storeDialer(ctx context.Context, t *testing.T) func() *tcpstore.Client {
+	t.Helper()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return func() *tcpstore.Client {
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 30 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
 	}
 }
