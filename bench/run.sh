@@ -34,3 +34,49 @@ echo
 echo "## Rendezvous: gorun vs torchrun 1.13 ($(nproc) cores, $(date -u +%F))"
 bin/rdzvbench -reps "${RDZV_REPS:-3}" -agents "${RDZV_AGENTS:-64}" -torch-agents "${RDZV_TORCH_AGENTS:-16}" \
   -python "${PYTHON:-/usr/bin/python3}" | tee bench/results/rdzv.md
+
+# The etcd-backed worker store (bench/etcdstore) beside the in-memory one,
+# the same mixed load at ETCD_CONNS connections. Needs an etcd binary
+# (Debian's etcd-server); skipped without one. The single etcd member keeps
+# its data on /dev/shm and is stopped at the end.
+if command -v etcd >/dev/null 2>&1; then
+  go build -o bin/etcdstore ./bench/etcdstore
+  go build -o bin/storeload ./bench/storeload
+  edir=$(mktemp -d /dev/shm/gorun-bench-etcd.XXXXXX 2>/dev/null || mktemp -d)
+  etcd_pid='' es_pid='' mem_pid=''
+  etcd_cleanup() {
+    for p in $es_pid $mem_pid $etcd_pid; do kill "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
+    rm -rf "$edir" "$edir".*
+  }
+  trap etcd_cleanup EXIT
+  etcd --data-dir "$edir" --listen-client-urls http://127.0.0.1:23790 --advertise-client-urls http://127.0.0.1:23790 \
+    --listen-peer-urls http://127.0.0.1:23800 --initial-advertise-peer-urls http://127.0.0.1:23800 \
+    --initial-cluster default=http://127.0.0.1:23800 >"$edir.log" 2>&1 &
+  etcd_pid=$!
+  bin/etcdstore -etcd 127.0.0.1:23790 -listen 127.0.0.1:0 >"$edir.addr" &
+  es_pid=$!
+  bin/gorun store serve --listen 127.0.0.1:0 >"$edir.mem" &
+  mem_pid=$!
+  for _ in $(seq 50); do [ -s "$edir.addr" ] && [ -s "$edir.mem" ] && break; sleep 0.2; done
+  echo
+  echo "## Worker store: etcd-backed vs in-memory ($(nproc) cores, $(date -u +%F))"
+  for c in ${ETCD_CONNS:-64}; do
+    bin/storeload mixed -addr "$(head -1 "$edir.addr")" -wire new -conns "$c" -duration "${DURATION:-5s}" -label etcd
+    bin/storeload mixed -addr "$(head -1 "$edir.mem")" -wire new -conns "$c" -duration "${DURATION:-5s}" -label memory
+  done | tee bench/results/etcdstore.jsonl
+  etcd_cleanup
+  trap - EXIT
+else
+  echo "## Worker store on etcd: skipped (no etcd binary; install etcd-server)"
+fi
+
+# Process groups: pg/cpu's AllReduce beside gloo (PyTorch 1.13), 4 rank
+# processes on loopback, plus abort and shrink latency (bench/pgbench,
+# bench/gloo_allreduce.py). Knobs (env): PG_NPROC, PG_SIZES, PG_ITERS,
+# PG_REPS.
+go build -o bin/pgbench ./bench/pgbench
+echo
+echo "## Process groups: pg/cpu vs gloo 1.13 ($(nproc) cores, $(date -u +%F))"
+bin/pgbench -nproc "${PG_NPROC:-4}" -sizes "${PG_SIZES:-4096,1048576,16777216,67108864}" \
+  -iters "${PG_ITERS:-200,50,15,7}" -reps "${PG_REPS:-5}" -python "${PYTHON:-/usr/bin/python3}" \
+  -out bench/results/pg.jsonl | tee bench/results/pg.md

@@ -13,9 +13,82 @@ import (
 // it must receive ("" = no reply expected; "CLOSED" = the server must close).
 type step struct{ send, want string }
 
-// TestServerWireOld replays traffic captured from PyTorch 1.13 clients
+// The server tests below hold for every Storage. serverSuite lists them;
+// each runs here as its own Test function on a MemoryStorage, and
+// RunServerSuite (export_test.go) runs them all on another Storage (the
+// etcd one, in etcd_conformance_test.go).
+
+// newStorage returns a fresh, empty storage for one server of a test.
+type newStorage func(t testing.TB) Storage
+
+func memoryStorage(testing.TB) Storage { return NewMemoryStorage() }
+
+var serverSuite = []struct {
+	name string
+	test func(*testing.T, newStorage)
+}{
+	{"ServerWireOld", testServerWireOld},
+	{"ServerWireNew", testServerWireNew},
+	{"ServerGenerationsShareKeys", testServerGenerationsShareKeys},
+	{"ServerWaitReleasedBySet", testServerWaitReleasedBySet},
+	{"ServerDeleteDoesNotReleaseWait", testServerDeleteDoesNotReleaseWait},
+	{"ServerCancelWaitNeverFollowedByStop", testServerCancelWaitNeverFollowedByStop},
+	{"ServerCancelRace", testServerCancelRace},
+	{"ServerBarrier", testServerBarrier},
+	{"ServerWatchKeyOld", testServerWatchKeyOld},
+	{"ServerIdleConnectionsStay", testServerIdleConnectionsStay},
+	{"ServerManyClients", testServerManyClients},
+	{"ServerSplitAndCoalesced", testServerSplitAndCoalesced},
+	{"ServerMalformedInput", testServerMalformedInput},
+	{"ServerTruncatedFrameThenClose", testServerTruncatedFrameThenClose},
+	{"ServerPartialHugeValueIsBounded", testServerPartialHugeValueIsBounded},
+	{"ServerSlowClientDoesNotBlockOthers", testServerSlowClientDoesNotBlockOthers},
+	{"ServerCloseReleasesEverything", testServerCloseReleasesEverything},
+}
+
+func TestServerWireOld(t *testing.T)              { testServerWireOld(t, memoryStorage) }
+func TestServerWireNew(t *testing.T)              { testServerWireNew(t, memoryStorage) }
+func TestServerGenerationsShareKeys(t *testing.T) { testServerGenerationsShareKeys(t, memoryStorage) }
+func TestServerWaitReleasedBySet(t *testing.T)    { testServerWaitReleasedBySet(t, memoryStorage) }
+func TestServerDeleteDoesNotReleaseWait(t *testing.T) {
+	testServerDeleteDoesNotReleaseWait(t, memoryStorage)
+}
+func TestServerCancelWaitNeverFollowedByStop(t *testing.T) {
+	testServerCancelWaitNeverFollowedByStop(t, memoryStorage)
+}
+func TestServerCancelRace(t *testing.T)          { testServerCancelRace(t, memoryStorage) }
+func TestServerBarrier(t *testing.T)             { testServerBarrier(t, memoryStorage) }
+func TestServerWatchKeyOld(t *testing.T)         { testServerWatchKeyOld(t, memoryStorage) }
+func TestServerIdleConnectionsStay(t *testing.T) { testServerIdleConnectionsStay(t, memoryStorage) }
+func TestServerManyClients(t *testing.T)         { testServerManyClients(t, memoryStorage) }
+func TestServerSplitAndCoalesced(t *testing.T)   { testServerSplitAndCoalesced(t, memoryStorage) }
+func TestServerMalformedInput(t *testing.T)      { testServerMalformedInput(t, memoryStorage) }
+func TestServerTruncatedFrameThenClose(t *testing.T) {
+	testServerTruncatedFrameThenClose(t, memoryStorage)
+}
+func TestServerPartialHugeValueIsBounded(t *testing.T) {
+	testServerPartialHugeValueIsBounded(t, memoryStorage)
+}
+func TestServerSlowClientDoesNotBlockOthers(t *testing.T) {
+	testServerSlowClientDoesNotBlockOthers(t, memoryStorage)
+}
+func TestServerCloseReleasesEverything(t *testing.T) {
+	testServerCloseReleasesEverything(t, memoryStorage)
+}
+
+// startServerOn starts a server on a storage from ns (unless cfg names
+// one), as startServer does.
+func startServerOn(t testing.TB, ns newStorage, cfg ServerConfig) *Server {
+	t.Helper()
+	if cfg.Storage == nil {
+		cfg.Storage = ns(t)
+	}
+	return startServer(t, cfg)
+}
+
+// testServerWireOld replays traffic captured from PyTorch 1.13 clients
 // (spec §2.1–2.2) and checks the server's exact replies.
-func TestServerWireOld(t *testing.T) {
+func testServerWireOld(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		k1 := str("/k1")
 		cases := []struct {
@@ -76,7 +149,7 @@ func TestServerWireOld(t *testing.T) {
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
-				s := startServer(t, ServerConfig{})
+				s := startServerOn(t, ns, ServerConfig{})
 				runSteps(t, dialRaw(t, s), tc.steps)
 			})
 		}
@@ -97,9 +170,9 @@ func runSteps(t *testing.T, c *rawConn, steps []step) {
 	}
 }
 
-// TestServerWireNew checks the VALIDATE-era protocol (spec §1) from byte
+// testServerWireNew checks the VALIDATE-era protocol (spec §1) from byte
 // fixtures: PyTorch ≥2.1 cannot be installed here.
-func TestServerWireNew(t *testing.T) {
+func testServerWireNew(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		k := str("/k")
 		hello := validate + " 0d 78563412" // VALIDATE, PING 0x12345678
@@ -166,18 +239,18 @@ func TestServerWireNew(t *testing.T) {
 		}
 		for _, tc := range cases {
 			t.Run(tc.name, func(t *testing.T) {
-				s := startServer(t, ServerConfig{})
+				s := startServerOn(t, ns, ServerConfig{})
 				runSteps(t, dialRaw(t, s), tc.steps)
 			})
 		}
 	})
 }
 
-// TestServerGenerationsShareKeys: one server, an old and a new client, the
+// testServerGenerationsShareKeys: one server, an old and a new client, the
 // same keys (spec §2.4: decided per connection, not per process).
-func TestServerGenerationsShareKeys(t *testing.T) {
+func testServerGenerationsShareKeys(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		old, nu := dialRaw(t, s), dialRaw(t, s)
 		nu.send(validate + " 0d 01000000")
 		nu.expect("01000000")
@@ -192,9 +265,9 @@ func TestServerGenerationsShareKeys(t *testing.T) {
 	})
 }
 
-// TestServerWaitReleasedBySet: a WAIT is answered when another client writes
+// testServerWaitReleasedBySet: a WAIT is answered when another client writes
 // the key, by each kind of write.
-func TestServerWaitReleasedBySet(t *testing.T) {
+func testServerWaitReleasedBySet(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		writes := map[string]string{
 			"set":         "01 " + str("/w") + str("v"),
@@ -205,7 +278,7 @@ func TestServerWaitReleasedBySet(t *testing.T) {
 		}
 		for name, write := range writes {
 			t.Run(name, func(t *testing.T) {
-				s := startServer(t, ServerConfig{})
+				s := startServerOn(t, ns, ServerConfig{})
 				waiter, writer := dialRaw(t, s), dialRaw(t, s)
 				waiter.send(validate + " 06 02000000 00000000 " + str("/w") + str("/other"))
 				writer.send(validate + " " + write)
@@ -221,11 +294,11 @@ func TestServerWaitReleasedBySet(t *testing.T) {
 	})
 }
 
-// TestServerDeleteDoesNotReleaseWait pins c10d's rule that DELETE_KEY leaves
+// testServerDeleteDoesNotReleaseWait pins c10d's rule that DELETE_KEY leaves
 // waiters alone.
-func TestServerDeleteDoesNotReleaseWait(t *testing.T) {
+func testServerDeleteDoesNotReleaseWait(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		waiter, writer := dialRaw(t, s), dialRaw(t, s)
 		waiter.send(validate + " 06 01000000 00000000 " + str("/w"))
 		writer.send(validate + " 08 " + str("/w"))
@@ -234,11 +307,11 @@ func TestServerDeleteDoesNotReleaseWait(t *testing.T) {
 	})
 }
 
-// TestServerCancelWaitNeverFollowedByStop: after WAIT_CANCELED, a later write
+// testServerCancelWaitNeverFollowedByStop: after WAIT_CANCELED, a later write
 // of the key must not send a stray STOP_WAITING (spec §1.7).
-func TestServerCancelWaitNeverFollowedByStop(t *testing.T) {
+func testServerCancelWaitNeverFollowedByStop(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		waiter, writer := dialRaw(t, s), dialRaw(t, s)
 		waiter.send(validate + " 06 01000000 00000000 " + str("/w"))
 		waiter.send("0c")
@@ -252,12 +325,12 @@ func TestServerCancelWaitNeverFollowedByStop(t *testing.T) {
 	})
 }
 
-// TestServerCancelRace hammers the window between a SET releasing a wait and
+// testServerCancelRace hammers the window between a SET releasing a wait and
 // the waiter cancelling it: the reply must be either 01 or 00 01, never
 // anything else, and the stream must stay in sync.
-func TestServerCancelRace(t *testing.T) {
+func testServerCancelRace(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		waiter, writer := dialRaw(t, s), dialRaw(t, s)
 		waiter.send(validate)
 		writer.send(validate)
@@ -296,13 +369,13 @@ func swap64(v uint64) uint64 {
 	return r
 }
 
-// TestServerBarrier: N connections, the last arrival releases everyone, a
+// testServerBarrier: N connections, the last arrival releases everyone, a
 // plain WAIT on the key is released too, and early arrivals are not released
 // by later increments.
-func TestServerBarrier(t *testing.T) {
+func testServerBarrier(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		const n = 5
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		ws := fmt.Sprintf("%016x", swap64(n))
 		conns := make([]*rawConn, n)
 		for i := range conns {
@@ -325,11 +398,11 @@ func TestServerBarrier(t *testing.T) {
 	})
 }
 
-// TestServerWatchKeyOld covers 1.13's WATCH_KEY callbacks on the second
+// testServerWatchKeyOld covers 1.13's WATCH_KEY callbacks on the second
 // socket (captured: 01 S"/wk" S"" S"val"; delete → 02 …).
-func TestServerWatchKeyOld(t *testing.T) {
+func testServerWatchKeyOld(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		main, cb := dialRaw(t, s), dialRaw(t, s)
 		cb.expectNothing(50 * time.Millisecond) // an idle callback socket is fine
 		cb.send("07 " + str("/wk"))
@@ -344,11 +417,11 @@ func TestServerWatchKeyOld(t *testing.T) {
 	})
 }
 
-// TestServerIdleConnectionsStay: connections that say nothing are kept (the
+// testServerIdleConnectionsStay: connections that say nothing are kept (the
 // 1.13 callback socket), and a connection idle between requests still works.
-func TestServerIdleConnectionsStay(t *testing.T) {
+func testServerIdleConnectionsStay(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		c := dialRaw(t, s)
 		c.expectNothing(300 * time.Millisecond)
 		c.send("06")
@@ -359,12 +432,12 @@ func TestServerIdleConnectionsStay(t *testing.T) {
 	})
 }
 
-// TestServerManyClients runs concurrent ADDs from many connections of both
+// testServerManyClients runs concurrent ADDs from many connections of both
 // generations and checks the exact total.
-func TestServerManyClients(t *testing.T) {
+func testServerManyClients(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		const clients, adds = 64, 50
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		var wg sync.WaitGroup
 		for i := range clients {
 			c := dialRaw(t, s)
@@ -411,16 +484,16 @@ func readFull(c *rawConn, b []byte) (int, error) {
 	return n, nil
 }
 
-// TestServerSplitAndCoalesced sends a request stream one byte per write and
+// testServerSplitAndCoalesced sends a request stream one byte per write and
 // then all at once; both give the same replies.
-func TestServerSplitAndCoalesced(t *testing.T) {
+func testServerSplitAndCoalesced(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		stream := validate + " 0d 01020304 01 " + str("/a") + str("hello") + " 04 " + str("/n") + "02000000 00000000" +
 			" 0a 02000000 00000000 " + str("/a") + str("/n")
 		want := "01020304 02000000 00000000 " + str("hello") + str("2")
 		for _, split := range []bool{true, false} {
 			t.Run(fmt.Sprintf("split=%v", split), func(t *testing.T) {
-				s := startServer(t, ServerConfig{})
+				s := startServerOn(t, ns, ServerConfig{})
 				c := dialRaw(t, s)
 				b := h(t, stream)
 				if split {
@@ -438,10 +511,10 @@ func TestServerSplitAndCoalesced(t *testing.T) {
 	})
 }
 
-// TestServerMalformedInput: bad input closes only the offending connection;
+// testServerMalformedInput: bad input closes only the offending connection;
 // the server stays up, other clients are unaffected, and no length prefix
 // allocates past the limits.
-func TestServerMalformedInput(t *testing.T) {
+func testServerMalformedInput(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
 		cases := []struct {
 			name string
@@ -459,7 +532,7 @@ func TestServerMalformedInput(t *testing.T) {
 			{"add on a non-number", validate + " 01 " + str("/x") + str("abc") + " 04 " + str("/x") + i64one},
 			{"add overflow", validate + " 04 " + str("/x") + "ffffffff ffffff7f 04 " + str("/x") + i64one},
 		}
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		bystander := dialRaw(t, s)
 		bystander.send(validate + " 01 " + str("/alive") + str("yes"))
 		var before runtime.MemStats
@@ -498,12 +571,12 @@ func TestServerMalformedInput(t *testing.T) {
 	})
 }
 
-// TestServerTruncatedFrameThenClose: a client that dies mid-request
+// testServerTruncatedFrameThenClose: a client that dies mid-request
 // leaves nothing behind: the key is not half-set and its connection is
 // released.
-func TestServerTruncatedFrameThenClose(t *testing.T) {
+func testServerTruncatedFrameThenClose(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		for _, partial := range []string{
 			"00 03000000", // inside a length
 			"00 " + str("/k1") + "05000000 00000000 ab",     // inside a value
@@ -529,11 +602,11 @@ func TestServerTruncatedFrameThenClose(t *testing.T) {
 	})
 }
 
-// TestServerPartialHugeValueIsBounded: a value announced at the limit but
+// testServerPartialHugeValueIsBounded: a value announced at the limit but
 // sent slowly costs memory in proportion to what arrived, not to the prefix.
-func TestServerPartialHugeValueIsBounded(t *testing.T) {
+func testServerPartialHugeValueIsBounded(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{Limits: Limits{MaxValueSize: 64 << 20, MaxRequestSize: 256 << 20}})
+		s := startServerOn(t, ns, ServerConfig{Limits: Limits{MaxValueSize: 64 << 20, MaxRequestSize: 256 << 20}})
 		var before runtime.MemStats
 		runtime.GC()
 		runtime.ReadMemStats(&before)
@@ -553,11 +626,11 @@ func TestServerPartialHugeValueIsBounded(t *testing.T) {
 	})
 }
 
-// TestServerSlowClientDoesNotBlockOthers: a client that sends one byte at a
+// testServerSlowClientDoesNotBlockOthers: a client that sends one byte at a
 // time, slowly, holds up nobody else.
-func TestServerSlowClientDoesNotBlockOthers(t *testing.T) {
+func testServerSlowClientDoesNotBlockOthers(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServer(t, ServerConfig{})
+		s := startServerOn(t, ns, ServerConfig{})
 		slow, fast := dialRaw(t, s), dialRaw(t, s)
 		msg := h(t, validate+" 01 "+str("/slow")+str("value"))
 		done := make(chan struct{})
@@ -589,10 +662,10 @@ func TestServerSlowClientDoesNotBlockOthers(t *testing.T) {
 	})
 }
 
-// TestServerCloseReleasesEverything: Close ends connections, including ones
+// testServerCloseReleasesEverything: Close ends connections, including ones
 // with pending waits, and returns.
-func TestServerCloseReleasesEverything(t *testing.T) {
-	s, err := Listen("127.0.0.1:0", ServerConfig{})
+func testServerCloseReleasesEverything(t *testing.T, ns newStorage) {
+	s, err := Listen("127.0.0.1:0", ServerConfig{Storage: ns(t)})
 	if err != nil {
 		t.Fatal(err)
 	}

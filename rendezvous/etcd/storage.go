@@ -1,0 +1,551 @@
+package etcd
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"hash/maphash"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// StorageConfig configures a Storage.
+type StorageConfig struct {
+	// Prefix is where the store lives in etcd; every Storage with the same
+	// prefix (one per node) serves the same store. Required; it should end
+	// in "/", e.g. "/gorun/job1/store/0/".
+	Prefix string
+	// OpTimeout bounds one storage operation, etcd's retries across a
+	// leader change included. Default 60 s.
+	OpTimeout time.Duration
+	// Logger receives watch interruptions. Default: none.
+	Logger *zap.Logger
+}
+
+// Layout under Prefix:
+//
+//	k/<key>                 a key's value
+//	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
+//	m/quiet                 written in a barrier arrival's transaction: the
+//	                        key it names changed quietly in that revision
+//	m/t/<node>/<stripe>     the last read-modify-write attempt applied
+const (
+	keysDir   = "k/"
+	queuesDir = "q/"
+	quietKey  = "m/quiet"
+	tokenDir  = "m/t/" // m/t/<node>/<stripe>: see update
+)
+
+// numStripes spreads read-modify-write operations of one node over this
+// many locks, so that local clients of one counter take turns instead of
+// failing each other's transactions.
+const numStripes = 64
+
+// Storage is a tcpstore.Storage whose keys and queues live in etcd, so a
+// tcpstore.Server on every node serves one store to PyTorch workers and no
+// node holds it.
+//
+// Set, Get, Delete and QueuePush are one etcd request. Add, CompareSet,
+// Append and Barrier are compare-and-swap transactions on the key's
+// mod_revision, atomic across nodes. Check, NumKeys and the like read at one
+// revision. Waits, barriers and WATCH_KEY are released by one etcd watch on
+// the prefix, whichever node wrote the key.
+//
+// A queue push wakes one waiter on each node (a waiter that then finds the
+// queue empty pops nothing, as with a race between two local poppers).
+type Storage struct {
+	cli     *clientv3.Client
+	prefix  string
+	timeout time.Duration
+	log     *zap.Logger
+	id      string // names this Storage's queue elements
+	seq     atomic.Uint64
+
+	seed    maphash.Seed
+	stripes [numStripes]stripe
+
+	ctx    context.Context
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	mu       sync.Mutex
+	waiters  map[string]map[*waiter]struct{} // by key
+	barriers map[string]map[*barrier]struct{}
+	watches  map[string]map[*watch]struct{}
+}
+
+var _ tcpstore.Storage = (*Storage)(nil)
+
+// stripe serializes this node's read-modify-writes of some keys and
+// remembers their last known values, the first guess of the next
+// transaction.
+type stripe struct {
+	mu    sync.Mutex
+	cache map[string]known
+}
+
+type known struct {
+	val    []byte
+	modRev int64 // 0: absent
+}
+
+const maxCachePerStripe = 1024
+
+// NewStorage returns a Storage on cli under cfg.Prefix and starts its watch.
+// cli stays the caller's; Close the Storage before closing cli.
+func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*Storage, error) {
+	if cfg.Prefix == "" {
+		return nil, fmt.Errorf("%w: etcd storage needs a prefix", rendezvous.ErrInvalidArgument)
+	}
+	if cfg.OpTimeout <= 0 {
+		cfg.OpTimeout = 60 * time.Second
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = zap.NewNop()
+	}
+	var id [8]byte
+	_, _ = rand.Read(id[:])
+	s := &Storage{
+		cli:      cli,
+		prefix:   cfg.Prefix,
+		timeout:  cfg.OpTimeout,
+		log:      cfg.Logger,
+		id:       hex.EncodeToString(id[:]),
+		seed:     maphash.MakeSeed(),
+		done:     make(chan struct{}),
+		waiters:  make(map[string]map[*waiter]struct{}),
+		barriers: make(map[string]map[*barrier]struct{}),
+		watches:  make(map[string]map[*watch]struct{}),
+	}
+	for i := range s.stripes {
+		s.stripes[i].cache = make(map[string]known)
+	}
+	// The watch starts after the revision read here; every operation
+	// after NewStorage reads a later one.
+	rctx, cancel := context.WithTimeout(ctx, cfg.OpTimeout)
+	resp, err := cli.Get(rctx, s.prefix+quietKey, clientv3.WithCountOnly())
+	cancel()
+	if err != nil {
+		return nil, fmt.Errorf("%w: etcd storage at %q: %w", rendezvous.ErrUnavailable, cfg.Prefix, err)
+	}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	go s.watchLoop(resp.Header.Revision + 1)
+	return s, nil
+}
+
+// Close stops the watch. Registered waiters are never released afterwards;
+// the data stays in etcd (see Drop).
+func (s *Storage) Close() error {
+	s.cancel()
+	<-s.done
+	return nil
+}
+
+// Drop deletes everything under the Storage's prefix.
+func (s *Storage) Drop(ctx context.Context) error {
+	_, err := s.cli.Delete(ctx, s.prefix, clientv3.WithPrefix())
+	return err
+}
+
+// Prefix returns where the store lives in etcd.
+func (s *Storage) Prefix() string { return s.prefix }
+
+func (s *Storage) kkey(key []byte) string { return s.prefix + keysDir + string(key) }
+
+func (s *Storage) qdir(name []byte) string {
+	return s.prefix + queuesDir + hex.EncodeToString(name) + "/"
+}
+
+func (s *Storage) opCtx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(s.ctx, s.timeout)
+}
+
+func (s *Storage) fail(op string, key []byte, err error) error {
+	if errors.Is(err, rendezvous.ErrNotInteger) {
+		return err
+	}
+	return fmt.Errorf("%w: etcd storage %s %q: %w", rendezvous.ErrUnavailable, op, key, err)
+}
+
+func (s *Storage) Set(key, value []byte) error {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	err := s.retry(ctx, func(ctx context.Context) error {
+		_, err := s.cli.Put(ctx, s.kkey(key), string(value))
+		return err
+	})
+	if err != nil {
+		return s.fail("set", key, err)
+	}
+	return nil
+}
+
+func (s *Storage) Get(key []byte) ([]byte, bool, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	resp, err := s.get(ctx, s.kkey(key))
+	if err != nil {
+		return nil, false, s.fail("get", key, err)
+	}
+	if len(resp.Kvs) == 0 {
+		return nil, false, nil
+	}
+	return resp.Kvs[0].Value, true, nil
+}
+
+// change is what an update function decides for a key's current value.
+type change struct {
+	result []byte // what the operation answers
+	write  bool   // store result as the new value
+	n      int64  // a counter's new value
+	extra  []clientv3.Op
+}
+
+// update runs f on key's current value and stores what it decides in a
+// transaction fenced on the key's mod_revision, retrying on a concurrent
+// change and on etcd errors that leave the outcome unknown (a leader lost
+// mid-request). The first guess is the value this node last saw.
+//
+// Every writing attempt also stamps a token key of this node and stripe
+// with the attempt's id, so that when an attempt's outcome is unknown the
+// next read tells whether it was applied: a transaction's comparison is
+// evaluated when it is applied, so at most one attempt of an operation can
+// apply, and an increment is never applied twice.
+func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) (change, error)) (change, error) {
+	k := s.kkey(key)
+	st, tok := s.stripe(k)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	opID := strconv.FormatUint(s.seq.Add(1), 16) + "."
+	var tried map[string]change // attempts whose outcome is unknown
+	guess, verified := st.cache[k], false
+	for attempt := 0; ; attempt++ {
+		ch, err := f(guess.val, guess.modRev != 0)
+		if err != nil && verified {
+			return change{}, err
+		}
+		if err == nil && !ch.write && verified {
+			return ch, nil
+		}
+		id := opID + strconv.Itoa(attempt)
+		var then []clientv3.Op
+		if err == nil && ch.write {
+			then = append([]clientv3.Op{clientv3.OpPut(k, string(ch.result))}, ch.extra...)
+			then = append(then, clientv3.OpPut(tok, id))
+		}
+		resp, terr := s.cli.Txn(ctx).
+			If(clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)).
+			Then(then...).
+			Else(clientv3.OpGet(k), clientv3.OpGet(tok)).
+			Commit()
+		var now []*etcdserverpb.ResponseOp
+		switch {
+		case terr != nil:
+			if !transient(ctx, terr) {
+				return change{}, s.fail(op, key, terr)
+			}
+			if len(then) > 0 {
+				if tried == nil {
+					tried = make(map[string]change)
+				}
+				tried[id] = ch
+			}
+			// Read what happened, once etcd answers again.
+			rerr := s.retry(ctx, func(ctx context.Context) error {
+				r, err := s.cli.Txn(ctx).Then(clientv3.OpGet(k), clientv3.OpGet(tok)).Commit()
+				if err == nil {
+					now = r.Responses
+				}
+				return err
+			})
+			if rerr != nil {
+				return change{}, s.fail(op, key, rerr)
+			}
+		case resp.Succeeded:
+			if err != nil {
+				return change{}, err
+			}
+			if ch.write {
+				guess = known{val: ch.result, modRev: resp.Header.Revision}
+			}
+			st.remember(k, guess)
+			return ch, nil
+		default:
+			now = resp.Responses
+		}
+		if kvs := now[1].GetResponseRange().Kvs; len(kvs) > 0 {
+			if c, ok := tried[string(kvs[0].Value)]; ok {
+				st.remember(k, known{}) // unknown revision: guess afresh
+				return c, nil
+			}
+		}
+		guess, verified = known{}, true
+		if kvs := now[0].GetResponseRange().Kvs; len(kvs) > 0 {
+			guess = known{val: kvs[0].Value, modRev: kvs[0].ModRevision}
+		}
+	}
+}
+
+// stripe returns the stripe of an etcd key and the stripe's token key.
+func (s *Storage) stripe(k string) (*stripe, string) {
+	i := maphash.String(s.seed, k) % numStripes
+	return &s.stripes[i], s.prefix + tokenDir + s.id + "/" + strconv.FormatUint(i, 10)
+}
+
+// transient reports whether err may go away when retried: etcd lost its
+// leader or the member went away, and ctx still has time.
+func transient(ctx context.Context, err error) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) {
+		return ee.Code() == codes.Unavailable
+	}
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
+		return true
+	}
+	return false
+}
+
+// retry runs fn until it succeeds, fails for good, or ctx ends, pausing
+// between attempts.
+func (s *Storage) retry(ctx context.Context, fn func(context.Context) error) error {
+	pause := 20 * time.Millisecond
+	for {
+		err := fn(ctx)
+		if err == nil || !transient(ctx, err) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, 500*time.Millisecond)
+	}
+}
+
+func (st *stripe) remember(k string, v known) {
+	if _, ok := st.cache[k]; !ok && len(st.cache) >= maxCachePerStripe {
+		clear(st.cache)
+	}
+	st.cache[k] = v
+}
+
+func (s *Storage) Add(key []byte, delta int64) (int64, error) {
+	ch, err := s.update("add", key, func(cur []byte, ok bool) (change, error) {
+		return counterChange(cur, ok, delta)
+	})
+	return ch.n, err
+}
+
+func counterChange(cur []byte, ok bool, delta int64) (change, error) {
+	n, v, err := rendezvous.AddCounter(cur, ok, delta)
+	return change{result: v, write: true, n: n}, err
+}
+
+func (s *Storage) CompareSet(key, expected, desired []byte) ([]byte, error) {
+	ch, err := s.update("compare_set", key, func(cur []byte, ok bool) (change, error) {
+		switch {
+		case !ok && len(expected) != 0:
+			// c10d answers with expected itself and stores nothing.
+			return change{result: bytes.Clone(expected)}, nil
+		case ok && !bytes.Equal(cur, expected):
+			return change{result: cur}, nil
+		}
+		return change{result: bytes.Clone(desired), write: true}, nil
+	})
+	return ch.result, err
+}
+
+func (s *Storage) Append(key, value []byte) error {
+	_, err := s.update("append", key, func(cur []byte, _ bool) (change, error) {
+		v := make([]byte, 0, len(cur)+len(value))
+		return change{result: append(append(v, cur...), value...), write: true}, nil
+	})
+	return err
+}
+
+func (s *Storage) Delete(key []byte) (bool, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	var deleted bool
+	err := s.retry(ctx, func(ctx context.Context) error {
+		resp, err := s.cli.Delete(ctx, s.kkey(key))
+		if err == nil {
+			// A retry after a lost answer may find the key gone by the
+			// first attempt: it existed.
+			deleted = deleted || resp.Deleted > 0
+		}
+		return err
+	})
+	if err != nil {
+		return false, s.fail("delete", key, err)
+	}
+	return deleted, nil
+}
+
+// existence reads, at one revision, whether each key exists as Check counts
+// (a key, or a non-empty queue of that name), and returns that revision.
+func (s *Storage) existence(keys [][]byte) ([]bool, int64, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	ops := make([]clientv3.Op, 0, 2*len(keys))
+	for _, k := range keys {
+		ops = append(ops,
+			clientv3.OpGet(s.kkey(k), clientv3.WithCountOnly()),
+			clientv3.OpGet(s.qdir(k), clientv3.WithPrefix(), clientv3.WithCountOnly()))
+	}
+	var resp *clientv3.TxnResponse
+	err := s.retry(ctx, func(ctx context.Context) (err error) {
+		resp, err = s.cli.Txn(ctx).Then(ops...).Commit()
+		return err
+	})
+	if err != nil {
+		return nil, 0, s.fail("check", nil, err)
+	}
+	out := make([]bool, len(keys))
+	for i := range keys {
+		out[i] = resp.Responses[2*i].GetResponseRange().Count > 0 ||
+			resp.Responses[2*i+1].GetResponseRange().Count > 0
+	}
+	return out, resp.Header.Revision, nil
+}
+
+func (s *Storage) Check(keys [][]byte) (bool, error) {
+	ex, _, err := s.existence(keys)
+	if err != nil {
+		return false, err
+	}
+	for _, ok := range ex {
+		if !ok {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+func (s *Storage) NumKeys() (int64, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	resp, err := s.get(ctx, s.prefix+keysDir, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return 0, s.fail("num_keys", nil, err)
+	}
+	return resp.Count, nil
+}
+
+func (s *Storage) Keys() ([][]byte, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	resp, err := s.get(ctx, s.prefix+keysDir, clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return nil, s.fail("list_keys", nil, err)
+	}
+	out := make([][]byte, len(resp.Kvs))
+	n := len(s.prefix + keysDir)
+	for i, kv := range resp.Kvs {
+		out[i] = kv.Key[n:]
+	}
+	return out, nil
+}
+
+func (s *Storage) QueuePush(key, value []byte) error {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	el := s.qdir(key) + s.id + strconv.FormatUint(s.seq.Add(1), 16)
+	// A retry puts the same element again: never a duplicate.
+	err := s.retry(ctx, func(ctx context.Context) error {
+		_, err := s.cli.Put(ctx, el, string(value))
+		return err
+	})
+	if err != nil {
+		return s.fail("queue_push", key, err)
+	}
+	return nil
+}
+
+func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
+	dir := s.qdir(key)
+	st, tok := s.stripe(dir)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	for {
+		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(1),
+			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
+		if err != nil {
+			return nil, 0, s.fail("queue_pop", key, err)
+		}
+		if len(resp.Kvs) == 0 {
+			return nil, 0, nil
+		}
+		head := resp.Kvs[0]
+		// The pop takes effect at the read's revision: the head is still
+		// there, so nobody popped in between (pushes go behind it). With
+		// the answer lost, the token says whether this pop took it.
+		id := strconv.FormatUint(s.seq.Add(1), 16)
+		var popped bool
+		err = s.retry(ctx, func(ctx context.Context) error {
+			tx, err := s.cli.Txn(ctx).
+				If(clientv3.Compare(clientv3.CreateRevision(string(head.Key)), "=", head.CreateRevision)).
+				Then(clientv3.OpDelete(string(head.Key)), clientv3.OpPut(tok, id)).
+				Else(clientv3.OpGet(tok)).
+				Commit()
+			if err != nil {
+				return err
+			}
+			popped = tx.Succeeded
+			if kvs := tx.Responses[0].GetResponseRange().GetKvs(); !popped && len(kvs) > 0 {
+				popped = string(kvs[0].Value) == id
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, 0, s.fail("queue_pop", key, err)
+		}
+		if popped {
+			return head.Value, resp.Count, nil
+		}
+	}
+}
+
+// get is a Get retried across leader changes (reads are safe to repeat).
+func (s *Storage) get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
+	var resp *clientv3.GetResponse
+	err := s.retry(ctx, func(ctx context.Context) (err error) {
+		resp, err = s.cli.Get(ctx, key, opts...)
+		return err
+	})
+	return resp, err
+}
+
+func (s *Storage) QueueLen(key []byte) (int64, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	resp, err := s.get(ctx, s.qdir(key), clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil {
+		return 0, s.fail("queue_len", key, err)
+	}
+	return resp.Count, nil
+}

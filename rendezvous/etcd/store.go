@@ -1,0 +1,187 @@
+package etcd
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// Store is a rendezvous.Store on a Storage: what an agent uses directly
+// (the dynamic rendezvous's state, its wake keys) where workers use a
+// tcpstore server. Every blocking operation waits through the Storage's
+// watch, never by polling; CompareSet is a transaction fenced on the key's
+// mod_revision.
+type Store struct {
+	st      *Storage
+	timeout time.Duration
+
+	closeOnce sync.Once
+}
+
+var _ rendezvous.Store = (*Store)(nil)
+
+// NewStore returns a Store on st; blocking operations whose context has no
+// deadline are bounded by timeout (rendezvous.DefaultTimeout if 0). Close
+// closes st.
+func NewStore(st *Storage, timeout time.Duration) *Store {
+	if timeout <= 0 {
+		timeout = rendezvous.DefaultTimeout
+	}
+	return &Store{st: st, timeout: timeout}
+}
+
+// Storage returns the Storage under s.
+func (s *Store) Storage() *Storage { return s.st }
+
+func (s *Store) Set(_ context.Context, key string, value []byte) error {
+	return s.st.Set([]byte(key), value)
+}
+
+func (s *Store) Get(ctx context.Context, key string) ([]byte, error) {
+	for {
+		if err := s.Wait(ctx, key); err != nil {
+			return nil, err
+		}
+		v, ok, err := s.st.Get([]byte(key))
+		if err != nil || ok {
+			return v, err
+		}
+		// Deleted between the wait and the read: wait again.
+	}
+}
+
+func (s *Store) Add(_ context.Context, key string, delta int64) (int64, error) {
+	return s.st.Add([]byte(key), delta)
+}
+
+func (s *Store) CompareSet(_ context.Context, key string, expected, desired []byte) ([]byte, error) {
+	return s.st.CompareSet([]byte(key), expected, desired)
+}
+
+// block waits for a registration made by register to fire, or for ctx
+// (bounded by the store's timeout) to end.
+func (s *Store) block(ctx context.Context, what string, register func(ready func()) (tcpstore.Cancel, bool, error)) error {
+	ctx, cancel := rendezvous.WithDefaultTimeout(ctx, s.timeout)
+	defer cancel()
+	fired := make(chan struct{})
+	var once sync.Once
+	stop, done, err := register(func() { once.Do(func() { close(fired) }) })
+	if err != nil || done {
+		return err
+	}
+	defer stop()
+	start := time.Now()
+	select {
+	case <-fired:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("etcd store: %s: %w after %v (%w)", what, rendezvous.ErrTimeout,
+			time.Since(start).Round(time.Millisecond), ctx.Err())
+	}
+}
+
+func (s *Store) Wait(ctx context.Context, keys ...string) error {
+	bs := make([][]byte, len(keys))
+	for i, k := range keys {
+		bs[i] = []byte(k)
+	}
+	return s.block(ctx, fmt.Sprintf("wait %q", keys), func(ready func()) (tcpstore.Cancel, bool, error) {
+		return s.st.Wait(bs, ready)
+	})
+}
+
+func (s *Store) Check(_ context.Context, keys ...string) (bool, error) {
+	bs := make([][]byte, len(keys))
+	for i, k := range keys {
+		bs[i] = []byte(k)
+	}
+	return s.st.Check(bs)
+}
+
+func (s *Store) Delete(_ context.Context, key string) (bool, error) {
+	return s.st.Delete([]byte(key))
+}
+
+func (s *Store) NumKeys(context.Context) (int64, error) { return s.st.NumKeys() }
+
+func (s *Store) Append(_ context.Context, key string, value []byte) error {
+	return s.st.Append([]byte(key), value)
+}
+
+func (s *Store) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	out := make([][]byte, len(keys))
+	for i, k := range keys {
+		v, err := s.Get(ctx, k)
+		if err != nil {
+			return nil, err
+		}
+		out[i] = v
+	}
+	return out, nil
+}
+
+func (s *Store) MultiSet(ctx context.Context, keys []string, values [][]byte) error {
+	if len(keys) != len(values) {
+		return fmt.Errorf("%w: multi_set of %d keys and %d values", rendezvous.ErrInvalidArgument, len(keys), len(values))
+	}
+	for i, k := range keys {
+		if err := s.Set(ctx, k, values[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (s *Store) ListKeys(context.Context) ([]string, error) {
+	ks, err := s.st.Keys()
+	out := make([]string, len(ks))
+	for i, k := range ks {
+		out[i] = string(k)
+	}
+	return out, err
+}
+
+func (s *Store) QueuePush(_ context.Context, key string, value []byte) error {
+	return s.st.QueuePush([]byte(key), value)
+}
+
+func (s *Store) QueuePop(ctx context.Context, key string, block bool) ([]byte, error) {
+	for {
+		v, n, err := s.st.QueuePop([]byte(key))
+		switch {
+		case err != nil:
+			return nil, err
+		case n > 0:
+			return v, nil
+		case !block:
+			return nil, fmt.Errorf("%w: %s", rendezvous.ErrQueueEmpty, key)
+		}
+		if err := s.Wait(ctx, key); err != nil {
+			return nil, err
+		}
+	}
+}
+
+func (s *Store) QueueLen(_ context.Context, key string) (int64, error) {
+	return s.st.QueueLen([]byte(key))
+}
+
+func (s *Store) Barrier(ctx context.Context, key string, worldSize int64) error {
+	if worldSize <= 0 {
+		return fmt.Errorf("%w: barrier of %d", rendezvous.ErrInvalidArgument, worldSize)
+	}
+	return s.block(ctx, fmt.Sprintf("barrier %q", key), func(ready func()) (tcpstore.Cancel, bool, error) {
+		return s.st.Barrier([]byte(key), worldSize, ready)
+	})
+}
+
+// Close closes the Storage under s (its watch); the data stays in etcd.
+func (s *Store) Close() error {
+	var err error
+	s.closeOnce.Do(func() { err = s.st.Close() })
+	return err
+}

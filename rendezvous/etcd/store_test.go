@@ -1,0 +1,139 @@
+package etcd_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+
+	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/etcd"
+)
+
+// newStores returns n Stores (n agents) on one fresh prefix.
+func newStores(t *testing.T, cli *clientv3.Client, n int) []*etcd.Store {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	prefix := fmt.Sprintf("/test/%s/%d/", t.Name(), prefixes.Add(1))
+	out := make([]*etcd.Store, n)
+	for i := range out {
+		st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix, OpTimeout: 20 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		out[i] = etcd.NewStore(st, 10*time.Second)
+		t.Cleanup(func() { out[i].Close() })
+	}
+	return out
+}
+
+func TestStoreBlockingOps(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ss := newStores(t, cli, 2)
+	ctx := testCtx(t, 20*time.Second)
+
+	got := make(chan []byte, 1)
+	go func() {
+		v, err := ss[0].Get(ctx, "k")
+		if err != nil {
+			t.Error(err)
+		}
+		got <- v
+	}()
+	time.Sleep(50 * time.Millisecond)
+	if err := ss[1].Set(ctx, "k", []byte("v")); err != nil {
+		t.Fatal(err)
+	}
+	if v := <-got; string(v) != "v" {
+		t.Fatalf("get released by the other store = %q", v)
+	}
+
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	err := ss[0].Wait(short, "never")
+	if !errors.Is(err, rendezvous.ErrTimeout) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("wait timeout error = %v", err)
+	}
+
+	var wg sync.WaitGroup
+	for i := range 3 {
+		wg.Go(func() {
+			if err := ss[i%2].Barrier(ctx, "b", 3); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	wg.Wait()
+
+	go func() {
+		time.Sleep(50 * time.Millisecond)
+		ss[1].QueuePush(ctx, "q", []byte("x"))
+	}()
+	if v, err := ss[0].QueuePop(ctx, "q", true); err != nil || string(v) != "x" {
+		t.Fatalf("blocking pop = %q, %v", v, err)
+	}
+}
+
+// TestStoreDynamicRendezvous runs gorun's dynamic rendezvous over etcd:
+// three agents, each with its own Store, complete one round with one rank
+// each, and a node whose heartbeat lapses is reported lost.
+func TestStoreDynamicRendezvous(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	const n = 3
+	ss := newStores(t, cli, n)
+	cfg := rendezvous.DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n,
+		KeepAliveInterval: 100 * time.Millisecond, KeepAliveMaxAttempt: 3}
+	ds := make([]*rendezvous.Dynamic, n)
+	for i := range ds {
+		d, err := rendezvous.NewDynamic(ss[i], rendezvous.NodeDesc{Addr: fmt.Sprintf("node%d", i), Pid: 100 + i}, nil, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds[i] = d
+	}
+	rounds := make([]rendezvous.Round, n)
+	var wg sync.WaitGroup
+	for i, d := range ds {
+		wg.Go(func() {
+			r, err := d.Next(ctx)
+			if err != nil {
+				t.Error(err)
+			}
+			rounds[i] = r
+		})
+	}
+	wg.Wait()
+	seen := map[int]bool{}
+	for i, r := range rounds {
+		if r.Number != 0 || len(r.Members) != n || seen[r.Rank] {
+			t.Fatalf("node %d: round %+v", i, r)
+		}
+		seen[r.Rank] = true
+	}
+	// Node 2 stops its heartbeat: the others see it lost.
+	ds[2].Close()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		st, err := ds[0].Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(st.Lost) == 1 && st.Lost[0].Addr == "node2" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node2 not reported lost: %+v", st)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
