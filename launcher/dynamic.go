@@ -123,6 +123,14 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 		d.close()
 		return nil, err
 	}
+	// Create the job's restart counter now, before joining, so that after
+	// a round completes one MultiGet reads it with rank 0's worker store
+	// (fillPlan): the round trips after completion are what a large job
+	// waits for, every node asking the one store host at once.
+	if _, err := d.store.CompareSet(ctx, d.restartsKey(), nil, []byte("0")); err != nil {
+		d.close()
+		return nil, fmt.Errorf("rendezvous store: %w", err)
+	}
 	data, _ := json.Marshal(nodeInfo{NProc: cfg.NProcPerNode, Addr: d.addr, NodeRank: r.NodeRank})
 	if d.dyn, err = rendezvous.NewDynamic(d.store, d.me, data, dcfg); err != nil {
 		d.close()
@@ -302,14 +310,15 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	} else {
 		srv.Close()
 	}
-	restarts, err := d.store.Add(ctx, d.restartsKey(), 0)
+	vals, err := d.store.MultiGet(ctx, d.restartsKey(), d.workerStoreKey(rank0))
 	if err != nil {
-		return fmt.Errorf("rendezvous store: %w", err)
+		return fmt.Errorf("reading the restart count and group rank 0's worker store: %w", err)
 	}
-	v, err := d.store.Get(ctx, d.workerStoreKey(rank0))
+	restarts, err := rendezvous.ParseCounter(vals[0])
 	if err != nil {
-		return fmt.Errorf("reading group rank 0's worker store: %w", err)
+		return fmt.Errorf("rendezvous store: restart count: %w", err)
 	}
+	v := vals[1]
 	host, portS, err := net.SplitHostPort(string(v))
 	if err != nil {
 		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)

@@ -58,8 +58,11 @@ func main() {
 	}
 	launchers := []launcher{
 		{fmt.Sprintf("gorun, %d agents", *gorunAgents), *gorunAgents, 3 * time.Second, gorunArgv(*gorunAgents)},
-		{fmt.Sprintf("gorun, %d agents", *torchAgents), *torchAgents, 2 * time.Second, gorunArgv(*torchAgents)},
-		{fmt.Sprintf("torchrun, %d agents", *torchAgents), *torchAgents, time.Duration(*torchAgents) * 1500 * time.Millisecond, torchArgv(*torchAgents)},
+	}
+	if *torchAgents > 0 { // -torch-agents 0: gorun alone
+		launchers = append(launchers,
+			launcher{fmt.Sprintf("gorun, %d agents", *torchAgents), *torchAgents, 2 * time.Second, gorunArgv(*torchAgents)},
+			launcher{fmt.Sprintf("torchrun, %d agents", *torchAgents), *torchAgents, time.Duration(*torchAgents) * 1500 * time.Millisecond, torchArgv(*torchAgents)})
 	}
 	results := map[string][]float64{}
 	execd := map[string][]float64{}
