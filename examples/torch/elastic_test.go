@@ -6,6 +6,8 @@ package torch_test
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -26,9 +28,20 @@ import (
 )
 
 type worker struct {
-	cmd  *exec.Cmd
-	out  *testutil.SyncBuffer
-	done chan error
+	cmd    *exec.Cmd
+	out    *testutil.SyncBuffer
+	exited chan struct{} // closed when the process has been waited for
+	err    error         // its exit, valid once exited is closed
+}
+
+// wait returns the worker's exit, or false if ctx ends first.
+func (w *worker) wait(ctx context.Context) (error, bool) {
+	select {
+	case <-w.exited:
+		return w.err, true
+	case <-ctx.Done():
+		return nil, false
+	}
 }
 
 // startWorkers starts world train_elastic.py ranks on a fresh worker store,
@@ -47,7 +60,7 @@ func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) 
 
 	ws := make([]*worker, world)
 	for r := range world {
-		w := &worker{out: new(testutil.SyncBuffer), done: make(chan error, 1)}
+		w := &worker{out: new(testutil.SyncBuffer), exited: make(chan struct{})}
 		w.cmd = exec.Command(py, append([]string{"-u", script}, args...)...)
 		w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
 			"WORLD_SIZE="+strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
@@ -57,20 +70,23 @@ func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) 
 		if err := w.cmd.Start(); err != nil {
 			t.Fatal(err)
 		}
-		go func() { w.done <- w.cmd.Wait() }()
+		go func() {
+			w.err = w.cmd.Wait()
+			close(w.exited)
+		}()
 		ws[r] = w
 	}
 	t.Cleanup(func() {
 		for _, w := range ws {
 			w.cmd.Process.Kill()
-			<-w.done
+			<-w.exited
 		}
 	})
 	for r, w := range ws {
 		for !strings.Contains(w.out.String(), "training") {
 			select {
-			case err := <-w.done:
-				t.Fatalf("rank %d exited before training: %v\n%s", r, err, w.out)
+			case <-w.exited:
+				t.Fatalf("rank %d exited before training: %v\n%s", r, w.err, w.out)
 			case <-ctx.Done():
 				t.Fatalf("rank %d never started training\n%s", r, w.out)
 			case <-time.After(20 * time.Millisecond):
@@ -131,15 +147,13 @@ func TestTorchGlooShrink(t *testing.T) {
 		if g == 2 {
 			continue
 		}
-		select {
-		case err := <-w.done:
-			if err != nil {
-				t.Fatalf("survivor %d: %v\n%s", g, err, w.out)
-			}
-		case <-ctx.Done():
+		err, ok := w.wait(ctx)
+		if !ok {
 			t.Fatalf("survivor %d did not finish\n%s", g, w.out)
 		}
-		w.done <- nil // for the cleanup
+		if err != nil {
+			t.Fatalf("survivor %d: %v\n%s\nthe others:\n%s", g, err, w.out, others(ws, g))
+		}
 		out := w.out.String()
 		if !strings.Contains(out, "shrink epoch=1 world=3 excluded=[2]") {
 			t.Errorf("survivor %d did not report the shrink:\n%s", g, out)
@@ -192,24 +206,28 @@ func TestTorchGlooBelowFloor(t *testing.T) {
 		t.Fatalf("epoch %v, want a restart", e)
 	}
 	for g, w := range ws[1:] {
-		select {
-		case err := <-w.done:
-			var ee *exec.ExitError
-			if !asExit(err, &ee) || ee.ExitCode() != 1 {
-				t.Errorf("survivor %d: exit %v, want code 1\n%s", g+1, err, w.out)
-			}
-			if !strings.Contains(w.out.String(), "restart") {
-				t.Errorf("survivor %d did not say why it stopped:\n%s", g+1, w.out)
-			}
-		case <-ctx.Done():
+		err, ok := w.wait(ctx)
+		if !ok {
 			t.Fatalf("survivor %d kept running after a restart epoch\n%s", g+1, w.out)
 		}
-		w.done <- nil
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Errorf("survivor %d: exit %v, want code 1\n%s", g+1, err, w.out)
+		}
+		if !strings.Contains(w.out.String(), "restart") {
+			t.Errorf("survivor %d did not say why it stopped:\n%s", g+1, w.out)
+		}
 	}
 }
 
-func asExit(err error, target **exec.ExitError) bool {
-	ee, ok := err.(*exec.ExitError)
-	*target = ee
-	return ok
+// others returns every worker's output but worker skip's, for a failure
+// message.
+func others(ws []*worker, skip int) string {
+	var b strings.Builder
+	for g, w := range ws {
+		if g != skip {
+			fmt.Fprintf(&b, "--- global rank %d:\n%s\n", g, w.out)
+		}
+	}
+	return b.String()
 }
