@@ -71,12 +71,14 @@ else
 fi
 
 # Process groups: pg/cpu's AllReduce beside gloo (PyTorch 1.13), 4 rank
-# processes on loopback, plus abort and shrink latency (bench/pgbench,
-# bench/gloo_allreduce.py). Knobs (env): PG_NPROC, PG_SIZES, PG_ITERS,
-# PG_REPS.
+# processes on one host, over each same-host transport — shm (the
+# default), unix, tcp — interleaved with gloo round by round, plus abort
+# and shrink latency (bench/pgbench, bench/gloo_allreduce.py). Knobs (env):
+# PG_NPROC, PG_SIZES, PG_ITERS, PG_REPS, PG_TRANSPORTS, PG_ROUNDS.
 go build -o bin/pgbench ./bench/pgbench
 echo
 echo "## Process groups: pg/cpu vs gloo 1.13 ($(nproc) cores, $(date -u +%F))"
 bin/pgbench -nproc "${PG_NPROC:-4}" -sizes "${PG_SIZES:-4096,1048576,16777216,67108864}" \
   -iters "${PG_ITERS:-200,50,15,7}" -reps "${PG_REPS:-5}" -python "${PYTHON:-/usr/bin/python3}" \
+  -transports "${PG_TRANSPORTS:-shm,unix,tcp}" -rounds "${PG_ROUNDS:-3}" \
   -out bench/results/pg.jsonl | tee bench/results/pg.md

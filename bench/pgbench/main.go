@@ -78,7 +78,7 @@ func main() {
 		warmup  = flag.Int("warmup", 3, "untimed iterations per size")
 		chunk   = flag.Int("chunk", 0, "pg/cpu ChunkBytes (0: default)")
 		sockbuf = flag.Int("sockbuf", 0, "pg/cpu SocketBufferBytes (0: default)")
-		trans   = flag.String("transports", "unix,tcp", "pg/cpu LocalTransports to measure, each beside gloo")
+		trans   = flag.String("transports", "shm,unix,tcp", "pg/cpu LocalTransports to measure, each beside gloo")
 		rounds  = flag.Int("rounds", 3, "rounds; each runs every pg/cpu transport and gloo once, interleaved; medians across rounds are reported")
 		python  = flag.String("python", "/usr/bin/python3", "Python with torch 1.13; empty: skip gloo")
 		gloo    = flag.String("gloo", "bench/gloo_allreduce.py", "the gloo script")
@@ -148,7 +148,7 @@ func main() {
 		f.Close()
 	}
 	fmt.Printf("%d ranks, float32 AllReduce, loopback, %d cores. Each value: the median over %d interleaved rounds of each run's median\n", *nproc, runtime.NumCPU(), *rounds)
-	fmt.Printf("(timed iterations after a barrier). pg/cpu unix: same-host peers over abstract unix sockets (the default); pg/cpu tcp: over loopback TCP.\n\n")
+	fmt.Printf("(timed iterations after a barrier). pg/cpu shm: same-host peers through shared-memory rings with unix-socket doorbells (the default); pg/cpu unix: over abstract unix sockets alone; pg/cpu tcp: over loopback TCP.\n\n")
 	printTable("latency", names, base.Sizes, med, func(r result) float64 { return r.Median }, dur, true)
 	fmt.Println()
 	printTable("bus bandwidth", names, base.Sizes, med, func(r result) float64 { return r.BusBW }, gbs, false)

@@ -126,15 +126,13 @@ func (g *Group) ringReduceScatter(c *call, l layout, src, dst, last, tmp []byte,
 			if lo == hi {
 				continue
 			}
-			in := tmp[:hi-lo]
-			if err := g.recv(c, left, in); err != nil {
-				return err
-			}
 			out := dst[lo:hi]
 			if s == n-2 && last != nil {
 				out = last[lo-base : hi-base]
 			}
-			red(out, src[lo:hi], in)
+			if err := g.recvReduce(c, left, out, src[lo:hi], tmp, red); err != nil {
+				return err
+			}
 			if s < n-2 || forward {
 				right.send.post(out)
 			}

@@ -49,9 +49,21 @@ type Config struct {
 	// connections. Default 0: the kernel's defaults, with its autotuning.
 	SocketBufferBytes int
 
-	// LocalTransport is how two ranks on the same host connect: TransportUnix
-	// (the default) over an abstract unix socket, which moves about twice
-	// what loopback TCP does (it skips the TCP/IP stack), or TransportTCP.
+	// LocalTransport is how two ranks on the same host connect:
+	//   - TransportShm (the default): an abstract unix socket, with each
+	//     direction's bytes in a ring of shared-memory slots (ShmSlots
+	//     slots of ChunkBytes, at least a page each, per direction and
+	//     pair) that both ranks map and the socket as the doorbell. A
+	//     socket copies every byte twice (into the kernel and out of it);
+	//     the ring once, and the ring's reduce-scatter reduces straight
+	//     from the peer's slot: on 4 ranks of a 2-core machine it moves
+	//     1.6–1.9× what unix sockets do from 1 MiB up. Messages of at most
+	//     SmallBytes travel on the socket all the same. A pair uses shared
+	//     memory only when both ranks ask for it and can create memfds;
+	//     otherwise it falls back to TransportUnix;
+	//   - TransportUnix: the abstract unix socket alone, which moves about
+	//     twice what loopback TCP does (it skips the TCP/IP stack);
+	//   - TransportTCP: loopback TCP, as between hosts.
 	// "The same host" means the same kernel boot and the same network
 	// namespace — where an abstract socket is reachable — so ranks in
 	// different network namespaces (containers, the multi-host test bed)
@@ -62,8 +74,13 @@ type Config struct {
 // Local transports (Config.LocalTransport).
 const (
 	TransportUnix = "unix"
+	TransportShm  = "shm"
 	TransportTCP  = "tcp"
 )
+
+// ShmSlots is the number of slots in each shared-memory ring
+// (TransportShm): how many chunks a sender may be ahead of its receiver.
+const ShmSlots = 4
 
 // Defaults of the Config fields.
 const (
@@ -79,7 +96,7 @@ func DefaultConfig() Config {
 		ListenAddr:     DefaultListenAddr,
 		SmallBytes:     DefaultSmallBytes,
 		ChunkBytes:     DefaultChunkBytes,
-		LocalTransport: TransportUnix,
+		LocalTransport: TransportShm,
 	}
 }
 
@@ -94,7 +111,7 @@ func (c Config) withDefaults() Config {
 		c.ChunkBytes = DefaultChunkBytes
 	}
 	if c.LocalTransport == "" {
-		c.LocalTransport = TransportUnix
+		c.LocalTransport = TransportShm
 	}
 	return c
 }
@@ -109,8 +126,10 @@ func (c Config) validate() error {
 	if c.SocketBufferBytes < 0 {
 		return fmt.Errorf("%w: negative socket buffer size %d", pg.ErrInvalidArgument, c.SocketBufferBytes)
 	}
-	if c.LocalTransport != TransportUnix && c.LocalTransport != TransportTCP {
-		return fmt.Errorf("%w: local transport %q (want %q or %q)", pg.ErrInvalidArgument, c.LocalTransport, TransportUnix, TransportTCP)
+	switch c.LocalTransport {
+	case TransportUnix, TransportShm, TransportTCP:
+	default:
+		return fmt.Errorf("%w: local transport %q (want %q, %q or %q)", pg.ErrInvalidArgument, c.LocalTransport, TransportUnix, TransportShm, TransportTCP)
 	}
 	return nil
 }

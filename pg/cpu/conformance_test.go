@@ -27,10 +27,10 @@ func factory(base cpu.Config) pgtest.Factory {
 
 // TestConformance runs the suite with small thresholds, so that the ring
 // runs on buffers of a few chunks, uneven segments and empty ones, over
-// both ways peers on one host connect (the ranks here share a host): unix
-// sockets, and TCP as ranks on different hosts use.
+// every way peers on one host connect (the ranks here share a host): unix
+// sockets, shared memory, and TCP as ranks on different hosts use.
 func TestConformance(t *testing.T) {
-	for _, transport := range []string{cpu.TransportUnix, cpu.TransportTCP} {
+	for _, transport := range []string{cpu.TransportUnix, cpu.TransportShm, cpu.TransportTCP} {
 		t.Run(transport, func(t *testing.T) {
 			cfg := cpu.DefaultConfig()
 			cfg.SmallBytes = 256

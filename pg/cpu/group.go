@@ -3,11 +3,12 @@
 //
 // Every pair of ranks shares a data connection and a control connection,
 // made through the bootstrap store (see New): TCP between hosts, an
-// abstract unix socket between ranks of one host (Config.LocalTransport). Collectives on small buffers
-// exchange them directly (one message hop); larger ones run the ring,
-// reduce-scatter then all-gather, pipelined in chunks (see Config). Every
-// element is reduced once, in an order fixed by the algorithm, so every
-// rank ends with the same bits.
+// abstract unix socket between ranks of one host, whose bytes may travel
+// through shared memory instead (Config.LocalTransport, shm.go).
+// Collectives on small buffers exchange them directly (one message hop);
+// larger ones run the ring, reduce-scatter then all-gather, pipelined in
+// chunks (see Config). Every element is reduced once, in an order fixed by
+// the algorithm, so every rank ends with the same bits.
 //
 // Fault tolerance: a peer whose connections break (its process died: EOF,
 // reset) fails the collective in flight at once with a *pg.PeerError naming
@@ -52,6 +53,8 @@ type Group struct {
 	wg       sync.WaitGroup // sender and control-reader goroutines
 
 	mu       sync.Mutex
+	rings    []*shmRing // every shared-memory ring this rank maps
+	holds    int        // users of rings: shm senders running, plus the operation in flight
 	closed   bool
 	retired  bool             // shrunk with ShrinkDefault
 	aborted  *pg.AbortedError // set by Abort or by a failure
@@ -69,6 +72,7 @@ type peer struct {
 	rank int
 	link
 	send     *sender
+	in       inbound
 	ctrlDone chan struct{} // closed when readControl returns
 }
 
@@ -117,12 +121,49 @@ func New(ctx context.Context, cfg Config) (*Group, error) {
 		if r == g.rank {
 			continue
 		}
-		p := &peer{rank: r, link: l, send: newSender(l.data), ctrlDone: make(chan struct{})}
+		p := &peer{rank: r, link: l, ctrlDone: make(chan struct{})}
+		if l.ring == nil {
+			p.send, p.in = newSender(&sockWire{conn: l.data}), sockInbound{l.data}
+		} else {
+			out, in := l.shmConns(g.rank, r)
+			inline := max(cfg.SmallBytes, 0) // what the small collectives send
+			p.send, p.in = newSender(newShmWire(out, l.tx, inline)), newShmInbound(in, l.rx)
+			g.rings = append(g.rings, l.tx, l.rx)
+			g.holds++
+		}
 		g.peers[r] = p
-		g.wg.Go(func() { p.send.run(g.stop) })
+	}
+	// Every hold is counted before a goroutine that may drop one starts.
+	for _, p := range g.peers {
+		if p == nil {
+			continue
+		}
+		g.wg.Go(func() {
+			p.send.run(g.stop)
+			if p.ring != nil {
+				g.dropRingHold()
+			}
+		})
 		g.wg.Go(func() { g.readControl(p) })
 	}
 	return g, nil
+}
+
+// dropRingHold releases one hold on the shared-memory rings and unmaps
+// them with the last. The senders hold them until the group stops, and an
+// operation while it runs: so they go once the group stopped and the last
+// operation returned, and never under a copy or a reduction. (Once
+// stopped, the group starts no operation.)
+func (g *Group) dropRingHold() {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	g.holds--
+	if g.holds == 0 {
+		for _, r := range g.rings {
+			r.unmap()
+		}
+		g.rings = nil
+	}
 }
 
 func (g *Group) Rank() int       { return g.rank }
@@ -221,7 +262,7 @@ func (g *Group) interruptLocked() {
 	past := time.Unix(1, 0)
 	for _, p := range g.peers {
 		if p != nil {
-			p.data.SetDeadline(past)
+			p.setDeadline(past)
 		}
 	}
 }
@@ -282,6 +323,8 @@ type call struct {
 	name string
 	id   uint64
 	stop func() bool // stops the context watch; nil: none
+
+	holdsRings bool // it holds the shared-memory rings (see dropRingHold)
 }
 
 // begin checks that the group can run an operation, sets the connections'
@@ -318,8 +361,11 @@ func (g *Group) begin(ctx context.Context, o *call, name string, coll bool) erro
 	}
 	for _, p := range g.peers {
 		if p != nil {
-			p.data.SetDeadline(deadline)
+			p.setDeadline(deadline)
 		}
+	}
+	if o.holdsRings = len(g.rings) > 0; o.holdsRings {
+		g.holds++
 	}
 	g.inflight, g.opColl, g.opName = true, coll, name
 	g.opID++
@@ -346,6 +392,9 @@ func (g *Group) end(o *call, err error) error {
 	g.mu.Lock()
 	g.inflight = false
 	g.mu.Unlock()
+	if o.holdsRings {
+		g.dropRingHold()
+	}
 	return err
 }
 
@@ -428,12 +477,17 @@ func (g *Group) recv(o *call, p *peer, b []byte) error {
 	if len(b) == 0 {
 		return nil
 	}
-	for n := 0; n < len(b); {
-		m, err := p.data.Read(b[n:])
-		n += m
-		if err != nil && n < len(b) {
-			return g.ioErr(o, p.rank, err)
-		}
+	if err := p.in.read(b); err != nil {
+		return g.ioErr(o, p.rank, err)
+	}
+	return nil
+}
+
+// recvReduce receives len(dst) bytes from peer p and sets dst = src op
+// them; tmp is scratch of at least len(dst) bytes.
+func (g *Group) recvReduce(o *call, p *peer, dst, src, tmp []byte, red reducer) error {
+	if err := p.in.readReduce(dst, src, tmp, red); err != nil {
+		return g.ioErr(o, p.rank, err)
 	}
 	return nil
 }

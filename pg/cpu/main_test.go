@@ -23,6 +23,7 @@ const (
 	envSize  = "PGCPU_TEST_SIZE"
 	envStore = "PGCPU_TEST_STORE"
 	envNS    = "PGCPU_TEST_NAMESPACE"
+	envTrans = "PGCPU_TEST_TRANSPORT"
 )
 
 func TestMain(m *testing.M) {
@@ -49,6 +50,7 @@ func rankMain() int {
 	defer store.Close()
 	cfg := cpu.DefaultConfig()
 	cfg.ListenAddr = "127.0.0.1:0"
+	cfg.LocalTransport = os.Getenv(envTrans)
 	cfg.Bootstrap = pg.Bootstrap{Store: store, Namespace: os.Getenv(envNS), Rank: rank, Size: size}
 	g, err := cpu.New(ctx, cfg)
 	if err != nil {

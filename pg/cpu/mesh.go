@@ -22,13 +22,15 @@ import (
 // Forming the mesh. Every rank listens and publishes its address record
 // under addrKey(rank) in the group's namespace: "host:port nonce", plus
 // "hostkey @unixname" when it also listens on an abstract unix socket for
-// ranks on its own host (Config.LocalTransport). Rank j dials every rank
-// i < j twice (a data and a control connection) — over the unix socket when
-// the host keys match, else over TCP — and opens each connection with a
-// hello naming the listener's nonce, so that a connection that reaches
-// another group's listener on a reused port is refused. The listener
-// answers with its own rank. Every pair thus has exactly one data and one
-// control connection.
+// ranks on its own host (Config.LocalTransport), plus "shm" when it wants
+// shared memory with them. Rank j dials every rank i < j twice (a data and
+// a control connection) — over the unix socket when the host keys match,
+// else over TCP — and opens each connection with a hello naming the
+// listener's nonce, so that a connection that reaches another group's
+// listener on a reused port is refused. The listener answers with its own
+// rank. Every pair thus has exactly one data and one control connection.
+// When both want shared memory, j dials a third, the ring connection, and
+// its hellos say so; then each rank passes the other its ring (shm.go).
 
 const (
 	helloMagic = 0x55435047 // "GPCU", little-endian
@@ -37,6 +39,7 @@ const (
 
 	kindData    = 0
 	kindControl = 1
+	kindRing    = 2 // shared memory: the second direction's doorbells
 
 	// helloTimeout bounds reading one accepted connection's hello, so that a
 	// stray connection cannot hold up the others for long.
@@ -45,18 +48,39 @@ const (
 
 func addrKey(rank int) string { return "pgcpu/addr/" + strconv.Itoa(rank) }
 
-// link is a pair's two connections.
+// link is a pair's connections and, with shared memory, its rings.
 type link struct {
 	data, ctrl net.Conn
+	ring       net.Conn // shared memory only, else nil
+
+	tx, rx *shmRing // shared memory: this rank's ring to the peer, and the peer's
 }
 
 func (l link) close() {
-	if l.data != nil {
-		l.data.Close()
+	for _, c := range []net.Conn{l.data, l.ctrl, l.ring} {
+		if c != nil {
+			c.Close()
+		}
 	}
-	if l.ctrl != nil {
-		l.ctrl.Close()
+}
+
+// setDeadline sets the deadline of the connections operations use.
+func (l link) setDeadline(t time.Time) {
+	l.data.SetDeadline(t)
+	if l.ring != nil {
+		l.ring.SetDeadline(t)
 	}
+}
+
+// shmConns returns, for a shared-memory link to a peer of rank peer, the
+// connection that carries this rank's doorbells (out) and the one that
+// carries the peer's (in). The data connection carries the dialer's —
+// the higher rank's — and the ring connection the lower rank's.
+func (l link) shmConns(rank, peer int) (out, in net.Conn) {
+	if peer < rank {
+		return l.data, l.ring
+	}
+	return l.ring, l.data
 }
 
 // formMesh connects this rank to every other rank of the group; links is
@@ -71,8 +95,8 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 	nonce := rand.Uint64()
 	_, port, _ := net.SplitHostPort(tl.Addr().String())
 	self := net.JoinHostPort(cfg.advertiseHost(), port) + " " + strconv.FormatUint(nonce, 16)
-	myKey := ""
-	if cfg.LocalTransport == TransportUnix {
+	myKey, wantShm := "", false
+	if cfg.LocalTransport != TransportTCP {
 		myKey = hostKey()
 	}
 	if myKey != "" {
@@ -80,6 +104,10 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 		if ul, err := (&net.ListenConfig{}).Listen(ctx, "unix", name); err == nil {
 			listeners = append(listeners, ul)
 			self += " " + myKey + " " + name
+			if cfg.LocalTransport == TransportShm && shmWorks() {
+				wantShm = true
+				self += " shm"
+			}
 		}
 	}
 	closeListeners := func() {
@@ -102,7 +130,8 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 	}
 
 	links = make([]link, size)
-	want := 2 * (size - 1 - rank) // connections to accept
+	want := 2 * (size - 1 - rank) // connections to accept; one more per shm peer
+	shmPeer := make([]bool, size)
 	var (
 		mu       sync.Mutex
 		firstErr error
@@ -117,12 +146,24 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 		}
 		mu.Unlock()
 	}
-	put := func(peer, kind int, c net.Conn) bool {
+	// put files connection c to peer; shm says the peer's hellos ask for
+	// shared memory, so that it dials (or this rank accepts) a ring
+	// connection too.
+	put := func(peer, kind int, shm bool, c net.Conn) bool {
 		mu.Lock()
 		defer mu.Unlock()
+		if shm && !shmPeer[peer] {
+			shmPeer[peer] = true
+			if peer > rank {
+				want++
+			}
+		}
 		slot := &links[peer].data
-		if kind == kindControl {
+		switch kind {
+		case kindControl:
 			slot = &links[peer].ctrl
+		case kindRing:
+			slot = &links[peer].ring
 		}
 		if *slot != nil || firstErr != nil {
 			return false
@@ -134,6 +175,8 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 		if err != nil {
 			for _, l := range links {
 				l.close()
+				l.tx.unmap()
+				l.rx.unmap()
 			}
 		}
 	}()
@@ -152,8 +195,8 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 				}
 				return
 			}
-			peer, kind, err := acceptHello(c, rank, size, nonce)
-			if err != nil || !put(peer, kind, c) {
+			peer, kind, shm, err := acceptHello(c, rank, size, nonce, wantShm)
+			if err != nil || !put(peer, kind, shm, c) {
 				c.Close() // a stray or duplicate connection: not ours
 				continue
 			}
@@ -187,18 +230,22 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 				fail(fmt.Errorf("rank %d's address %q: %w", i, vals[i], perr))
 				break
 			}
-			network, addr := "tcp", rec.tcp
+			network, addr, shm := "tcp", rec.tcp, false
 			if myKey != "" && rec.hostKey == myKey && rec.unix != "" {
-				network, addr = "unix", rec.unix
+				network, addr, shm = "unix", rec.unix, wantShm && rec.shm
 			}
-			for _, kind := range []int{kindData, kindControl} {
+			kinds := []int{kindData, kindControl, kindRing}
+			if !shm {
+				kinds = kinds[:2]
+			}
+			for _, kind := range kinds {
 				wg.Go(func() {
-					c, err := dialPeer(ctx, cfg, network, addr, rec.nonce, i, kind)
+					c, err := dialPeer(ctx, cfg, network, addr, rec.nonce, i, kind, shm)
 					if err != nil {
 						fail(&pg.PeerError{Rank: i, Op: "connect", Err: err})
 						return
 					}
-					if !put(i, kind, c) {
+					if !put(i, kind, shm, c) {
 						c.Close()
 					}
 				})
@@ -213,34 +260,78 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 		return nil, firstErr
 	}
 	for _, l := range links {
-		if l.data != nil {
+		if l.data != nil && l.ring == nil {
 			setupData(l.data, cfg)
 		}
+	}
+	if err := exchangeRings(ctx, cfg, links); err != nil {
+		return nil, err
 	}
 	return links, nil
 }
 
+// exchangeRings gives every shared-memory peer this rank's ring to it and
+// maps the peer's. Every rank sends before it receives, and a ring
+// message fits any socket buffer, so no pair waits on the other.
+func exchangeRings(ctx context.Context, cfg Config, links []link) error {
+	slots, size := ShmSlots, slotBytes(cfg.ChunkBytes)
+	for p := range links {
+		l := &links[p]
+		if l.ring == nil {
+			continue
+		}
+		out, _ := l.shmConns(cfg.Rank, p)
+		r, fd, err := newShmRing(slots, size)
+		if err == nil {
+			l.tx = r
+			err = sendRing(out, fd, slots, size)
+			unix.Close(fd)
+		}
+		if err != nil {
+			return &pg.PeerError{Rank: p, Op: "connect", Err: fmt.Errorf("shared memory: %w", err)}
+		}
+	}
+	deadline, _ := ctx.Deadline()
+	for p := range links {
+		l := &links[p]
+		if l.ring == nil {
+			continue
+		}
+		_, in := l.shmConns(cfg.Rank, p)
+		in.SetReadDeadline(deadline)
+		r, err := recvRing(in)
+		in.SetReadDeadline(time.Time{})
+		if err != nil {
+			return &pg.PeerError{Rank: p, Op: "connect", Err: fmt.Errorf("shared memory: %w", err)}
+		}
+		l.rx = r
+	}
+	return nil
+}
+
 // addrRecord is what a rank publishes: its TCP address and nonce, and, when
-// it listens on a unix socket too, its host key and the socket's name.
+// it listens on a unix socket too, its host key, the socket's name and
+// whether it wants shared memory.
 type addrRecord struct {
 	tcp     string
 	nonce   uint64
 	hostKey string
 	unix    string
+	shm     bool
 }
 
 func parseAddr(v []byte) (addrRecord, error) {
 	f := strings.Fields(string(v))
-	if len(f) != 2 && len(f) != 4 {
-		return addrRecord{}, errors.New("want \"host:port nonce [hostkey @unixname]\"")
+	if (len(f) != 2 && len(f) != 4 && len(f) != 5) || (len(f) == 5 && f[4] != "shm") {
+		return addrRecord{}, errors.New("want \"host:port nonce [hostkey @unixname [shm]]\"")
 	}
 	nonce, err := strconv.ParseUint(f[1], 16, 64)
 	if err != nil {
 		return addrRecord{}, err
 	}
 	r := addrRecord{tcp: f[0], nonce: nonce}
-	if len(f) == 4 {
-		r.hostKey, r.unix = f[2], f[3]
+	if len(f) >= 4 {
+		r.hostKey, r.unix, r.shm = f[2], f[3], len(f) == 5
 	}
 	return r, nil
 }
@@ -260,7 +351,7 @@ func hostKey() string {
 	return strings.TrimSpace(string(boot)) + "/" + strconv.FormatUint(st.Ino, 10)
 }
 
-func dialPeer(ctx context.Context, cfg Config, network, addr string, nonce uint64, peer, kind int) (net.Conn, error) {
+func dialPeer(ctx context.Context, cfg Config, network, addr string, nonce uint64, peer, kind int, shm bool) (net.Conn, error) {
 	c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
 	if err != nil {
 		return nil, err
@@ -274,6 +365,9 @@ func dialPeer(ctx context.Context, cfg Config, network, addr string, nonce uint6
 	binary.LittleEndian.PutUint32(b[12:], uint32(cfg.Rank))
 	binary.LittleEndian.PutUint32(b[16:], uint32(cfg.Size))
 	b[20] = byte(kind)
+	if shm {
+		b[21] = 1
+	}
 	if _, err := c.Write(b[:]); err != nil {
 		c.Close()
 		return nil, fmt.Errorf("hello: %w", err)
@@ -292,29 +386,33 @@ func dialPeer(ctx context.Context, cfg Config, network, addr string, nonce uint6
 }
 
 // acceptHello reads a dialer's hello and answers it; it returns the
-// dialer's rank and the connection's kind.
-func acceptHello(c net.Conn, rank, size int, nonce uint64) (peer, kind int, err error) {
+// dialer's rank, the connection's kind and whether the dialer asks for
+// shared memory (refused unless wantShm and the connection is a unix one).
+func acceptHello(c net.Conn, rank, size int, nonce uint64, wantShm bool) (peer, kind int, shm bool, err error) {
 	c.SetDeadline(time.Now().Add(helloTimeout))
 	var b [helloLen]byte
 	if _, err := io.ReadFull(c, b[:]); err != nil {
-		return 0, 0, err
+		return 0, 0, false, err
 	}
 	peer = int(binary.LittleEndian.Uint32(b[12:]))
 	kind = int(b[20])
+	shm = b[21] == 1
+	_, isUnix := c.(*net.UnixConn)
 	switch {
 	case binary.LittleEndian.Uint32(b[0:]) != helloMagic, binary.LittleEndian.Uint64(b[4:]) != nonce:
-		return 0, 0, errors.New("not a hello for this group")
-	case int(binary.LittleEndian.Uint32(b[16:])) != size, peer <= rank, peer >= size, kind > kindControl:
-		return 0, 0, errors.New("hello does not fit this group")
+		return 0, 0, false, errors.New("not a hello for this group")
+	case int(binary.LittleEndian.Uint32(b[16:])) != size, peer <= rank, peer >= size, kind > kindRing,
+		b[21] > 1, kind == kindRing && !shm, shm && !(wantShm && isUnix):
+		return 0, 0, false, errors.New("hello does not fit this group")
 	}
 	var r [replyLen]byte
 	binary.LittleEndian.PutUint32(r[0:], helloMagic)
 	binary.LittleEndian.PutUint32(r[4:], uint32(rank))
 	if _, err := c.Write(r[:]); err != nil {
-		return 0, 0, err
+		return 0, 0, false, err
 	}
 	c.SetDeadline(time.Time{})
-	return peer, kind, nil
+	return peer, kind, shm, nil
 }
 
 func setupData(c net.Conn, cfg Config) {

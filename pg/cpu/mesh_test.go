@@ -18,7 +18,9 @@ func TestParseAddr(t *testing.T) {
 		{"[::1]:80 1a bootid/4026531840 @gorun-pgcpu-1a-3", addrRecord{tcp: "[::1]:80", nonce: 0x1a, hostKey: "bootid/4026531840", unix: "@gorun-pgcpu-1a-3"}, false},
 		{"10.0.0.7:4321", addrRecord{}, true},
 		{"10.0.0.7:4321 zz", addrRecord{}, true},
+		{"[::1]:80 1a bootid/4026531840 @gorun-pgcpu-1a-3 shm", addrRecord{tcp: "[::1]:80", nonce: 0x1a, hostKey: "bootid/4026531840", unix: "@gorun-pgcpu-1a-3", shm: true}, false},
 		{"10.0.0.7:4321 ff key", addrRecord{}, true},
+		{"[::1]:80 1a bootid/4026531840 @gorun-pgcpu-1a-3 rdma", addrRecord{}, true},
 	}
 	for _, tt := range tests {
 		got, err := parseAddr([]byte(tt.in))
@@ -40,16 +42,22 @@ func TestHostKey(t *testing.T) {
 
 func TestConfigLocalTransport(t *testing.T) {
 	cfg := DefaultConfig()
-	if cfg.LocalTransport != TransportUnix {
-		t.Errorf("default local transport %q, want unix", cfg.LocalTransport)
+	if cfg.LocalTransport != TransportShm {
+		t.Errorf("default local transport %q, want shm", cfg.LocalTransport)
 	}
 	// Any store will do: validate only checks that there is one.
 	cfg.Bootstrap = pg.Bootstrap{Store: rendezvous.NewPrefixStore("x", nil), Size: 1}
 	if err := cfg.validate(); err != nil {
 		t.Fatalf("valid config: %v", err)
 	}
-	cfg.LocalTransport = "shm"
+	for _, tr := range []string{TransportUnix, TransportShm, TransportTCP} {
+		cfg.LocalTransport = tr
+		if err := cfg.validate(); err != nil {
+			t.Errorf("local transport %q: %v", tr, err)
+		}
+	}
+	cfg.LocalTransport = "rdma"
 	if err := cfg.validate(); !errors.Is(err, pg.ErrInvalidArgument) {
-		t.Errorf("local transport \"shm\": %v, want ErrInvalidArgument", err)
+		t.Errorf("local transport \"rdma\": %v, want ErrInvalidArgument", err)
 	}
 }

@@ -11,14 +11,21 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/pg/cpu"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
 // TestPeerKilled runs a group of 4 real processes (this test binary, re-
 // executed), SIGKILLs rank 2 while they are in the middle of AllReduces,
 // and checks that every survivor's AllReduce fails at once with a
-// *pg.PeerError naming rank 2.
+// *pg.PeerError naming rank 2 — over every local transport.
 func TestPeerKilled(t *testing.T) {
+	for _, transport := range []string{cpu.TransportUnix, cpu.TransportShm, cpu.TransportTCP} {
+		t.Run(transport, func(t *testing.T) { testPeerKilled(t, transport) })
+	}
+}
+
+func testPeerKilled(t *testing.T, transport string) {
 	const size, victim = 4, 2
 	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
 	if err != nil {
@@ -35,7 +42,7 @@ func TestPeerKilled(t *testing.T) {
 		cmd := exec.Command(os.Args[0], "-test.run=^$")
 		cmd.Env = append(os.Environ(),
 			envRank+"="+strconv.Itoa(r), envSize+"="+strconv.Itoa(size),
-			envStore+"="+srv.Addr().String(), envNS+"=killed")
+			envStore+"="+srv.Addr().String(), envNS+"=killed", envTrans+"="+transport)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()

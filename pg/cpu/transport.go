@@ -10,15 +10,15 @@ import (
 	"time"
 )
 
-// sender writes one data connection from its own goroutine, so that a rank
-// can send to a peer while it reads from another (or the same) one: the
-// ring and the exchanges would deadlock on full socket buffers otherwise.
-// The collective posts byte slices (views of the caller's buffer or of
-// scratch, never copies) and, before it returns, waits until every one was
-// written. Pending slices go out together with writev. Posting never
+// sender feeds one peer's outbound stream from its own goroutine, so that
+// a rank can send to a peer while it reads from another (or the same) one:
+// the ring and the exchanges would deadlock on full socket buffers (or
+// full shared-memory rings) otherwise. The collective posts byte slices
+// (views of the caller's buffer or of scratch, never copies) and, before it
+// returns, waits until every one was handed to the wire. Posting never
 // blocks and costs no allocation once the queues have grown.
 type sender struct {
-	conn net.Conn
+	wire wire
 	kick chan struct{} // cap 1: work was posted
 	done chan struct{} // cap 1: progress was made
 
@@ -28,13 +28,16 @@ type sender struct {
 	posted  int64
 	written int64
 	err     error
-
-	bufs net.Buffers // owned by run; a field so that WriteTo does not allocate
-	iov  [][]byte
 }
 
-func newSender(c net.Conn) *sender {
-	return &sender{conn: c, kick: make(chan struct{}, 1), done: make(chan struct{}, 1)}
+// A wire moves posted slices to the peer, in order. Only the sender's
+// goroutine calls it.
+type wire interface {
+	write(batch [][]byte) error
+}
+
+func newSender(w wire) *sender {
+	return &sender{wire: w, kick: make(chan struct{}, 1), done: make(chan struct{}, 1)}
 }
 
 // post queues b for writing; empty slices are skipped.
@@ -71,10 +74,7 @@ func (s *sender) run(stop <-chan struct{}) {
 				s.mu.Unlock()
 				break
 			}
-			s.iov = append(s.iov[:0], batch...)
-			s.bufs = s.iov
-			_, err := s.bufs.WriteTo(s.conn)
-			clear(s.iov)
+			err := s.wire.write(batch)
 			clear(batch)
 			s.mu.Lock()
 			s.spare = batch[:0]
@@ -110,6 +110,55 @@ func (s *sender) wait(stop <-chan struct{}) error {
 			return errStopped
 		}
 	}
+}
+
+// sockWire writes a batch to a socket with one writev.
+type sockWire struct {
+	conn net.Conn
+	bufs net.Buffers // a field, so that WriteTo does not allocate
+	iov  [][]byte
+}
+
+func (w *sockWire) write(batch [][]byte) error {
+	w.iov = append(w.iov[:0], batch...)
+	w.bufs = w.iov
+	_, err := w.bufs.WriteTo(w.conn)
+	clear(w.iov)
+	return err
+}
+
+// An inbound is how a rank receives a peer's stream. Only the goroutine
+// running collectives calls it.
+type inbound interface {
+	// read fills b with the stream's next len(b) bytes.
+	read(b []byte) error
+	// readReduce consumes the stream's next len(dst) bytes, in, and sets
+	// dst = src op in with red; tmp (len(dst) bytes, 8-byte aligned) is
+	// space it may use. src and dst may be the same.
+	readReduce(dst, src, tmp []byte, red reducer) error
+}
+
+// sockInbound reads a socket: a kernel copy into tmp, then the reduction.
+type sockInbound struct{ conn net.Conn }
+
+func (r sockInbound) read(b []byte) error {
+	for n := 0; n < len(b); {
+		m, err := r.conn.Read(b[n:])
+		n += m
+		if err != nil && n < len(b) {
+			return err
+		}
+	}
+	return nil
+}
+
+func (r sockInbound) readReduce(dst, src, tmp []byte, red reducer) error {
+	in := tmp[:len(dst)]
+	if err := r.read(in); err != nil {
+		return err
+	}
+	red(dst, src, in)
+	return nil
 }
 
 // Control messages travel on a pair's control connection, which a reader
