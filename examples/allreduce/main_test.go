@@ -123,12 +123,7 @@ func TestUnderGorun(t *testing.T) {
 // store, as PyTorch's rank 0 does when no agent serves one.
 func TestWithoutLauncher(t *testing.T) {
 	bin := buildExample(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
+	port := freePort(t)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -194,12 +189,7 @@ func TestNCCLWithoutGPU(t *testing.T) {
 		t.Skip("this machine has a GPU; make gpu-smoke covers it")
 	}
 	bin := buildExample(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := ln.Addr().(*net.TCPAddr).Port
-	ln.Close()
+	port := freePort(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, bin, "--backend", "nccl", "--steps", "1")
@@ -216,4 +206,16 @@ func TestNCCLWithoutGPU(t *testing.T) {
 	if n := strings.Count(strings.TrimSpace(string(out)), "\n"); n != 0 {
 		t.Errorf("want one line, got %d:\n%s", n+1, out)
 	}
+}
+
+// freePort returns a loopback port that was free a moment ago, for rank 0
+// to host the store on when no launcher serves one.
+func freePort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	return ln.Addr().(*net.TCPAddr).Port
 }
