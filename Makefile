@@ -25,6 +25,8 @@ example: build test-deps
 # test installs what the tests need (as root, from Debian) and runs them all.
 test: test-deps
 	CGO_ENABLED=1 $(GO) test $(GOFLAGS) -race -timeout 15m ./...
+	# pg/nccl without cgo: New must say it needs cgo.
+	CGO_ENABLED=0 $(GO) test $(GOFLAGS) -timeout 2m ./pg/nccl/
 
 test-deps:
 	./scripts/test-deps.sh

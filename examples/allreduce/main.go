@@ -6,7 +6,10 @@
 //
 //	done rank=R world=W steps=S sum=X
 //
-// and exits 0 if every step's X was 1+2+…+W, 1 otherwise.
+// and exits 0 if every step's X was 1+2+…+W, 1 if a result was wrong or a
+// collective failed, 2 for bad flags or a missing launcher environment
+// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each with one line on
+// stderr.
 //
 //	go build -o bin/allreduce ./examples/allreduce
 //	gorun --standalone --nproc-per-node 4 --no-python bin/allreduce --steps 50

@@ -6,13 +6,20 @@ agents agree on who is gone and publish each change of membership as an
 helper watches for epochs and moves the worker's default process group to
 each one:
 
-- it aborts the current group where the backend can (NCCL), so that a
-  collective stuck on a dead peer returns;
-- it calls ``dist.shrink_group(excluded)`` where PyTorch has it and the
-  backend is NCCL (NCCL >= 2.27);
-- otherwise (gloo, PyTorch 1.13) it destroys the group and initialises a new
-  one among the survivors, on a fresh PrefixStore, with the new rank and
-  world size.
+- with NCCL on a PyTorch that has ``dist.shrink_group`` (NCCL >= 2.27) it
+  calls ``shrink_group(excluded, SHRINK_ABORT)``: NCCL itself terminates the
+  operations stuck on the dead peer, then shrinks. The communicator must not
+  be aborted first (ncclCommAbort frees it, leaving nothing to shrink);
+- with NCCL on an older PyTorch, the watcher aborts the group when the
+  epoch appears (so a collective stuck on a dead peer returns), and the
+  group is destroyed and re-initialised among the survivors;
+- with gloo (PyTorch 1.13 included), which cannot be aborted and whose
+  collectives fail on their own when a peer's connection breaks, the group
+  is destroyed and initialised anew among the survivors, on a fresh
+  PrefixStore, with the new rank and world size.
+
+Only the gloo path is tested (with PyTorch 1.13, in CI); the NCCL paths need
+a GPU and have not run yet.
 
 Use::
 
@@ -137,9 +144,9 @@ class ElasticGroup:
 
     def _watch(self):
         """Wait on the next epoch's key through a store connection of its own
-        (a store wait, not polling); when it appears, flag it and abort the
-        group where the backend can, so a collective stuck on a dead peer
-        returns to the training loop."""
+        (a store wait, not polling); when it appears, flag it and, unless the
+        group will be shrunk in place, abort it where the backend can, so a
+        collective stuck on a dead peer returns to the training loop."""
         try:
             store = _connect_store(self.timeout)
         except RuntimeError:
@@ -148,13 +155,18 @@ class ElasticGroup:
             n = self.epoch.number + 1
             try:
                 store.wait([_key("epoch", n)], datetime.timedelta(seconds=5))
-            except RuntimeError:
-                continue  # the wait timed out; ask again
+            except RuntimeError as e:
+                if "timeout" not in str(e).lower():
+                    # The store is unreachable: pause rather than spin;
+                    # recover() will report it when the worker needs it.
+                    self._stop.wait(1.0)
+                continue  # ask again
             with self._lock:
                 if n != self.epoch.number + 1:
                     continue  # recover() moved on meanwhile
                 self._seen.set()
-                _abort_default_group()
+                if not self._shrinks():
+                    _abort_default_group()
             while not self._moved.wait(0.5) and not self._stop.is_set():
                 pass
             self._moved.clear()
@@ -243,8 +255,8 @@ class ElasticGroup:
 
 def _abort_default_group():
     """Abort the default group's communicators where the backend supports it
-    (NCCL in recent PyTorch); gloo has no abort, and its collectives fail on
-    their own when a peer's connection breaks."""
+    (NCCL); gloo has no abort, and its collectives fail on their own when a
+    peer's connection breaks. Never before shrink_group: see the module doc."""
     if not dist.is_initialized():
         return
     try:
