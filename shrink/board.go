@@ -22,8 +22,8 @@ const DefaultPrefix = "gorun/shrink"
 //	report/next   counter: failure reports filed so far
 //	report/<i>    the JSON Report i (i ≥ 1)
 //
-// Only Set, Get, Add, CompareSet and Wait are used, so a Board works on any
-// c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
+// Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
+// on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
 type Board struct {
 	store rendezvous.Store
 }
