@@ -12,13 +12,16 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"syscall"
 	"time"
 
 	"go.uber.org/zap"
 
+	"github.com/gorunhq/gorun/health"
 	"github.com/gorunhq/gorun/launcher/reaper"
+	"github.com/gorunhq/gorun/shrink"
 )
 
 // ErrNotImplemented marks configurations this version of the agent cannot
@@ -78,6 +81,12 @@ type agent struct {
 	health *Health // nil without --health-addr; its methods accept nil
 	// multiNode: the job has other nodes to watch while workers run.
 	multiNode bool
+	// heartbeats receives workers' heartbeats (--heartbeat-timeout); nil
+	// when they are off. hung carries its reports to the monitor loop.
+	heartbeats *health.Monitor
+	hung       chan health.Event
+	stopBeats  context.CancelFunc
+	beatsDone  chan struct{}
 }
 
 func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, error) {
@@ -112,6 +121,11 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 			return nil, fmt.Errorf("--init: %w", err)
 		}
 	}
+	if cfg.HeartbeatTimeout > 0 {
+		if err := a.listenHeartbeats(); err != nil {
+			return nil, err
+		}
+	}
 	a.reaper = reaper.New(reaper.Config{
 		ReapOrphans: pid1 || cfg.Init,
 		OnOrphan: func(e reaper.Exit) {
@@ -121,7 +135,38 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 	return a, nil
 }
 
+// listenHeartbeats opens the heartbeat socket the workers find in
+// GORUN_HEARTBEAT. It lives in a directory of its own under the system's
+// temporary directory: a unix socket's path must stay under 108 bytes,
+// which a --log-dir path need not.
+func (a *agent) listenHeartbeats() error {
+	dir, err := os.MkdirTemp("", "gorun-hb-")
+	if err != nil {
+		return fmt.Errorf("--heartbeat-timeout: %w", err)
+	}
+	m, err := health.ListenHeartbeats(filepath.Join(dir, "hb.sock"), a.cfg.HeartbeatTimeout)
+	if err != nil {
+		os.RemoveAll(dir)
+		return fmt.Errorf("--heartbeat-timeout: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	a.heartbeats, a.hung, a.stopBeats, a.beatsDone = m, make(chan health.Event, 16), cancel, make(chan struct{})
+	go func() {
+		defer close(a.beatsDone)
+		defer os.RemoveAll(dir)
+		if err := m.Run(ctx, a.hung); err != nil && ctx.Err() == nil {
+			a.log.Error("heartbeat socket failed; hang detection is off", zap.Error(err))
+		}
+	}()
+	return nil
+}
+
 func (a *agent) close() {
+	if a.heartbeats != nil {
+		a.stopBeats()
+		a.heartbeats.Close()
+		<-a.beatsDone
+	}
 	a.health.Close()
 	if a.m != nil {
 		a.m.close()
@@ -160,6 +205,12 @@ type outcome struct {
 	change   *change        // the job changed under the round
 	signal   syscall.Signal // the signal that stopped the agent
 	err      error          // the context's error
+	// lost are local workers that failed and that a shrink epoch excluded:
+	// the survivors carried on without them.
+	lost []Failure
+	// fallback says why shrink mode gave up and hands the round to a
+	// restart; "" when it did not.
+	fallback string
 }
 
 // stopSignals end the agent, torchrun's defaults; other handled signals
@@ -194,13 +245,27 @@ func (a *agent) run(ctx context.Context) error {
 			return err
 		}
 		a.health.RendezvousDone(p.round, time.Since(began))
-		out, err := a.runRound(ctx, p, sigs)
-		p.release()
+		var sv *survivors
+		if a.cfg.OnFailure == OnFailureShrink {
+			if sv, err = startSurvivors(ctx, &a.cfg, a.log, p); err != nil {
+				p.release()
+				a.health.SetPhase(PhaseFailed)
+				return err
+			}
+		}
+		out, err := a.runRound(ctx, p, sigs, sv)
 		if err != nil {
+			sv.close()
+			p.release()
 			a.health.SetPhase(PhaseFailed)
 			return err
 		}
-		done, err := a.decide(ctx, p, out)
+		// The round's worker store (when this node hosts it) and the
+		// agreement stay up through decide: in shrink mode the other
+		// nodes' survivors may still need them until the exit barrier.
+		done, err := a.decide(ctx, p, out, sv)
+		sv.close()
+		p.release()
 		switch {
 		case done && err == nil:
 			a.health.SetPhase(PhaseSucceeded)
@@ -216,7 +281,7 @@ func (a *agent) run(ctx context.Context) error {
 
 // decide acts on how a round ended: it reports whether the agent is done,
 // and with what.
-func (a *agent) decide(ctx context.Context, p *plan, out outcome) (bool, error) {
+func (a *agent) decide(ctx context.Context, p *plan, out outcome, sv *survivors) (bool, error) {
 	switch {
 	case out.signal != 0:
 		a.m.leave(context.WithoutCancel(ctx))
@@ -248,9 +313,19 @@ func (a *agent) decide(ctx context.Context, p *plan, out outcome) (bool, error) 
 		// rule).
 		a.log.Info("membership changed; re-rendezvous", zap.Int("waiting", out.change.waiting))
 		return false, nil
+	case out.fallback != "":
+		return a.fallBack(ctx, p, out)
 	case len(out.failures) == 0:
+		if sv != nil {
+			p.barrierNodes = sv.liveNodes()
+		}
 		if err := a.m.finish(ctx, p, true); err != nil {
 			return true, err
+		}
+		if sv != nil && len(sv.epochs) > 0 {
+			a.log.Warn("the surviving workers succeeded", zap.String("run_id", a.runID), zap.Int("round", p.round),
+				zap.String("shrink", sv.summary()))
+			return true, nil
 		}
 		a.log.Info("all workers succeeded", zap.String("run_id", a.runID), zap.Int("round", p.round),
 			zap.Int("restarts", p.env.RestartCount))
@@ -271,6 +346,29 @@ func (a *agent) decide(ctx context.Context, p *plan, out outcome) (bool, error) 
 	return true, e
 }
 
+// fallBack restarts the group after shrink mode gave up (too few
+// survivors, or no agreement), counting a restart as restart mode does.
+func (a *agent) fallBack(ctx context.Context, p *plan, out outcome) (bool, error) {
+	left, err := a.m.failed(ctx, p, "shrink mode fell back to restart: "+out.fallback)
+	if err != nil {
+		return true, err
+	}
+	if left {
+		a.log.Warn("shrink mode fell back to restart; restarting the worker group",
+			zap.String("why", out.fallback), zap.Int("max_restarts", a.cfg.MaxRestarts))
+		return false, nil
+	}
+	failures := append(slices.Clone(out.lost), out.failures...)
+	if len(failures) == 0 {
+		a.m.finish(ctx, p, false)
+		return true, &JobFailedError{Reason: "shrink mode fell back to restart (" + out.fallback + "), and no restart is left"}
+	}
+	e := &WorkersFailedError{Name: a.cfg.Entrypoint.Program, Failures: failures, Restarts: p.env.RestartCount}
+	io.WriteString(a.con.stderr, e.Summary())
+	a.m.finish(ctx, p, false)
+	return true, e
+}
+
 func failureText(fs []Failure) string {
 	f := fs[rootCause(fs)]
 	return fmt.Sprintf("rank %d: %s", f.Rank, describeExit(f.ExitCode))
@@ -278,8 +376,11 @@ func failureText(fs []Failure) string {
 
 // runRound starts the local workers of a round and watches them until the
 // round ends here.
-func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal) (outcome, error) {
+func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv *survivors) (outcome, error) {
 	dir := filepath.Join(a.runDir, "attempt_"+strconv.Itoa(p.env.RestartCount))
+	if a.heartbeats != nil {
+		p.env.Heartbeat = a.heartbeats.Path()
+	}
 	spec := spawnSpec{
 		path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir,
 		prefix: func(as Assignment) string { return fmt.Sprintf("[%s%d]:", a.cfg.Role, as.LocalRank) },
@@ -299,15 +400,17 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal) (o
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
 	a.health.WorkersStarted(len(p.assignments))
 	a.health.SetPhase(PhaseRunning)
-	out := a.monitor(ctx, g, sigs)
+	out := a.monitor(ctx, g, sigs, sv)
 	return out, nil
 }
 
 // monitor waits for the round's outcome. Exits arrive from the reaper the
-// moment they happen: a failure stops the rest of the group at once. The
-// job is polled every MonitorInterval for changes that end the round
-// (nodes waiting, nodes lost, the job closed).
-func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) outcome {
+// moment they happen. In restart mode a failure stops the rest of the
+// group at once; in shrink mode (sv non-nil) it is reported to the
+// survivors' agreement and the others run on. The job is polled every
+// MonitorInterval for changes that end the round (nodes waiting, nodes
+// lost, the job closed).
+func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal, sv *survivors) outcome {
 	forward := func(s os.Signal) {
 		a.log.Info("forwarding signal to workers", zap.Stringer("signal", s))
 		g.signal(s.(syscall.Signal))
@@ -319,17 +422,49 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 		defer t.Stop()
 		poll = t.C
 	}
-	for g.running > 0 {
+	var out outcome
+	var epochs <-chan shrink.Epoch
+	var agreementFailed <-chan error
+	if sv != nil {
+		epochs, agreementFailed = sv.coord.Epochs(), sv.coord.Err()
+	}
+	stop := func(sig syscall.Signal) {
+		a.health.SetPhase(PhaseStopping)
+		g.stop(sig, grace, sigs, forward)
+	}
+	fallBack := func(why string) outcome {
+		a.log.Warn("shrink mode gives up: stopping workers to restart the group", zap.String("why", why))
+		stop(syscall.SIGTERM)
+		out.fallback = why
+		return out
+	}
+	// In shrink mode the round lasts until the local workers are done and
+	// every local failure is decided: this node may lead the agreement.
+	for g.running > 0 || (sv != nil && !sv.settled()) {
 		select {
 		case x := <-g.exits:
 			g.record(x)
 			if x.e.Code() == 0 {
 				continue
 			}
+			f := a.failure(x)
+			if sv != nil {
+				if !sv.epoch.Alive(f.Rank) {
+					out.lost = append(out.lost, f) // excluded before it ended
+					continue
+				}
+				a.log.Warn("worker failed; reporting it to the survivors", zap.Int("rank", f.Rank), zap.Stringer("exit", x.e))
+				out.failures = append(out.failures, f)
+				a.health.FailureReported(ReportWorker, 1)
+				if err := sv.workerFailed(ctx, f); err != nil {
+					return fallBack(err.Error())
+				}
+				continue
+			}
 			// Collect failures that happened together, then stop the
 			// others: torchrun stops the whole local group on the
 			// first failure.
-			failures := []Failure{a.failure(x)}
+			failures := []Failure{f}
 			for drained := false; !drained && g.running > 0; {
 				select {
 				case y := <-g.exits:
@@ -342,21 +477,40 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 				}
 			}
 			a.log.Warn("worker failed", zap.Int("rank", x.w.a.Rank), zap.Stringer("exit", x.e))
-			a.health.SetPhase(PhaseStopping)
-			g.stop(syscall.SIGTERM, grace, sigs, forward)
+			stop(syscall.SIGTERM)
 			return outcome{failures: failures}
+		case e := <-epochs:
+			if restart := a.adoptEpoch(g, sv, e, &out); restart {
+				return fallBack(fmt.Sprintf("epoch %d would leave %d rank(s), below --min-world-size %d",
+					e.Number, e.WorldSize, a.cfg.MinWorldSize))
+			}
+		case err := <-agreementFailed:
+			return fallBack(err.Error())
+		case ev := <-a.hung:
+			a.stopHung(g, ev)
 		case <-poll:
 			c, err := a.m.watch(ctx)
 			if err != nil {
 				a.log.Warn("cannot read the rendezvous state", zap.Error(err))
 				continue
 			}
-			if c != nil {
-				a.log.Warn("stopping workers: the job changed", zap.Stringer("change", c))
-				a.health.SetPhase(PhaseStopping)
-				g.stop(syscall.SIGTERM, grace, sigs, forward)
-				return outcome{change: c}
+			if c == nil {
+				continue
 			}
+			if sv != nil && !c.closed {
+				// Survivors carry on: a lost node's ranks are
+				// reported, and nodes waiting to join are admitted
+				// at the next round.
+				n, err := sv.nodesLost(ctx, c.lost, "its rendezvous keep-alive lapsed")
+				a.health.FailureReported(ReportNode, n)
+				if err != nil {
+					return fallBack(err.Error())
+				}
+				continue
+			}
+			a.log.Warn("stopping workers: the job changed", zap.Stringer("change", c))
+			stop(syscall.SIGTERM)
+			return outcome{change: c, lost: out.lost, failures: out.failures}
 		case s := <-sigs:
 			sig := s.(syscall.Signal)
 			if !stopSignals[sig] {
@@ -364,8 +518,7 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 				continue
 			}
 			a.log.Warn("stopping workers on signal", zap.Stringer("signal", s), zap.Duration("grace", grace))
-			a.health.SetPhase(PhaseStopping)
-			g.stop(sig, grace, sigs, forward)
+			stop(sig)
 			return outcome{signal: sig}
 		case <-ctx.Done():
 			g.stop(syscall.SIGTERM, grace, sigs, forward)
@@ -373,15 +526,67 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal) ou
 		}
 	}
 	g.wait(nil, 0, nil) // drain the output
-	return outcome{}
+	return out
+}
+
+// adoptEpoch acts on a shrink epoch here: local workers it excludes that
+// still run (hung, or on a node taken for lost) are killed, so that no
+// excluded rank comes back; failures it excludes become losses. It reports
+// whether the epoch is a restart.
+func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome) (restart bool) {
+	local := make([]int, len(g.workers))
+	for i, w := range g.workers {
+		local[i] = w.a.Rank
+	}
+	excluded, reportedAt := sv.adopt(e, local)
+	a.health.EpochAdopted(e, reportedAt)
+	a.log.Warn(fmt.Sprintf("shrink epoch=%d world=%d excluded=%v", e.Number, e.WorldSize, e.Excluded),
+		zap.String("action", string(e.Action)), zap.String("coordinator", e.Coordinator),
+		zap.Ints("local_excluded", excluded))
+	kept := out.failures[:0]
+	for _, f := range out.failures {
+		if e.Alive(f.Rank) {
+			kept = append(kept, f)
+		} else {
+			out.lost = append(out.lost, f)
+		}
+	}
+	out.failures = kept
+	if e.Action == shrink.ActionRestart {
+		return true
+	}
+	for _, w := range g.workers {
+		if !w.exited && slices.Contains(excluded, w.a.Rank) {
+			a.log.Warn("stopping a worker the epoch excludes", zap.Int("rank", w.a.Rank), zap.Int("epoch", e.Number))
+			w.excluded = true
+			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
+		}
+	}
+	return false
+}
+
+// stopHung kills a worker whose heartbeats stopped: its exit then counts
+// as its failure, in either mode.
+func (a *agent) stopHung(g *group, ev health.Event) {
+	for _, w := range g.workers {
+		if w.a.LocalRank == ev.Rank && !w.exited {
+			a.log.Warn("worker hung; killing it", zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))
+			w.hung = ev.Reason
+			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
+			return
+		}
+	}
 }
 
 // reportExit tells the health endpoint how a worker ended.
 func (a *agent) reportExit(w *worker, stopped bool) {
+	if a.heartbeats != nil {
+		a.heartbeats.Forget(w.a.LocalRank)
+	}
 	switch {
 	case w.exit.Code() == 0:
 		a.health.WorkerExited(true, "")
-	case stopped:
+	case stopped || w.excluded:
 		a.health.WorkerExited(false, ReasonStopped)
 	case w.exit.Signal() != 0:
 		a.health.WorkerExited(false, ReasonSignal)
@@ -391,5 +596,9 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 }
 
 func (a *agent) failure(x workerExit) Failure {
-	return newFailure(x.w.a.LocalRank, x.w.a.Rank, x.e, x.w.errorFile, a.host)
+	f := newFailure(x.w.a.LocalRank, x.w.a.Rank, x.e, x.w.errorFile, a.host)
+	if x.w.hung != "" {
+		f.Message = "hung (" + x.w.hung + "); killed by gorun"
+	}
+	return f
 }

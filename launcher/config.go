@@ -23,6 +23,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/gorunhq/gorun/shrink"
 )
 
 // ErrInvalidConfig is matched (errors.Is) by every error from the parsers
@@ -292,7 +294,37 @@ type Config struct {
 	// endpoint. gorun's --health-addr; the CLI falls back to torchrun's
 	// TORCHELASTIC_HEALTH_CHECK_PORT as ":PORT".
 	HealthAddr string
+
+	// OnFailure is what the job does when a rank fails: OnFailureRestart
+	// (default, torchrun's way: stop every worker, re-rendezvous, restart
+	// them all) or OnFailureShrink (the survivors shrink their groups to
+	// the living and carry on; dead ranks are not restarted). gorun's
+	// --on-failure.
+	OnFailure string
+	// MinWorldSize is the floor of shrink mode: a failure that would leave
+	// fewer ranks falls back to a restart. Default 1. --min-world-size.
+	MinWorldSize int
+	// SettleWindow is how long shrink mode's coordinator gathers failure
+	// reports before deciding, so that failures seen together (a host's
+	// ranks) become one epoch. Default 100 ms (shrink.DefaultSettleWindow).
+	// --settle-window.
+	SettleWindow time.Duration
+	// AgreementTimeout is how long a failure may wait for the survivors'
+	// agreement (an epoch on the board) before shrink mode gives up and
+	// restarts the group. Default 10 s (shrink.DefaultAgreementTimeout).
+	AgreementTimeout time.Duration
+	// HeartbeatTimeout turns on hang detection: a worker that has sent a
+	// heartbeat to GORUN_HEARTBEAT and then sends none for this long (hung,
+	// deadlocked, SIGSTOPped) is killed and counts as failed. 0 (default)
+	// leaves heartbeats off. --heartbeat-timeout.
+	HeartbeatTimeout time.Duration
 }
+
+// The --on-failure policies.
+const (
+	OnFailureRestart = "restart"
+	OnFailureShrink  = "shrink"
+)
 
 // Defaults, torchrun's unless said otherwise.
 const (
@@ -330,6 +362,10 @@ func DefaultConfig() Config {
 		SignalsToHandle:    []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT},
 		ShutdownTimeout:    defaultShutdownTimeout,
 		ExitBarrierTimeout: defaultExitBarrierTimeout,
+		OnFailure:          OnFailureRestart,
+		MinWorldSize:       shrink.DefaultMinWorldSize,
+		SettleWindow:       shrink.DefaultSettleWindow,
+		AgreementTimeout:   shrink.DefaultAgreementTimeout,
 	}
 }
 
@@ -545,6 +581,7 @@ func (c Config) Validate() error {
 		c.validateSupervision,
 		c.validateLogs,
 		c.validateHealth,
+		c.validateFaultTolerance,
 	} {
 		if err := check(); err != nil {
 			return err
@@ -839,6 +876,22 @@ func (c Config) validateHealth() error {
 	}
 	if host != "" && !validHost(host) {
 		return invalidf("--health-addr %q: %q is not a host name or IP address", c.HealthAddr, host)
+	}
+	return nil
+}
+
+func (c Config) validateFaultTolerance() error {
+	switch {
+	case c.OnFailure != OnFailureRestart && c.OnFailure != OnFailureShrink:
+		return invalidf("--on-failure %q: want %s or %s", c.OnFailure, OnFailureRestart, OnFailureShrink)
+	case c.MinWorldSize < 1:
+		return invalidf("--min-world-size %d: want 1 or more", c.MinWorldSize)
+	case c.SettleWindow < 0:
+		return invalidf("--settle-window %v: want 0 or more", c.SettleWindow)
+	case c.AgreementTimeout <= 0:
+		return invalidf("agreement timeout %v: want a positive timeout", c.AgreementTimeout)
+	case c.HeartbeatTimeout < 0:
+		return invalidf("--heartbeat-timeout %v: want 0 (off) or more", c.HeartbeatTimeout)
 	}
 	return nil
 }

@@ -300,7 +300,7 @@ func (d *dynamicNode) next(ctx context.Context) (*plan, error) {
 // fillPlan turns a completed round into this node's plan. srv is the worker
 // store this node offered; it stays up only on group rank 0.
 func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Round, srv *tcpstore.Server) error {
-	infos, groupRank, rank0, err := d.order(round)
+	infos, ids, groupRank, rank0, err := d.order(round)
 	if err != nil {
 		srv.Close()
 		return err
@@ -332,14 +332,16 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 		nodes[i].nproc = in.NProc
 		p.members = append(p.members, in.Addr)
 	}
+	p.nodeIDs, p.nodes = ids, nodes
 	p.assignments = assign(nodes, groupRank)
 	p.env = workerEnv(d.cfg, d.runID, host, port, int(restarts), round.Number)
 	return nil
 }
 
-// order returns the members' published infos in group-rank order and this
-// node's group rank: the round's ranks for c10d, the node ranks for static.
-func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, int, rendezvous.NodeDesc, error) {
+// order returns the members' published infos and identities in group-rank
+// order and this node's group rank: the round's ranks for c10d, the node
+// ranks for static.
+func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, rendezvous.NodeDesc, error) {
 	type member struct {
 		info nodeInfo
 		node rendezvous.NodeDesc
@@ -348,7 +350,7 @@ func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, int, rendezvous
 	ms := make([]member, len(round.Members))
 	for i, m := range round.Members {
 		if err := json.Unmarshal(m.Data, &ms[i].info); err != nil {
-			return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: node %s published %q: %w", m.Node, m.Data, err)
+			return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: node %s published %q: %w", m.Node, m.Data, err)
 		}
 		ms[i].node, ms[i].me = m.Node, m.Node == d.me
 	}
@@ -356,23 +358,24 @@ func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, int, rendezvous
 		slices.SortFunc(ms, func(a, b member) int { return a.info.NodeRank - b.info.NodeRank })
 		for i, m := range ms {
 			if m.info.NodeRank != i {
-				return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("%w: static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
+				return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("%w: static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
 					ErrInvalidConfig, nodeRanksOf(ms, func(m member) int { return m.info.NodeRank }), len(ms)-1)
 			}
 		}
 	}
 	infos := make([]nodeInfo, len(ms))
+	ids := make([]string, len(ms))
 	me := -1
 	for i, m := range ms {
-		infos[i] = m.info
+		infos[i], ids[i] = m.info, m.node.String()
 		if m.me {
 			me = i
 		}
 	}
 	if me < 0 {
-		return nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, d.me)
+		return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, d.me)
 	}
-	return infos, me, ms[0].node, nil
+	return infos, ids, me, ms[0].node, nil
 }
 
 func nodeRanksOf[T any](xs []T, f func(T) int) []int {
@@ -469,7 +472,7 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 		// torchrun's exit barrier: a node that finishes first must not
 		// look like a node lost to the others.
 		bctx, cancel := context.WithTimeout(ctx, d.cfg.ExitBarrierTimeout)
-		err := d.round.Store(d.store, d.runID).Barrier(bctx, "exit_barrier", int64(len(p.members)))
+		err := d.round.Store(d.store, d.runID).Barrier(bctx, "exit_barrier", int64(p.atBarrier()))
 		cancel()
 		if err != nil {
 			d.log.Warn("exit barrier: not every node finished in time", zap.Error(err))
@@ -488,7 +491,7 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 	}
 	d.seenClosed(ctx)
 	if d.host != nil {
-		d.waitOthersSawClose(ctx, len(p.members))
+		d.waitOthersSawClose(ctx, p.atBarrier())
 	}
 	return nil
 }

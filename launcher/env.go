@@ -5,6 +5,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/gorunhq/gorun/health"
 )
 
 // Assignment is where one worker stands in the job, as a rendezvous round
@@ -34,6 +36,12 @@ type WorkerEnv struct {
 	StoreURL string
 	// Generation numbers rendezvous rounds (GORUN_GENERATION).
 	Generation int
+	// OnFailure is the job's --on-failure policy (GORUN_ON_FAILURE), so a
+	// worker knows whether to follow shrink epochs.
+	OnFailure string
+	// Heartbeat is the socket workers send heartbeats to (GORUN_HEARTBEAT),
+	// "" when heartbeats are off.
+	Heartbeat string
 	// OMPThreads is set when torchrun would set OMP_NUM_THREADS ("1" when
 	// more than one worker runs per node and the user set none).
 	OMPThreads string
@@ -65,6 +73,12 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 		"GORUN_STORE":                  w.StoreURL,
 		"GORUN_RUN_ID":                 w.RunID,
 		"GORUN_GENERATION":             strconv.Itoa(w.Generation),
+	}
+	if w.OnFailure != "" {
+		set["GORUN_ON_FAILURE"] = w.OnFailure
+	}
+	if w.Heartbeat != "" {
+		set[health.HeartbeatEnv] = w.Heartbeat
 	}
 	inherited := lookup(base)
 	// torchrun keeps the user's value, else enables it (1.13 names it

@@ -30,6 +30,11 @@ type worker struct {
 	out       *workerOutput
 	exited    bool
 	exit      reaper.Exit
+	// hung says why the agent killed it for a lack of heartbeats.
+	hung string
+	// excluded: a shrink epoch excluded it while it ran, and the agent
+	// killed it.
+	excluded bool
 }
 
 type workerExit struct {

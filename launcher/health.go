@@ -55,6 +55,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/shrink"
 )
 
 // Phase is where an agent is in its life. The agent moves through
@@ -139,6 +141,9 @@ type Health struct {
 	rdzvRound prometheus.Gauge
 	workers   *prometheus.GaugeVec
 	failures  *prometheus.CounterVec
+	reported  *prometheus.CounterVec
+	epochs    *prometheus.CounterVec
+	epochWait prometheus.Histogram
 
 	mu      sync.Mutex
 	current Phase
@@ -176,10 +181,24 @@ func NewHealth() *Health {
 			Name: "gorun_worker_failures_total",
 			Help: "Worker failures by reason (exit_code: non-zero exit; signal: killed by a signal the agent did not send).",
 		}, []string{"reason"}),
+		reported: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gorun_failures_reported_total",
+			Help: "Failures this agent reported to the survivors' agreement (--on-failure shrink), by kind (worker: a local worker failed or hung; node: another node was lost).",
+		}, []string{"kind"}),
+		epochs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gorun_shrink_epochs_total",
+			Help: "Shrink epochs the agent adopted, by action (shrink: survivors carried on; restart: fell back to a restart).",
+		}, []string{"action"}),
+		epochWait: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "gorun_shrink_epoch_latency_seconds",
+			Help:    "From this agent reporting a failure to the epoch that excludes it reaching the agent: detection to agreement.",
+			Buckets: rendezvousBuckets,
+		}),
 		current: PhaseStarting,
 		counts:  map[string]int{},
 	}
 	h.reg.MustRegister(h.phase, h.restarts, h.rdzvTime, h.rdzvRound, h.workers, h.failures,
+		h.reported, h.epochs, h.epochWait,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for p := range Phase(numPhases) {
@@ -191,6 +210,12 @@ func NewHealth() *Health {
 	}
 	for _, r := range []string{ReasonExitCode, ReasonSignal} {
 		h.failures.WithLabelValues(r)
+	}
+	for _, k := range []string{ReportWorker, ReportNode} {
+		h.reported.WithLabelValues(k)
+	}
+	for _, a := range []shrink.Action{shrink.ActionShrink, shrink.ActionRestart} {
+		h.epochs.WithLabelValues(string(a))
 	}
 	return h
 }
@@ -277,6 +302,33 @@ func (h *Health) WorkerExited(ok bool, reason string) {
 func (h *Health) publishWorkers() {
 	for _, s := range []string{workersRunning, workersSucceeded, workersFailed, workersStopped} {
 		h.workers.WithLabelValues(s).Set(float64(h.counts[s]))
+	}
+}
+
+// Kinds of failure reports, the values of gorun_failures_reported_total's
+// kind label.
+const (
+	ReportWorker = "worker"
+	ReportNode   = "node"
+)
+
+// FailureReported counts failures reported to the survivors' agreement.
+func (h *Health) FailureReported(kind string, n int) {
+	if h == nil {
+		return
+	}
+	h.reported.WithLabelValues(kind).Add(float64(n))
+}
+
+// EpochAdopted counts a shrink epoch; since, when not zero, is when this
+// agent reported the first failure the epoch settles.
+func (h *Health) EpochAdopted(e shrink.Epoch, since time.Time) {
+	if h == nil {
+		return
+	}
+	h.epochs.WithLabelValues(string(e.Action)).Inc()
+	if !since.IsZero() {
+		h.epochWait.Observe(time.Since(since).Seconds())
 	}
 }
 

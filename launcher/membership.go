@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strconv"
 	"time"
 
@@ -51,6 +52,23 @@ type plan struct {
 	// members names the nodes of the round, by group rank (for logs and
 	// failure reports).
 	members []string
+	// nodeIDs are the members' rendezvous identities, by group rank: the
+	// names a change's lost list uses.
+	nodeIDs []string
+	// nodes are the members' worker counts, by group rank: which global
+	// ranks each node runs.
+	nodes nodeRanks
+	// barrierNodes is how many nodes meet at the exit barrier: the members
+	// less those lost in shrink mode. 0 means all members.
+	barrierNodes int
+}
+
+// atBarrier is the number of nodes the exit barrier waits for.
+func (p *plan) atBarrier() int {
+	if p.barrierNodes > 0 {
+		return p.barrierNodes
+	}
+	return len(p.members)
 }
 
 // release stops what the plan holds.
@@ -115,7 +133,10 @@ func (s *singleNode) next(context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &plan{round: s.restarts, assignments: assign(nodeRanks{{nproc: s.cfg.NProcPerNode}}, 0), env: env, store: srv}, nil
+	nodes := nodeRanks{{nproc: s.cfg.NProcPerNode}}
+	host, _ := os.Hostname()
+	return &plan{round: s.restarts, assignments: assign(nodes, 0), env: env, store: srv,
+		members: []string{host}, nodeIDs: []string{host}, nodes: nodes}, nil
 }
 
 // startStore starts the worker store: a fresh, empty TCPStore each
@@ -173,12 +194,35 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 		StoreURL:     "tcp://" + net.JoinHostPort(host, strconv.Itoa(port)),
 		Generation:   generation,
 		OMPThreads:   ompThreads(cfg.NProcPerNode),
+		OnFailure:    cfg.OnFailure,
 	}
 }
 
 // nodeRanks lists the nodes of a round in group-rank order with their
 // worker counts; nodes may run different numbers of workers.
 type nodeRanks []struct{ nproc int }
+
+// ranksOf returns the global ranks node groupRank runs.
+func (n nodeRanks) ranksOf(groupRank int) []int {
+	base := 0
+	for i := range groupRank {
+		base += n[i].nproc
+	}
+	out := make([]int, n[groupRank].nproc)
+	for i := range out {
+		out[i] = base + i
+	}
+	return out
+}
+
+// world is the number of ranks of all nodes.
+func (n nodeRanks) world() int {
+	w := 0
+	for _, x := range n {
+		w += x.nproc
+	}
+	return w
+}
 
 // assign gives the workers of node groupRank their ranks: global ranks are
 // laid out node after node, in group-rank order.

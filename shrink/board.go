@@ -163,6 +163,30 @@ func (b *Board) Reports(ctx context.Context, after int) ([]Report, int, error) {
 	return out, int(n), nil
 }
 
+// AwaitReport blocks until report i is filed and returns it: a store wait
+// on its key, like Await.
+func (b *Board) AwaitReport(ctx context.Context, i int) (Report, error) {
+	key := reportKey(i)
+	for {
+		err := b.store.Wait(ctx, key)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
+			return Report{}, fmt.Errorf("shrink: await report %d: %w", i, err)
+		}
+	}
+	rec, err := b.store.Get(ctx, key)
+	if err != nil {
+		return Report{}, fmt.Errorf("shrink: read report %d: %w", i, err)
+	}
+	var r Report
+	if err := json.Unmarshal(rec, &r); err != nil {
+		return Report{}, fmt.Errorf("shrink: report %d: %w", i, err)
+	}
+	return r, nil
+}
+
 func decodeEpoch(n int, rec []byte) (Epoch, error) {
 	var e Epoch
 	if err := json.Unmarshal(rec, &e); err != nil {

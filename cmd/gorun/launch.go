@@ -42,6 +42,7 @@ const (
 	catLogs    = "Worker logs"
 	catCompat  = "Accepted for torchrun compatibility"
 	catGorun   = "gorun"
+	catFT      = "Fault tolerance (gorun)"
 )
 
 // torchAliases returns a torchrun flag's other spellings: the underscore
@@ -131,6 +132,19 @@ func launchFlags() []cli.Flag {
 		&cli.StringFlag{Name: "health-addr", Usage: "serve /healthz, /readyz and /metrics (Prometheus) on `HOST:PORT`, e.g. :8080 " +
 			"(default: :$" + healthPortVar + " when that is set, else no endpoint)",
 			EnvVars: []string{"GORUN_HEALTH_ADDR"}, Category: catGorun},
+
+		&cli.StringFlag{Name: "on-failure", Value: def.OnFailure,
+			Usage:   "when a rank fails: restart (stop all workers, re-rendezvous, restart them: torchrun's way) or shrink (survivors shrink their groups and carry on)",
+			EnvVars: []string{"GORUN_ON_FAILURE"}, Category: catFT},
+		&cli.IntFlag{Name: "min-world-size", Value: def.MinWorldSize,
+			Usage:   "shrink mode's floor: a failure that would leave fewer ranks restarts the group instead",
+			EnvVars: []string{"GORUN_MIN_WORLD_SIZE"}, Category: catFT},
+		&cli.Float64Flag{Name: "settle-window", Value: def.SettleWindow.Seconds(),
+			Usage:   "`SECONDS` shrink mode gathers failure reports before deciding, so that failures seen together make one epoch",
+			EnvVars: []string{"GORUN_SETTLE_WINDOW"}, Category: catFT},
+		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
+			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
+			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
 	}
 }
 
@@ -219,6 +233,8 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	r.LocalAddr = c.String("local-addr")
 
 	cfg.MaxRestarts = c.Int("max-restarts")
+	cfg.OnFailure = c.String("on-failure")
+	cfg.MinWorldSize = c.Int("min-world-size")
 	cfg.StartMethod = c.String("start-method")
 	for _, d := range []struct {
 		flag string
@@ -227,6 +243,8 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		{"monitor-interval", &cfg.MonitorInterval},
 		{"shutdown-timeout", &cfg.ShutdownTimeout},
 		{"exit-barrier-timeout", &cfg.ExitBarrierTimeout},
+		{"settle-window", &cfg.SettleWindow},
+		{"heartbeat-timeout", &cfg.HeartbeatTimeout},
 	} {
 		if *d.dst, err = seconds(c.Float64(d.flag)); err != nil {
 			return cfg, usageErrorf("--%s: %v", d.flag, err)

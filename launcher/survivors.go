@@ -1,0 +1,243 @@
+package launcher
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+// survivors is shrink mode (--on-failure shrink) for one round on this
+// node: the agent's side of the survivors' agreement. It files the
+// failures this node sees (its workers' exits and hangs, nodes it finds
+// lost) on the shrink Board in the worker store, keeps the agreement's
+// leader the first live node of the round, and tracks the epochs, which
+// the workers act on themselves (abort, shrink, carry on).
+//
+// It is mechanism only: the agent's loop decides what an epoch means for
+// the local workers.
+type survivors struct {
+	log     *zap.Logger
+	coord   *shrink.Coordinator
+	clients []*tcpstore.Client
+
+	me      int      // this node's group rank
+	nodeIDs []string // the round's nodes, by group rank
+	nodes   nodeRanks
+	lost    map[int]bool // group ranks of nodes known lost
+	leading bool
+
+	epoch   shrink.Epoch   // the latest epoch
+	epochs  []shrink.Epoch // every epoch of the round, in order
+	pending map[int]string // local global ranks reported and not yet excluded
+	// since is when the first of the pending reports was filed: the start
+	// of the failure-to-epoch latency.
+	since time.Time
+}
+
+// startSurvivors joins the agreement of round p as node me (its group
+// rank). It opens three connections to the round's worker store: one for
+// filing and publishing, and one for each of the Coordinator's watchers.
+func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) (*survivors, error) {
+	me := p.assignments[0].GroupRank
+	s := &survivors{
+		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
+		lost: map[int]bool{}, pending: map[int]string{},
+		epoch: shrink.Initial(p.nodes.world()),
+	}
+	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
+	boards := make([]*shrink.Board, 3)
+	for i := range boards {
+		c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Timeout: cfg.AgreementTimeout})
+		if err != nil {
+			s.close()
+			return nil, fmt.Errorf("shrink mode: worker store %s: %w", addr, err)
+		}
+		s.clients = append(s.clients, c)
+		boards[i] = shrink.NewBoard(c, shrink.DefaultPrefix)
+	}
+	s.coord = shrink.NewCoordinator(shrink.CoordinatorConfig{
+		Config:           shrink.Config{SettleWindow: settleWindow(cfg.SettleWindow), MinWorldSize: cfg.MinWorldSize},
+		Name:             p.nodeIDs[me],
+		World:            p.nodes.world(),
+		AgreementTimeout: cfg.AgreementTimeout,
+		Logger:           s.log,
+	}, boards[0], boards[1], boards[2])
+	s.updateLeader(ctx)
+	return s, nil
+}
+
+// settleWindow maps the Config's window, where 0 means "decide at once",
+// to shrink.Config's, where 0 means the default.
+func settleWindow(d time.Duration) time.Duration {
+	if d == 0 {
+		return -1
+	}
+	return d
+}
+
+// leader is the agreement's leader: the first node of the round, in
+// group-rank order, not known to be lost.
+func (s *survivors) leader() int {
+	for g := range s.nodeIDs {
+		if !s.lost[g] {
+			return g
+		}
+	}
+	return -1
+}
+
+func (s *survivors) updateLeader(ctx context.Context) {
+	lead := s.leader() == s.me
+	if lead != s.leading {
+		s.leading = lead
+		s.coord.Lead(ctx, lead)
+		if lead {
+			s.log.Info("this node leads the survivors' agreement", zap.String("node", s.nodeIDs[s.me]))
+		}
+	}
+}
+
+// workerFailed files the failure of a local worker.
+func (s *survivors) workerFailed(ctx context.Context, f Failure) error {
+	if !s.epoch.Alive(f.Rank) {
+		return nil // already excluded: we or an epoch stopped it
+	}
+	if len(s.pending) == 0 {
+		s.since = time.Now()
+	}
+	s.pending[f.Rank] = f.Message
+	return s.file(ctx, []int{f.Rank}, fmt.Sprintf("rank %d on %s: %s", f.Rank, s.nodeIDs[s.me], f.Message), f.Time)
+}
+
+// nodesLost files the ranks of nodes found lost (their agents stopped
+// answering) and re-chooses the leader. Nodes already known lost, and
+// names that are not the round's nodes, are skipped. It returns how many
+// nodes were newly lost.
+func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (int, error) {
+	var ranks []int
+	var names []string
+	for _, id := range ids {
+		g := slices.Index(s.nodeIDs, id)
+		if g < 0 || s.lost[g] || g == s.me {
+			continue
+		}
+		s.lost[g] = true
+		names = append(names, id)
+		for _, r := range s.nodes.ranksOf(g) {
+			if s.epoch.Alive(r) {
+				ranks = append(ranks, r)
+			}
+		}
+	}
+	if len(names) == 0 {
+		return 0, nil
+	}
+	s.log.Warn("nodes lost; reporting their ranks", zap.Strings("nodes", names), zap.Ints("ranks", ranks), zap.String("why", why))
+	s.updateLeader(ctx)
+	if len(ranks) == 0 {
+		return len(names), nil
+	}
+	return len(names), s.file(ctx, ranks, fmt.Sprintf("node %s lost: %s", strings.Join(names, ", "), why), time.Now())
+}
+
+func (s *survivors) file(ctx context.Context, ranks []int, reason string, seen time.Time) error {
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := s.coord.File(fctx, shrink.Report{Ranks: ranks, Reason: reason, SeenAt: seen}); err != nil {
+		return fmt.Errorf("shrink mode: filing the failure of ranks %v: %w", ranks, err)
+	}
+	return nil
+}
+
+// adopt records epoch e and returns the local global ranks it excludes,
+// and, when it settles the last of this node's reported failures, when the
+// first of them was reported (else zero).
+func (s *survivors) adopt(e shrink.Epoch, local []int) (excluded []int, reportedAt time.Time) {
+	hadPending := len(s.pending) > 0
+	s.epoch = e
+	s.epochs = append(s.epochs, e)
+	for _, r := range local {
+		if slices.Contains(e.Excluded, r) {
+			excluded = append(excluded, r)
+		}
+	}
+	for r := range s.pending {
+		if !e.Alive(r) {
+			delete(s.pending, r)
+		}
+	}
+	if hadPending && len(s.pending) == 0 {
+		reportedAt, s.since = s.since, time.Time{}
+	}
+	// A node whose ranks are all gone no longer counts for leadership: it
+	// may finish and leave at any time.
+	for g := range s.nodeIDs {
+		if !s.lost[g] && g != s.me && allGone(e, s.nodes.ranksOf(g)) {
+			s.lost[g] = true
+		}
+	}
+	return excluded, reportedAt
+}
+
+func allGone(e shrink.Epoch, ranks []int) bool {
+	for _, r := range ranks {
+		if e.Alive(r) {
+			return false
+		}
+	}
+	return true
+}
+
+// settled reports whether every local failure filed has been decided.
+func (s *survivors) settled() bool { return len(s.pending) == 0 }
+
+// liveNodes is the number of round nodes not known lost: who meets at the
+// exit barrier.
+func (s *survivors) liveNodes() int { return len(s.nodeIDs) - len(s.lost) }
+
+// summary describes the round's epochs for the job's last log line.
+func (s *survivors) summary() string {
+	if len(s.epochs) == 0 {
+		return "no rank lost"
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "lost ranks %v in %d epoch(s), world %d -> %d:", s.epoch.Lost, len(s.epochs),
+		len(s.epoch.Ranks), s.epoch.WorldSize)
+	for _, e := range s.epochs {
+		fmt.Fprintf(&b, " epoch %d (%s) excluded %v", e.Number, e.Action, e.Excluded)
+		var why []string
+		for _, r := range e.Excluded {
+			if w := e.Reasons[r]; w != "" {
+				why = append(why, w)
+			}
+		}
+		if len(why) > 0 {
+			fmt.Fprintf(&b, " [%s]", strings.Join(why, "; "))
+		}
+		b.WriteString(";")
+	}
+	return strings.TrimSuffix(b.String(), ";")
+}
+
+// close stops the agreement's side here; a nil survivors (restart mode)
+// is fine.
+func (s *survivors) close() {
+	if s == nil {
+		return
+	}
+	if s.coord != nil {
+		s.coord.Close()
+	}
+	for _, c := range s.clients {
+		c.Close()
+	}
+}
