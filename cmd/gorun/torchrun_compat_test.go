@@ -87,7 +87,7 @@ func TestTorchrunSameEnvironment(t *testing.T) {
 // gorunExtras are the variables gorun sets beyond torchrun 1.13's:
 // its own, and PyTorch 2's name for NCCL_ASYNC_ERROR_HANDLING.
 var gorunExtras = map[string]bool{
-	"GORUN_STORE": true, "GORUN_RUN_ID": true, "GORUN_GENERATION": true,
+	"GORUN_STORE": true, "GORUN_RUN_ID": true, "GORUN_GENERATION": true, "GORUN_ON_FAILURE": true,
 	"TORCH_NCCL_ASYNC_ERROR_HANDLING": true,
 }
 
