@@ -52,6 +52,8 @@ import torch
 import torch.distributed as dist
 
 BOARD_PREFIX = "gorun/shrink"
+# How long the watcher's store wait lasts before it checks whether to stop.
+WATCH_WAIT = datetime.timedelta(seconds=1)
 
 
 class RestartRequired(Exception):
@@ -154,7 +156,8 @@ class ElasticGroup:
         while not self._stop.is_set():
             n = self.epoch.number + 1
             try:
-                store.wait([_key("epoch", n)], datetime.timedelta(seconds=5))
+                # Short waits, so that close() can join this thread soon.
+                store.wait([_key("epoch", n)], WATCH_WAIT)
             except RuntimeError as e:
                 if "timeout" not in str(e).lower():
                     # The store is unreachable: pause rather than spin;
@@ -250,6 +253,13 @@ class ElasticGroup:
 
     def close(self):
         self._stop.set()
+        # Join the watcher before the interpreter exits: a daemon thread
+        # still inside a C++ store wait when Python finalizes is killed by
+        # forced unwinding on its way back, and the process dies with
+        # "terminate called without an active exception" (SIGABRT) after a
+        # successful run.
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(WATCH_WAIT.total_seconds() * 2)
         self._destroy()
 
 
