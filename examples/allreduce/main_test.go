@@ -81,11 +81,17 @@ func TestReadEnv(t *testing.T) {
 	}
 }
 
-// buildExample builds this command into the test's temp dir.
+// buildExample builds this command into the test's temp dir, with the race
+// detector when the tests have it, so that a race in a worker process ends
+// it (exit 66) and fails the test.
 func buildExample(t *testing.T) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "allreduce")
-	cmd := exec.Command("go", "build", "-o", bin, ".")
+	args := []string{"build", "-o", bin}
+	if raceEnabled {
+		args = append(args, "-race")
+	}
+	cmd := exec.Command("go", append(args, ".")...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
