@@ -26,6 +26,10 @@ type workerEnv struct {
 	// /worker/attempt_<n> prefix, so a restart never reads the previous
 	// attempt's keys from a store that outlived it.
 	attempt int
+	// onFailure is GORUN_ON_FAILURE, lower-cased: "shrink" when gorun runs
+	// the job with --on-failure shrink, so that survivors follow its shrink
+	// epochs; "restart" or "" otherwise.
+	onFailure string
 }
 
 func readEnv(getenv func(string) string) (workerEnv, error) {
@@ -63,19 +67,34 @@ func readEnv(getenv func(string) string) (workerEnv, error) {
 		return e, fmt.Errorf("RANK=%d out of range for WORLD_SIZE=%d", e.rank, e.world)
 	}
 	e.agentStore = strings.EqualFold(getenv("TORCHELASTIC_USE_AGENT_STORE"), "true")
+	switch e.onFailure = strings.ToLower(getenv("GORUN_ON_FAILURE")); e.onFailure {
+	case "", onFailureRestart, onFailureShrink:
+	default:
+		return e, fmt.Errorf("GORUN_ON_FAILURE=%q: want %s or %s", e.onFailure, onFailureRestart, onFailureShrink)
+	}
 	return e, nil
 }
+
+// GORUN_ON_FAILURE's values: gorun's --on-failure modes.
+const (
+	onFailureRestart = "restart"
+	onFailureShrink  = "shrink"
+)
 
 // namespace is where this attempt's group bootstraps in the store.
 func (e workerEnv) namespace() string {
 	return "allreduce/attempt_" + strconv.Itoa(e.attempt)
 }
 
+// storeAddr is the worker store's address, MASTER_ADDR:MASTER_PORT.
+func (e workerEnv) storeAddr() string {
+	return net.JoinHostPort(e.masterAddr, strconv.Itoa(e.masterPort))
+}
+
 // connectStore reaches the worker store: the launcher's, or one rank 0 hosts
 // at MASTER_ADDR:MASTER_PORT when no launcher serves one. The returned
 // function closes the connection and any server.
 func connectStore(ctx context.Context, e workerEnv, timeout time.Duration) (rendezvous.Store, func(), error) {
-	addr := net.JoinHostPort(e.masterAddr, strconv.Itoa(e.masterPort))
 	var srv *tcpstore.Server
 	if !e.agentStore && e.rank == 0 {
 		var err error
@@ -83,7 +102,7 @@ func connectStore(ctx context.Context, e workerEnv, timeout time.Duration) (rend
 			return nil, nil, fmt.Errorf("host the store on port %d: %w", e.masterPort, err)
 		}
 	}
-	c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Timeout: timeout})
+	c, err := dialStore(ctx, e, timeout)
 	if err != nil {
 		if srv != nil {
 			srv.Close()
@@ -96,4 +115,9 @@ func connectStore(ctx context.Context, e workerEnv, timeout time.Duration) (rend
 			srv.Close()
 		}
 	}, nil
+}
+
+// dialStore opens a connection to the worker store.
+func dialStore(ctx context.Context, e workerEnv, timeout time.Duration) (*tcpstore.Client, error) {
+	return tcpstore.Dial(ctx, e.storeAddr(), tcpstore.ClientConfig{Timeout: timeout})
 }

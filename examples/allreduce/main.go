@@ -1,18 +1,36 @@
 // Command allreduce is a Go worker for gorun (or torchrun): every rank joins
 // a process group through the store the launcher serves and runs --steps
 // allreduce steps, --step-ms apart, in which rank r contributes r+1 to every
-// element. Each step's result is checked on every rank; at the end each rank
-// prints
-//
-//	done rank=R world=W steps=S sum=X
-//
-// and exits 0 if every step's X was 1+2+…+W, 1 if a result was wrong or a
-// collective failed, 2 for bad flags or a missing launcher environment
-// (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each with one line on
-// stderr.
+// element.
 //
 //	go build -o bin/allreduce ./examples/allreduce
 //	gorun --standalone --nproc-per-node 4 --no-python bin/allreduce --steps 50
+//
+// Once its group is formed a rank prints
+//
+//	start rank=R world=W backend=B shrink=true|false
+//
+// and every rank checks every step's result.
+//
+// Under gorun --on-failure shrink (the launcher sets GORUN_ON_FAILURE=shrink;
+// --shrink forces the mode) the worker follows gorun's shrink epochs: when a
+// collective fails because ranks died, it waits for the epoch that excludes
+// them, shrinks its group to the survivors (renumbered densely, in launch
+// order), prints
+//
+//	shrink epoch=E world=W excluded=[a b c]
+//
+// and redoes the step — the survivors agree on which, since a peer dying
+// mid-collective can leave them a step apart. The original rank r keeps
+// contributing r+1, so every survivor can check that the sum is over exactly
+// the surviving ranks. A rank that has run every step waits until every
+// survivor has, in case a peer lost in the last step makes them redo it. At
+// the end each rank prints
+//
+//	done rank=R world=W steps=S sum=X
+//
+// with R and W the current group's. `allreduce -h` lists the flags and the
+// exit codes.
 //
 // The group is pg/cpu by default (host memory over TCP); --backend nccl uses
 // pg/nccl (one GPU per local rank, device memory), which needs a build with
@@ -29,14 +47,39 @@ import (
 	"os/signal"
 	"syscall"
 	"time"
+
+	"github.com/gorunhq/gorun/shrink"
 )
 
-// Exit codes.
+// Exit codes; usage explains them to users.
 const (
-	exitOK    = 0
-	exitFail  = 1 // a collective failed or a result was wrong
-	exitUsage = 2
+	exitOK       = 0
+	exitFail     = 1 // a collective failed, or a restart epoch: the launcher restarts
+	exitUsage    = 2
+	exitWrongSum = 3 // a step's sum was not the sum over the surviving ranks
+	exitExcluded = 4 // shrink mode: alive, but an epoch excluded this rank
 )
+
+const usage = `Usage: allreduce [flags]
+
+Run under gorun or torchrun, which set RANK, WORLD_SIZE, MASTER_ADDR and
+MASTER_PORT. Every step allreduces a vector in which the rank launched as r
+contributes r+1, and checks the sum. With GORUN_ON_FAILURE=shrink (gorun
+--on-failure shrink) or --shrink the worker follows gorun's shrink epochs
+and carries on without the ranks they exclude.
+
+Exit codes:
+  0  every step's sum was right (shrink mode: this rank survived to the end)
+  1  a collective failed, or a shrink epoch asked for a restart: the
+     launcher restarts the group
+  2  bad flags or a missing launcher environment
+  3  a step's sum was not the sum over the surviving ranks
+  4  shrink mode: a shrink epoch excluded this rank while it was still alive
+     (a hung rank that woke up); it stops as told, but did not finish its
+     steps, so it is not a success — gorun already counts it as lost
+
+Flags:
+`
 
 type options struct {
 	steps   int
@@ -44,6 +87,9 @@ type options struct {
 	elems   int
 	backend string
 	timeout time.Duration
+	// shrink: follow gorun's shrink epochs (GORUN_ON_FAILURE=shrink, or
+	// --shrink).
+	shrink bool
 }
 
 func main() {
@@ -53,13 +99,18 @@ func main() {
 func run(args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("allreduce", flag.ContinueOnError)
 	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprint(stderr, usage)
+		fs.PrintDefaults()
+	}
 	var opt options
 	var stepMs int
 	fs.IntVar(&opt.steps, "steps", 100, "allreduce steps to run")
 	fs.IntVar(&stepMs, "step-ms", 10, "pause between steps, in milliseconds")
 	fs.IntVar(&opt.elems, "elems", 1024, "float64 elements per allreduce")
 	fs.StringVar(&opt.backend, "backend", "cpu", "process group backend: cpu or nccl")
-	fs.DurationVar(&opt.timeout, "timeout", 5*time.Minute, "bound on forming the group and on each step")
+	fs.DurationVar(&opt.timeout, "timeout", 5*time.Minute, "bound on forming the group, on each step and on waiting for a shrink epoch")
+	fs.BoolVar(&opt.shrink, "shrink", false, "follow gorun's shrink epochs; default: on when GORUN_ON_FAILURE=shrink (--shrink=false turns it off)")
 	if err := fs.Parse(args); err != nil {
 		return exitUsage
 	}
@@ -83,18 +134,45 @@ func run(args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintf(stderr, "allreduce: %v\n", err)
 		return exitUsage
 	}
+	if !flagSet(fs, "shrink") {
+		opt.shrink = env.onFailure == onFailureShrink
+	}
 	// SIGTERM from the launcher ends the run between steps, not mid-write.
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 
-	res, err := train(ctx, env, be, opt)
+	res, err := train(ctx, env, be, opt, stdout)
 	if err != nil {
 		fmt.Fprintf(stderr, "allreduce: rank %d: %v\n", env.rank, err)
-		if errors.Is(err, errWrongSum) && res.steps > 0 {
-			fmt.Fprintf(stdout, "done rank=%d world=%d steps=%d sum=%g\n", res.rank, res.world, res.steps, res.sum)
-		}
-		return exitFail
 	}
-	fmt.Fprintf(stdout, "done rank=%d world=%d steps=%d sum=%g\n", res.rank, res.world, res.steps, res.sum)
-	return exitOK
+	// A wrong sum still ends with the done line, so that it shows X.
+	if err == nil || errors.Is(err, errWrongSum) && res.steps > 0 {
+		fmt.Fprintln(stdout, doneLine(res))
+	}
+	return exitCode(err)
+}
+
+// doneLine is what a rank prints at the end.
+func doneLine(r result) string {
+	return fmt.Sprintf("done rank=%d world=%d steps=%d sum=%g", r.rank, r.world, r.steps, r.sum)
+}
+
+// exitCode maps train's outcome to the exit code.
+func exitCode(err error) int {
+	switch {
+	case err == nil:
+		return exitOK
+	case errors.Is(err, errWrongSum):
+		return exitWrongSum
+	case errors.Is(err, shrink.ErrExcluded):
+		return exitExcluded
+	}
+	return exitFail // shrink.ErrRestart among them
+}
+
+// flagSet reports whether name was given on the command line.
+func flagSet(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }

@@ -16,13 +16,21 @@ import (
 	"testing"
 	"time"
 
+	"go.uber.org/goleak"
+
 	"github.com/gorunhq/gorun/internal/testutil"
 )
+
+// TestMain checks that the tests leave no goroutine behind: the in-process
+// store servers and clients, and the waits on worker processes.
+func TestMain(m *testing.M) {
+	goleak.VerifyTestMain(m)
+}
 
 func TestReadEnv(t *testing.T) {
 	full := map[string]string{
 		"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
-		"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "3",
+		"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "3", "GORUN_ON_FAILURE": "Shrink",
 	}
 	with := func(k, v string) map[string]string {
 		m := make(map[string]string, len(full))
@@ -48,6 +56,7 @@ func TestReadEnv(t *testing.T) {
 		{"no MASTER_PORT", with("MASTER_PORT", ""), "MASTER_PORT expected"},
 		{"rank out of range", with("RANK", "4"), "RANK=4 out of range for WORLD_SIZE=4"},
 		{"not a number", with("WORLD_SIZE", "four"), `WORLD_SIZE="four" is not an integer`},
+		{"unknown failure mode", with("GORUN_ON_FAILURE", "retry"), `GORUN_ON_FAILURE="retry": want restart or shrink`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -61,7 +70,7 @@ func TestReadEnv(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			want := workerEnv{rank: 2, world: 4, masterAddr: "10.0.0.1", masterPort: 29500, agentStore: true, attempt: 3}
+			want := workerEnv{rank: 2, world: 4, masterAddr: "10.0.0.1", masterPort: 29500, agentStore: true, attempt: 3, onFailure: "shrink"}
 			if e != want {
 				t.Errorf("readEnv = %+v, want %+v", e, want)
 			}
@@ -72,25 +81,31 @@ func TestReadEnv(t *testing.T) {
 	}
 }
 
-// buildExample builds this command into the test's temp dir.
+// buildExample builds this command into the test's temp dir, with the race
+// detector when the tests have it, so that a race in a worker process ends
+// it (exit 66) and fails the test.
 func buildExample(t *testing.T) string {
 	t.Helper()
 	bin := filepath.Join(t.TempDir(), "allreduce")
-	cmd := exec.Command("go", "build", "-o", bin, ".")
+	args := []string{"build", "-o", bin}
+	if raceEnabled {
+		args = append(args, "-race")
+	}
+	cmd := exec.Command("go", append(args, ".")...)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("go build: %v\n%s", err, out)
 	}
 	return bin
 }
 
-var doneLine = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S+)`)
+var doneRE = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S+)`)
 
 // checkDone asserts one correct done line per rank in out.
 func checkDone(t *testing.T, out string, world, steps int) {
 	t.Helper()
 	want := fmt.Sprint(world * (world + 1) / 2)
 	var ranks []int
-	for _, m := range doneLine.FindAllStringSubmatch(out, -1) {
+	for _, m := range doneRE.FindAllStringSubmatch(out, -1) {
 		r, _ := strconv.Atoi(m[1])
 		ranks = append(ranks, r)
 		if m[2] != strconv.Itoa(world) || m[3] != strconv.Itoa(steps) || m[4] != want {
@@ -163,6 +178,8 @@ func TestUsageErrors(t *testing.T) {
 		{"unknown backend", []string{"--backend", "mpi"}, nil, `unknown --backend "mpi"`},
 		{"zero steps", []string{"--steps", "0"}, nil, "--steps and --elems must be at least 1"},
 		{"stray argument", []string{"extra"}, nil, "unexpected arguments"},
+		{"unknown failure mode", nil, []string{"RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=1", "GORUN_ON_FAILURE=retry"}, `GORUN_ON_FAILURE="retry"`},
+		{"help lists the exit codes", []string{"-h"}, nil, "4  shrink mode: a shrink epoch excluded this rank"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"time"
 
 	"github.com/gorunhq/gorun/pg"
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/shrink"
 )
 
 // errWrongSum: an allreduce returned a value other than the expected sum.
@@ -14,7 +17,7 @@ var errWrongSum = errors.New("wrong allreduce result")
 
 // result is what a rank reports at the end.
 type result struct {
-	rank, world, steps int
+	rank, world, steps int     // rank and world of the current group
 	sum                float64 // the last step's value (every element)
 }
 
@@ -34,9 +37,9 @@ type vector interface {
 	Free()
 }
 
-// train forms the group and runs the steps. Rank r contributes r+1, so
-// every element of every step's result must be 1+2+…+W.
-func train(ctx context.Context, e workerEnv, be backend, opt options) (result, error) {
+// train forms the group and runs the steps, following shrink epochs in
+// shrink mode. It reports progress lines on out.
+func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Writer) (result, error) {
 	res := result{rank: e.rank, world: e.world}
 	setupCtx, cancel := context.WithTimeout(ctx, opt.timeout)
 	defer cancel()
@@ -51,42 +54,176 @@ func train(ctx context.Context, e workerEnv, be backend, opt options) (result, e
 	if err != nil {
 		return res, fmt.Errorf("form the %s group: %w", opt.backend, err)
 	}
-	defer g.Close()
 
-	vec, err := be.newVector(g, opt.elems)
-	if err != nil {
-		return res, err
+	w := &worker{
+		be: be, opt: opt, out: out, globalRank: e.rank,
+		store: rendezvous.NewPrefixStore(e.namespace(), store), epoch: shrink.Initial(e.world),
 	}
-	defer vec.Free()
-	host := make([]float64, opt.elems)
-	want := float64(e.world) * float64(e.world+1) / 2
-
-	for step := range opt.steps {
-		if step > 0 && opt.stepGap > 0 {
-			select {
-			case <-ctx.Done():
-				return res, fmt.Errorf("stopped after %d steps: %w", res.steps, context.Cause(ctx))
-			case <-time.After(opt.stepGap):
-			}
-		}
-		if err := vec.Fill(float64(e.rank + 1)); err != nil {
-			return res, err
-		}
-		stepCtx, cancel := context.WithTimeout(ctx, opt.timeout)
-		err := g.AllReduce(stepCtx, vec.Buffer(), pg.Sum)
-		cancel()
+	defer w.close()
+	if err := w.use(g); err != nil {
+		return res, err // w.close closes g
+	}
+	if opt.shrink {
+		f, stop, err := follow(setupCtx, e, store, g, opt.timeout)
 		if err != nil {
-			return res, fmt.Errorf("step %d: allreduce: %w", step, err)
-		}
-		if err := vec.Read(host); err != nil {
 			return res, err
 		}
-		res.steps, res.sum = step+1, host[0]
-		for i, v := range host {
-			if v != want {
-				return res, fmt.Errorf("%w: step %d element %d = %g, want %g", errWrongSum, step, i, v, want)
+		// Deferred after w.close, so it runs before it: the watcher stops
+		// before the group it may abort is closed.
+		defer stop()
+		w.follower = f
+	}
+	fmt.Fprintf(out, "start rank=%d world=%d backend=%s shrink=%t\n", e.rank, e.world, opt.backend, opt.shrink)
+	return w.run(ctx)
+}
+
+// worker runs the steps on the current group. In shrink mode its follower
+// moves it from epoch to epoch; the group, its vector and the epoch change
+// together.
+type worker struct {
+	be         backend
+	opt        options
+	out        io.Writer
+	globalRank int              // RANK, as launched
+	follower   *shrink.Follower // nil unless in shrink mode
+	store      rendezvous.Store // the worker store, in this attempt's namespace
+
+	epoch shrink.Epoch // the membership of group, in launch (global) ranks
+	group pg.ProcessGroup
+	vec   vector    // in group's memory
+	host  []float64 // the last result, read back from vec
+}
+
+// use makes g the current group, with a vector in its memory (a device
+// buffer belongs to a group's device, so each group gets its own).
+func (w *worker) use(g pg.ProcessGroup) error {
+	if w.vec != nil {
+		w.vec.Free()
+		w.vec = nil
+	}
+	w.group = g
+	vec, err := w.be.newVector(g, w.opt.elems)
+	if err != nil {
+		return err
+	}
+	w.vec = vec
+	if w.host == nil {
+		w.host = make([]float64, w.opt.elems)
+	}
+	return nil
+}
+
+// close releases the vector and the current group. A group the follower
+// already closed is closed again harmlessly (Close is idempotent).
+func (w *worker) close() {
+	if w.vec != nil {
+		w.vec.Free()
+	}
+	if w.group != nil {
+		w.group.Close()
+	}
+}
+
+// run runs the steps. A step whose collective fails because a peer was
+// lost (or the follower aborted the group for a new epoch) is redone in the
+// shrunk group, in shrink mode; otherwise the failure ends the run.
+func (w *worker) run(ctx context.Context) (result, error) {
+	res := result{rank: w.group.Rank(), world: w.group.Size()}
+	for step := 0; ; {
+		var err error
+		if step < w.opt.steps {
+			if err = w.runStep(ctx, step, &res); err == nil {
+				step++
+				continue
 			}
+			if !w.recoverable(err) {
+				return res, err
+			}
+		} else {
+			done, err := w.finished(ctx)
+			if err != nil {
+				return res, err
+			}
+			if done {
+				// X must be the sum over the ranks that are left: a rank
+				// lost after the last step is not.
+				return res, w.checkFinal(res)
+			}
+			// A new epoch came before every survivor had finished: this
+			// rank is still in the last step, and redoes it with them.
+			step--
+		}
+		if step, err = w.recover(ctx, step); err != nil {
+			return res, err
+		}
+		res.rank, res.world = w.group.Rank(), w.group.Size()
+	}
+}
+
+// checkFinal checks the last step's sum against the current epoch.
+func (w *worker) checkFinal(res result) error {
+	if err := checkSum([]float64{res.sum}, expectedSum(w.epoch)); err != nil {
+		return fmt.Errorf("at the end (epoch %d): %w", w.epoch.Number, err)
+	}
+	return nil
+}
+
+// runStep runs step number step (after the pause between steps) and checks
+// its result, which it records in res.
+func (w *worker) runStep(ctx context.Context, step int, res *result) error {
+	if step > 0 && w.opt.stepGap > 0 {
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("stopped after %d steps: %w", res.steps, context.Cause(ctx))
+		case <-time.After(w.opt.stepGap):
 		}
 	}
-	return res, nil
+	if err := w.step(ctx); err != nil {
+		return fmt.Errorf("step %d: %w", step, err)
+	}
+	res.steps, res.sum = step+1, w.host[0]
+	if err := checkSum(w.host, expectedSum(w.epoch)); err != nil {
+		return fmt.Errorf("step %d (epoch %d): %w", step, w.epoch.Number, err)
+	}
+	return nil
+}
+
+// step allreduces this rank's contribution, global rank + 1 in every
+// element, and reads the result into w.host. The contribution stays the
+// launch rank's after renumbering, so that any survivor can tell from the
+// sum which ranks took part.
+func (w *worker) step(ctx context.Context) error {
+	if err := w.vec.Fill(float64(w.globalRank + 1)); err != nil {
+		return err
+	}
+	stepCtx, cancel := context.WithTimeout(ctx, w.opt.timeout)
+	defer cancel()
+	if err := w.group.AllReduce(stepCtx, w.vec.Buffer(), pg.Sum); err != nil {
+		return fmt.Errorf("allreduce: %w", err)
+	}
+	return w.vec.Read(w.host)
+}
+
+// expectedSum is what every element of a step's result must be in epoch e:
+// the sum of g+1 over the global ranks g alive in e (1+2+…+W while no rank
+// was lost).
+func expectedSum(e shrink.Epoch) float64 {
+	var sum float64
+	for g := range e.Ranks {
+		if e.Alive(g) {
+			sum += float64(g + 1)
+		}
+	}
+	return sum
+}
+
+// checkSum returns an error wrapping errWrongSum, naming the first element
+// of got that is not want.
+func checkSum(got []float64, want float64) error {
+	for i, v := range got {
+		if v != want {
+			return fmt.Errorf("%w: element %d = %g, want %g", errWrongSum, i, v, want)
+		}
+	}
+	return nil
 }

@@ -1,0 +1,151 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strconv"
+	"time"
+
+	"github.com/gorunhq/gorun/pg"
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+// follow starts following the shrink epochs that gorun's agents publish on
+// the Board in the worker store (at shrink.DefaultPrefix). The follower's
+// watcher gets a store connection of its own, because a store wait holds
+// its connection until the epoch appears; acknowledgements share the
+// worker's. stop stops the watcher and closes its connection.
+func follow(ctx context.Context, e workerEnv, store rendezvous.Store, g pg.ProcessGroup, timeout time.Duration) (f *shrink.Follower, stop func(), err error) {
+	watch, err := dialStore(ctx, e, timeout)
+	if err != nil {
+		return nil, nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
+	}
+	f = shrink.NewFollower(shrink.NewBoard(store, shrink.DefaultPrefix), shrink.NewBoard(watch, shrink.DefaultPrefix), e.rank, e.world, g)
+	return f, func() {
+		f.Close()
+		watch.Close()
+	}, nil
+}
+
+// recoverable reports whether err is one the next epoch resolves: a peer
+// lost, or the group aborted (by the follower, on seeing an epoch).
+func (w *worker) recoverable(err error) bool {
+	return w.follower != nil && (errors.Is(err, pg.ErrPeerLost) || errors.Is(err, pg.ErrAborted))
+}
+
+// recover moves the worker to the next epoch after a collective failed at
+// step, and returns the step to go on from. The follower waits for the
+// epoch and shrinks the group to its survivors — or says that this rank is
+// excluded (shrink.ErrExcluded) or that the group restarts
+// (shrink.ErrRestart). The survivors then agree on the step; a failure
+// during that agreement is a new failure, so recover waits for the epoch
+// after.
+func (w *worker) recover(ctx context.Context, step int) (int, error) {
+	for {
+		rctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
+		g, e, err := w.follower.Recover(rctx)
+		cancel()
+		if g != nil {
+			if err := w.use(g); err != nil {
+				return step, err
+			}
+			w.epoch = e
+		}
+		if err != nil {
+			return step, fmt.Errorf("step %d: %w", step, err)
+		}
+		fmt.Fprintln(w.out, shrinkLine(e))
+		step, err = w.agreeStep(ctx, step)
+		if err == nil {
+			return step, nil
+		}
+		if !w.recoverable(err) {
+			return step, err
+		}
+	}
+}
+
+// agreeStep returns the step the survivors go on from: the lowest step any
+// of them has not completed. A peer that dies mid-collective can leave the
+// others one step apart — a rank whose part of the ring was done returns
+// and starts the next step, its neighbour does not — and every survivor
+// must run the same collectives from here on. Redoing a step is harmless
+// here because each step computes the same thing; a training loop would
+// resynchronise its state instead.
+func (w *worker) agreeStep(ctx context.Context, step int) (int, error) {
+	v, err := w.be.newVector(w.group, 1)
+	if err != nil {
+		return step, err
+	}
+	defer v.Free()
+	if err := v.Fill(float64(step)); err != nil {
+		return step, err
+	}
+	actx, cancel := context.WithTimeout(ctx, w.opt.timeout)
+	defer cancel()
+	if err := w.group.AllReduce(actx, v.Buffer(), pg.Min); err != nil {
+		return step, fmt.Errorf("step %d: agree on the step after epoch %d: %w", step, w.epoch.Number, err)
+	}
+	var lowest [1]float64
+	if err := v.Read(lowest[:]); err != nil {
+		return step, err
+	}
+	return int(lowest[0]), nil
+}
+
+// finishPoll is how often a rank at the finish line looks whether the
+// others are there too, or a new epoch came.
+const finishPoll = 10 * time.Millisecond
+
+// finishedKey counts the ranks that ran every step in epoch n.
+func finishedKey(n int) string { return "finished/" + strconv.Itoa(n) }
+
+// finished holds a rank that has run every step until every survivor of the
+// current epoch has too, and then reports true. A peer that dies in the last
+// collective can cut it short for some ranks after others completed it (as
+// in agreeStep); those must shrink and redo the step, and for that they need
+// every survivor, this rank included, still there. When a new epoch comes
+// first, finished reports false: the caller recovers and redoes the last
+// step. Without shrink mode there is nothing to wait for.
+func (w *worker) finished(ctx context.Context) (bool, error) {
+	if w.follower == nil {
+		return true, nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
+	defer cancel()
+	key, world := finishedKey(w.epoch.Number), int64(w.epoch.WorldSize)
+	n, err := w.store.Add(ctx, key, 1)
+	tick := time.NewTicker(finishPoll)
+	defer tick.Stop()
+	for ; err == nil && n < world; n, err = w.store.Add(ctx, key, 0) {
+		if w.follower.Pending() {
+			// Counted once more after the epoch was seen: a rank that saw
+			// everyone finished may have left, and cannot shrink with us.
+			if n, err = w.store.Add(ctx, key, 0); err == nil && n < world {
+				return false, nil
+			}
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return false, fmt.Errorf("waiting for the other ranks to finish: %w", context.Cause(ctx))
+		case <-tick.C:
+		}
+	}
+	if err != nil {
+		return false, fmt.Errorf("finish line of epoch %d: %w", w.epoch.Number, err)
+	}
+	return true, nil
+}
+
+// shrinkLine is what a survivor prints on moving to epoch e:
+//
+//	shrink epoch=E world=W excluded=[a b c]
+//
+// with the global ranks e excluded, sorted.
+func shrinkLine(e shrink.Epoch) string {
+	return fmt.Sprintf("shrink epoch=%d world=%d excluded=%v", e.Number, e.WorldSize, slices.Sorted(slices.Values(e.Excluded)))
+}
