@@ -1,9 +1,7 @@
 package torch_test
 
 import (
-	"bytes"
 	"context"
-	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,39 +15,6 @@ import (
 	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
 )
-
-// workerPID finds the worker of global rank rank among the children of
-// the agent agentPID, by the RANK in its environment.
-func workerPID(agentPID, rank int) (int, error) {
-	entries, err := os.ReadDir("/proc")
-	if err != nil {
-		return 0, err
-	}
-	want := []byte("RANK=" + strconv.Itoa(rank) + "\x00")
-	for _, e := range entries {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid …; comm may hold spaces, so split after ')'.
-		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
-		if len(fields) < 2 || fields[1] != strconv.Itoa(agentPID) {
-			continue
-		}
-		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
-		if err != nil {
-			continue
-		}
-		if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte("\x00"), want...)) {
-			return pid, nil
-		}
-	}
-	return 0, fmt.Errorf("no child of %d has RANK=%d", agentPID, rank)
-}
 
 // TestGorunShrinksTorchGloo is the whole of shrink mode with real PyTorch
 // 1.13 gloo workers: gorun --on-failure shrink runs four ranks of
@@ -96,7 +61,7 @@ func TestGorunShrinksTorchGloo(t *testing.T) {
 		}
 	}
 	time.Sleep(300 * time.Millisecond) // some steps in
-	pid, err := workerPID(cmd.Process.Pid, 2)
+	pid, err := testutil.ChildWithEnv(cmd.Process.Pid, "RANK", "2")
 	if err != nil {
 		t.Fatal(err)
 	}

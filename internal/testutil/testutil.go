@@ -3,10 +3,13 @@ package testutil
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -43,4 +46,38 @@ func BuildGorun(t testing.TB) string {
 		t.Fatalf("go build gorun: %v\n%s", err, out)
 	}
 	return bin
+}
+
+// ChildWithEnv returns the PID of a child of parent whose environment holds
+// key=value: how a test finds the worker of a given RANK among an agent's
+// children.
+func ChildWithEnv(parent int, key, value string) (int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	want := []byte(key + "=" + value + "\x00")
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid …; comm may hold spaces: split after ')'.
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) < 2 || fields[1] != strconv.Itoa(parent) {
+			continue
+		}
+		env, err := os.ReadFile(filepath.Join("/proc", e.Name(), "environ"))
+		if err != nil {
+			continue
+		}
+		if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...)) {
+			pid, _ := strconv.Atoi(e.Name())
+			return pid, nil
+		}
+	}
+	return 0, fmt.Errorf("no child of %d has %s=%s", parent, key, value)
 }
