@@ -1,8 +1,9 @@
 // Package etcdtest runs real etcd servers (Debian's etcd-server, 3.4) for
 // gorun's tests: one member or a cluster on loopback (or on an address the
-// test names, such as a network-namespace bed's gateway), free ports, data in a
-// temporary directory (on /dev/shm when there is one, so fsync is cheap),
-// with helpers to stop, kill and restart a member and to find the leader.
+// test names, such as a network-namespace bed's gateway), free ports, data
+// in a temporary directory (on /dev/shm when there is one, so fsync is
+// cheap), with helpers to stop, kill and restart a member and to find the
+// leader.
 //
 // Every process it starts dies with the test: it gets Pdeathsig=SIGKILL and
 // the test's cleanup kills it and removes its data. Without an etcd binary a
