@@ -1,7 +1,9 @@
 // Package etcdtest runs real etcd servers (Debian's etcd-server, 3.4) for
-// gorun's tests: one member or a cluster on loopback, free ports, data in a
-// temporary directory (on /dev/shm when there is one, so fsync is cheap),
-// with helpers to stop, kill and restart a member and to find the leader.
+// gorun's tests: one member or a cluster on loopback (or on an address the
+// test names, such as a network-namespace bed's gateway), free ports, data
+// in a temporary directory (on /dev/shm when there is one, so fsync is
+// cheap), with helpers to stop, kill and restart a member and to find the
+// leader.
 //
 // Every process it starts dies with the test: it gets Pdeathsig=SIGKILL and
 // the test's cleanup kills it and removes its data. Without an etcd binary a
@@ -18,6 +20,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -81,9 +84,15 @@ type TLS struct {
 	ClientCertAuth bool
 }
 
-// Options configure a cluster. The zero value is a plain-HTTP cluster.
+// Options configure a cluster. The zero value is a plain-HTTP cluster on
+// loopback.
 type Options struct {
 	TLS *TLS
+	// ListenIP is the address every member listens on, for clients and
+	// peers, and advertises. Default 127.0.0.1. A test bed sets it to an
+	// address other network namespaces reach (see internal/netns's
+	// Bed.Gateway).
+	ListenIP string
 	// Args are extra etcd flags for every member.
 	Args []string
 }
@@ -100,7 +109,7 @@ type Cluster struct {
 type Member struct {
 	c         *Cluster
 	Name      string
-	ClientURL string // http(s)://127.0.0.1:port
+	ClientURL string // http(s)://ListenIP:port
 	PeerURL   string
 	DataDir   string
 	initial   string // --initial-cluster
@@ -123,14 +132,18 @@ func Start(t testing.TB, n int, opts Options) *Cluster {
 	if opts.TLS != nil {
 		scheme = "https"
 	}
-	ports := FreePorts(t, 2*n)
+	ip := opts.ListenIP
+	if ip == "" {
+		ip = DefaultListenIP
+	}
+	ports := freePorts(t, ip, 2*n)
 	var initial []string
 	for i := range n {
 		m := &Member{
 			c:         c,
 			Name:      fmt.Sprintf("m%d", i),
-			ClientURL: fmt.Sprintf("%s://127.0.0.1:%d", scheme, ports[2*i]),
-			PeerURL:   fmt.Sprintf("http://127.0.0.1:%d", ports[2*i+1]),
+			ClientURL: scheme + "://" + net.JoinHostPort(ip, strconv.Itoa(ports[2*i])),
+			PeerURL:   "http://" + net.JoinHostPort(ip, strconv.Itoa(ports[2*i+1])),
 			DataDir:   filepath.Join(root, fmt.Sprintf("m%d", i)),
 		}
 		c.Members = append(c.Members, m)
@@ -180,9 +193,19 @@ func tempRoot(t testing.TB) string {
 	return ""
 }
 
+// DefaultListenIP is where members listen unless Options.ListenIP says
+// otherwise.
+const DefaultListenIP = "127.0.0.1"
+
 // FreePorts returns n distinct TCP ports that were free on 127.0.0.1 a
 // moment ago.
 func FreePorts(t testing.TB, n int) []int {
+	t.Helper()
+	return freePorts(t, DefaultListenIP, n)
+}
+
+// freePorts returns n distinct TCP ports that were free on ip a moment ago.
+func freePorts(t testing.TB, ip string, n int) []int {
 	t.Helper()
 	var lns []net.Listener
 	defer func() {
@@ -192,7 +215,7 @@ func FreePorts(t testing.TB, n int) []int {
 	}()
 	ports := make([]int, 0, n)
 	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		ln, err := net.Listen("tcp", net.JoinHostPort(ip, "0"))
 		if err != nil {
 			t.Fatal(err)
 		}

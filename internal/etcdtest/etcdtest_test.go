@@ -2,6 +2,7 @@ package etcdtest
 
 import (
 	"context"
+	"net/url"
 	"testing"
 	"time"
 )
@@ -57,5 +58,25 @@ func TestClusterLeaderKilled(t *testing.T) {
 	r, err := cli.Get(ctx, "k")
 	if err != nil || len(r.Kvs) != 1 || string(r.Kvs[0].Value) != "after" {
 		t.Fatalf("get after restart = %v, %v", r, err)
+	}
+}
+
+// TestListenIP: members listen on, and advertise, the address asked for
+// (127.0.0.2: on Linux every 127/8 address is loopback's, so this runs
+// anywhere etcd does).
+func TestListenIP(t *testing.T) {
+	const ip = "127.0.0.2"
+	c := Start(t, 1, Options{ListenIP: ip})
+	for _, u := range []string{c.Members[0].ClientURL, c.Members[0].PeerURL} {
+		pu, err := url.Parse(u)
+		if err != nil || pu.Hostname() != ip {
+			t.Fatalf("url %q: host %q (%v), want %s", u, pu.Hostname(), err, ip)
+		}
+	}
+	cli := c.Client(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := cli.Put(ctx, "k", "v"); err != nil {
+		t.Fatal(err)
 	}
 }
