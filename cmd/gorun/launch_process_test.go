@@ -40,10 +40,21 @@ func startAgent(t *testing.T, bin string, args ...string) *agentProc {
 func startAgentEnv(t *testing.T, bin string, env []string, args ...string) *agentProc {
 	t.Helper()
 	cmd := exec.Command(bin, args...)
-	cmd.Env = append(append(os.Environ(), "GORUN_LOG_LEVEL=debug"), env...)
+	cmd.Env = append(os.Environ(), env...)
 	// If the test binary dies (a timeout panic skips cleanups), the agent
 	// dies with it, and its workers with the agent.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	return startAgentCmd(t, cmd)
+}
+
+// startAgentCmd starts an agent prepared by the caller (e.g. inside a
+// network namespace), with debug logging.
+func startAgentCmd(t *testing.T, cmd *exec.Cmd) *agentProc {
+	t.Helper()
+	if cmd.Env == nil {
+		cmd.Env = os.Environ()
+	}
+	cmd.Env = append(cmd.Env, "GORUN_LOG_LEVEL=debug")
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"net"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -22,9 +23,15 @@ import (
 const fastRdzv = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=3,join_timeout=30"
 
 func c10dArgs(port int, nnodes string, extra ...string) []string {
+	return c10dArgsAt("127.0.0.1", "127.0.0.1", port, nnodes, extra...)
+}
+
+// c10dArgsAt is c10dArgs for a node advertising localAddr, with the
+// rendezvous store at host:port.
+func c10dArgsAt(host, localAddr string, port int, nnodes string, extra ...string) []string {
 	return append([]string{
-		"--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + strconv.Itoa(port),
-		"--rdzv-id", "job", "--rdzv-conf", fastRdzv, "--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+		"--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", net.JoinHostPort(host, strconv.Itoa(port)),
+		"--rdzv-id", "job", "--rdzv-conf", fastRdzv, "--local-addr", localAddr, "--monitor-interval", "0.1",
 	}, extra...)
 }
 

@@ -40,17 +40,41 @@ type shrinkJob struct {
 	done   chan struct{}
 }
 
+// placement says where a job's nodes run: on loopback, or as the hosts
+// of a network-namespace test bed.
+type placement struct {
+	endpoint string                                              // the rendezvous store's host (node 0)
+	addr     func(node int) string                               // node's --local-addr
+	command  func(node int, bin string, args []string) *exec.Cmd // how node's agent is started
+}
+
+// loopback puts every node on 127.0.0.1.
+var loopback = placement{
+	endpoint: "127.0.0.1",
+	addr:     func(int) string { return "127.0.0.1" },
+	command: func(_ int, bin string, args []string) *exec.Cmd {
+		cmd := exec.Command(bin, args...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+		return cmd
+	},
+}
+
 func startShrinkJob(t *testing.T, nodes, nproc, steps int, extra ...string) *shrinkJob {
+	t.Helper()
+	return startShrinkJobAt(t, loopback, nodes, nproc, steps, extra...)
+}
+
+func startShrinkJobAt(t *testing.T, at placement, nodes, nproc, steps int, extra ...string) *shrinkJob {
 	t.Helper()
 	gorun, worker := testutil.BuildGorun(t), buildAllreduce(t)
 	port := freePort(t)
 	j := &shrinkJob{done: make(chan struct{})}
 	var readers sync.WaitGroup
 	for i := range nodes {
-		args := c10dArgs(port, strconv.Itoa(nodes), append([]string{"--nproc-per-node", strconv.Itoa(nproc),
+		args := c10dArgsAt(at.endpoint, at.addr(i), port, strconv.Itoa(nodes), append([]string{"--nproc-per-node", strconv.Itoa(nproc),
 			"--on-failure", "shrink", "--log-dir", t.TempDir()}, extra...)...)
 		args = append(args, "--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
-		p := startAgent(t, gorun, args...)
+		p := startAgentCmd(t, at.command(i, gorun, args))
 		j.agents = append(j.agents, p)
 		if i == 0 {
 			waitStderr(t, p, "hosting the rendezvous store")

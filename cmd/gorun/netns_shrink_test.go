@@ -1,0 +1,79 @@
+package main
+
+import (
+	"context"
+	"os/exec"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/netns"
+)
+
+// Shrink mode on a multi-host test bed: each node is a network namespace
+// with its own address, so ranks of different nodes talk over TCP through
+// a bridge, and a node can be cut off (a blackhole, not a closed socket).
+
+// onBed places node i on host i of a fresh bed of n hosts.
+func onBed(t *testing.T, n int) (placement, *netns.Bed) {
+	t.Helper()
+	bed := netns.New(t, n, netns.Options{})
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	return placement{
+		endpoint: bed.Hosts[0].IP.String(),
+		addr:     func(i int) string { return bed.Hosts[i].IP.String() },
+		command: func(i int, bin string, args []string) *exec.Cmd {
+			return bed.Hosts[i].Command(ctx, bin, args...)
+		},
+	}, bed
+}
+
+// TestHostsShrink: 2 hosts × 4 Go allreduce ranks under --on-failure
+// shrink. A rank SIGKILLed mid-run, or two ranks on different hosts killed
+// together, leave survivors that finish with the right sum, in one epoch.
+func TestHostsShrink(t *testing.T) {
+	const nodes, nproc, steps = 2, 4, 500
+	for _, tt := range []struct {
+		name   string
+		killed []int
+	}{
+		{"one rank", []int{5}},
+		{"two ranks on different hosts at once", []int{2, 7}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			at, _ := onBed(t, nodes)
+			j := startShrinkJobAt(t, at, nodes, nproc, steps)
+			time.Sleep(300 * time.Millisecond) // some steps in
+			j.kill(t, nproc, tt.killed...)
+			j.expectSurvivors(t, j.agents, nodes*nproc, tt.killed, steps)
+		})
+	}
+}
+
+// TestHostsShrinkBlackhole: the second host's link is cut mid-run: its
+// packets vanish, no connection is reset. The first host's agent finds the
+// node lost, reports its ranks, and the survivors, stuck in a collective
+// with the lost ranks, are released by the epoch, shrink and finish.
+func TestHostsShrinkBlackhole(t *testing.T) {
+	const nodes, nproc, steps = 2, 4, 600
+	at, bed := onBed(t, nodes)
+	j := startShrinkJobAt(t, at, nodes, nproc, steps)
+	time.Sleep(300 * time.Millisecond)
+	cut := time.Now()
+	if err := bed.Hosts[1].Blackhole(); err != nil {
+		t.Fatal(err)
+	}
+	if code := j.agents[0].exitCode(t, 90*time.Second); code != 0 {
+		t.Fatalf("the first host's agent exited %d\n%s", code, j.report())
+	}
+	t.Logf("link cut to the survivors' agent exiting: %v", time.Since(cut).Round(time.Millisecond))
+	// The cut-off agent cannot learn the job's end; the bed kills it.
+	if err := bed.Hosts[1].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	j.expectSurvivors(t, j.agents[:1], nodes*nproc, []int{4, 5, 6, 7}, steps)
+	if !strings.Contains(j.agents[0].stderr.String(), "nodes lost; reporting their ranks") {
+		t.Errorf("the agent did not say the node was lost:\n%s", j.agents[0].stderr)
+	}
+}
