@@ -46,8 +46,9 @@ func newNodeTracker(self string, cfg NodeConfig) *nodeTracker {
 	return &nodeTracker{self: self, cfg: cfg, peers: map[string]*peer{}, leaving: map[string]bool{}}
 }
 
-// alive counts the members believed alive, this one included: memberlist's
-// estimate of the cluster size, which scales the suspicion timeout.
+// alive counts the members believed alive, this one included: close to
+// memberlist's estimate of the cluster size that scales the suspicion
+// timeout (it also counts members dead for less than GossipToTheDeadTime).
 func (t *nodeTracker) alive() int {
 	n := 1
 	for _, p := range t.peers {
@@ -77,7 +78,7 @@ func (t *nodeTracker) joined(name, addr string, now time.Time) []Event {
 		verb := map[nodeState]string{nodeDead: "being declared dead", nodeLeft: "leaving"}[p.state]
 		reason = fmt.Sprintf("rejoined %v after %s", now.Sub(p.since).Round(time.Millisecond), verb)
 		if p.addr != addr {
-			reason += " at " + p.addr
+			reason += fmt.Sprintf(" (it was at %s)", p.addr)
 		}
 	}
 	t.peers[name] = &peer{addr: addr, state: nodeAlive, since: now}

@@ -58,7 +58,7 @@ func TestNodeTracker(t *testing.T) {
 		{"a member declared dead that refutes comes back as joined", []op{
 			{kind: "join", node: "b", addr: "b:1", want: []string{"node_joined b @0: joined"}},
 			{kind: "dead", ms: 1000, node: "b", addr: "b:1", want: []string{"node_dead b @1000: unreachable"}},
-			{kind: "join", ms: 3500, node: "b", addr: "b:2", want: []string{"node_joined b @3500: rejoined 2.5s after being declared dead at b:1"}},
+			{kind: "join", ms: 3500, node: "b", addr: "b:2", want: []string{"node_joined b @3500: rejoined 2.5s after being declared dead (it was at b:1)"}},
 			{kind: "left", ms: 4000, node: "b", addr: "b:2", want: []string{"node_left b @4000: left"}},
 		}},
 		{"a death heard of before the join is reported", []op{
