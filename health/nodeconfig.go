@@ -37,8 +37,8 @@ import (
 //	≤ (n−1) × 100 ms + 100 ms + 4 × 100 ms + 20 ms: 620 ms for 2 agents, 820 ms for 4,
 //
 // and bench/livenessbench measured a SIGSTOPped member of 4 declared dead by
-// every survivor in 590 ms (median; 710 ms at most over 20 trials) on a
-// 2-core machine, and the same for a cut link. Beyond 10 agents the
+// every survivor in 590 ms (median of 20 trials; 730 ms the most in three
+// such runs) on a 2-core machine, and the same for a cut link. Beyond 10 agents the
 // suspicion timeout grows with log10 n (720 ms at 64), so large jobs
 // detect in about a second; lower SuspicionMult there if their machines
 // are not starved of CPU.
@@ -49,14 +49,20 @@ import (
 // TCP probe for a whole ProbeInterval and its refutation does not reach
 // the prober within SuspicionTimeout: it must get no CPU at all for
 // ProbeInterval + SuspicionTimeout − GossipInterval, 480 ms at the
-// defaults. On a 2-core VM with two CPU-spinning processes per core (and
-// other builds running), a Go process was measured waking up to 300 ms
-// late (p99.9 45 ms), which is why the suspicion timeout is 4 intervals,
-// not 2: shorter timers detect faster and do produce false verdicts there.
-// The benchmark counts zero in its false-positive runs at the defaults.
-// For slower or lossier networks raise ProbeInterval (everything scales
-// with it) and ProbeTimeout; for hosts where the agent competes with its
-// workers for CPU, raise SuspicionMult before ProbeInterval.
+// defaults (bench/livenessbench freezes members for 300 ms: every one is
+// suspected and refutes, none is declared dead). Starved longer, a member
+// is indistinguishable from a dead one, whatever the timers: on the shared
+// 2-core VM these defaults were tuned on, with two CPU-spinning processes
+// per core at the agents' priority and other jobs loading the machine
+// (load average 18), a Go process woke up to 470 ms late; with the
+// spinners at nice 10, 80 ms. The benchmark counted no false verdict in
+// 60 s runs with both cores saturated at load 14, at either priority, but
+// 9 at equal priority and load 22, members starved for about a second.
+// So run workers below their agent (nice 10 costs them nothing unless the
+// agent needs the CPU); where that cannot be, raise SuspicionMult (the
+// tolerated silence grows by a ProbeInterval per step, and so does
+// detection). For slower or lossier networks raise ProbeInterval
+// (everything scales with it) and ProbeTimeout.
 type NodeConfig struct {
 	// Name identifies this agent among its peers; it must be unique in the
 	// cluster. The launcher uses the agent's rendezvous identity so that a
@@ -132,8 +138,14 @@ type NodeConfig struct {
 	GossipInterval time.Duration
 	GossipNodes    int
 
-	// RetransmitMult: each gossip message is sent RetransmitMult ×
-	// ceil(log10(n+1)) times. Default: 4.
+	// RetransmitMult: each member that learns a suspicion, refutation or
+	// verdict gossips it RetransmitMult × ceil(log10(n+1)) times. A
+	// suspicion must reach the suspect, and its refutation every member
+	// holding a suspicion timer, well within SuspicionTimeout: a member
+	// that misses the refutation declares a live member dead. memberlist's
+	// 4 leaves roughly e^−4 of a small cluster unreached per message (one
+	// such false verdict was seen on the busy 2-core machine); 16 makes that
+	// negligible for a few dozen bytes per message. Default: 16.
 	RetransmitMult int
 
 	// GossipToTheDeadTime is how long members keep gossiping to a member
@@ -175,7 +187,7 @@ func DefaultNodeConfig() NodeConfig {
 		AwarenessMaxMultiplier:  8,
 		GossipInterval:          20 * time.Millisecond,
 		GossipNodes:             3,
-		RetransmitMult:          4,
+		RetransmitMult:          16,
 		GossipToTheDeadTime:     5 * time.Second,
 		PushPullInterval:        5 * time.Second,
 		TCPTimeout:              2 * time.Second,

@@ -11,9 +11,15 @@ import (
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // The test binary re-executed is a gossip member in a process of its own
@@ -21,9 +27,10 @@ import (
 // rather than a TestMain branch because the package's TestMain belongs to
 // heartbeat_test.go.
 const (
-	envMember = "HEALTH_TEST_MEMBER" // the member's name
-	envSeeds  = "HEALTH_TEST_SEEDS"  // comma-separated gossip addresses to join
-	envHog    = "HEALTH_TEST_HOG"
+	envMember    = "HEALTH_TEST_MEMBER"    // the member's name
+	envSeeds     = "HEALTH_TEST_SEEDS"     // comma-separated gossip addresses to join
+	envSuspicion = "HEALTH_TEST_SUSPICION" // NodeConfig.SuspicionMult, if not the default
+	envHog       = "HEALTH_TEST_HOG"
 )
 
 // testCluster labels the tests' gossip, so that a member of one test never
@@ -55,10 +62,25 @@ func testNodeConfig(name string) NodeConfig {
 }
 
 // memberMain is a member process: it joins seeds, prints "addr <addr>",
-// then one "event <kind> <node> <seen unix ns> <reason>" line per event
-// until its stdin closes.
+// then one "event <kind> <node> <seen unix ns> <reason>" line per event,
+// and "refuted" whenever it refutes a suspicion of itself, until its stdin
+// closes.
 func memberMain(name, seeds string) int {
-	n, err := StartNodes(testNodeConfig(name))
+	cfg := testNodeConfig(name)
+	if v := os.Getenv(envSuspicion); v != "" {
+		cfg.SuspicionMult, _ = strconv.Atoi(v)
+	}
+	var out sync.Mutex
+	cfg.Logger = zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zapcore.EncoderConfig{}), zapcore.AddSync(io.Discard), zap.DebugLevel),
+		zap.Hooks(func(e zapcore.Entry) error {
+			if strings.HasPrefix(e.Message, "Refuting a suspect message") {
+				out.Lock()
+				defer out.Unlock()
+				fmt.Println("refuted")
+			}
+			return nil
+		}))
+	n, err := StartNodes(cfg)
 	if err != nil {
 		fmt.Println("error:", err)
 		return 1
@@ -73,7 +95,9 @@ func memberMain(name, seeds string) int {
 	go n.Run(context.Background(), events)
 	go func() {
 		for ev := range events {
+			out.Lock()
 			fmt.Printf("event %s %s %d %s\n", ev.Kind, ev.Node, ev.SeenAt.UnixNano(), ev.Reason)
+			out.Unlock()
 		}
 	}()
 	io.Copy(io.Discard, os.Stdin)
@@ -150,7 +174,13 @@ type member struct {
 
 func startMember(t *testing.T, name string, seeds ...string) *member {
 	t.Helper()
-	n, err := StartNodes(testNodeConfig(name))
+	return startMemberConfig(t, testNodeConfig(name), seeds...)
+}
+
+func startMemberConfig(t *testing.T, cfg NodeConfig, seeds ...string) *member {
+	t.Helper()
+	name := cfg.Name
+	n, err := StartNodes(cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -175,13 +205,22 @@ func startMember(t *testing.T, name string, seeds ...string) *member {
 
 func startMembers(t *testing.T, count int) []*member {
 	t.Helper()
+	return startMembersConfig(t, count, func(*NodeConfig) {})
+}
+
+// startMembersConfig starts members m0, m1, … from testNodeConfig changed
+// by change, each joining those before it.
+func startMembersConfig(t *testing.T, count int, change func(*NodeConfig)) []*member {
+	t.Helper()
 	var ms []*member
 	for i := range count {
 		var seeds []string
 		for _, m := range ms {
 			seeds = append(seeds, m.Addr())
 		}
-		ms = append(ms, startMember(t, fmt.Sprintf("m%d", i), seeds...))
+		cfg := testNodeConfig(fmt.Sprintf("m%d", i))
+		change(&cfg)
+		ms = append(ms, startMemberConfig(t, cfg, seeds...))
 	}
 	return ms
 }
@@ -384,11 +423,14 @@ func TestNodesGracefulLeave(t *testing.T) {
 // child is a member process (memberMain).
 type child struct {
 	*eventLog
-	cmd  *exec.Cmd
-	addr string
+	cmd     *exec.Cmd
+	addr    string
+	refuted atomic.Int32 // suspicions of itself it refuted
 }
 
-func startChild(t *testing.T, name string, seeds []string) *child {
+// startChild starts a member process named name joining seeds; env adds
+// to its environment.
+func startChild(t *testing.T, name string, seeds []string, env ...string) *child {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -396,6 +438,7 @@ func startChild(t *testing.T, name string, seeds []string) *child {
 	}
 	cmd := exec.Command(self, "-test.run=^$")
 	cmd.Env = append(os.Environ(), envMember+"="+name, envSeeds+"="+strings.Join(seeds, ","))
+	cmd.Env = append(cmd.Env, env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -419,6 +462,10 @@ func startChild(t *testing.T, name string, seeds []string) *child {
 			line := sc.Text()
 			if a, ok := strings.CutPrefix(line, "addr "); ok {
 				addr <- a
+				continue
+			}
+			if line == "refuted" {
+				c.refuted.Add(1)
 				continue
 			}
 			f := strings.SplitN(line, " ", 5)
@@ -483,9 +530,44 @@ func TestNodesFrozenPeer(t *testing.T) {
 	}
 }
 
+// TestNodesBriefFreeze: a member process frozen for less than the silence
+// a verdict needs (ProbeInterval + SuspicionTimeout − GossipInterval,
+// 480 ms at the defaults) gets suspected and refutes: no verdict.
+func TestNodesBriefFreeze(t *testing.T) {
+	const pause, pauses = 250 * time.Millisecond, 5
+	ms := startMembers(t, 3)
+	c := startChild(t, "napper", []string{ms[0].Addr(), ms[1].Addr(), ms[2].Addr()})
+	converge(t, ms, 4)
+	cfg := DefaultNodeConfig()
+	for range pauses {
+		c.signal(t, syscall.SIGSTOP)
+		time.Sleep(pause)
+		c.signal(t, syscall.SIGCONT)
+		// Past the suspicion timeout of any suspicion the pause raised.
+		time.Sleep(cfg.SuspicionTimeout(4) + 2*cfg.ProbeInterval)
+	}
+	for _, m := range ms {
+		m.only(t)
+	}
+	t.Logf("%d pauses of %v: %d suspicions refuted", pauses, pause, c.refuted.Load())
+	// Each pause leaves 150 ms in which a probe of it fails; about one
+	// probe of it is sent every ProbeInterval.
+	if c.refuted.Load() == 0 {
+		t.Errorf("no suspicion in %d pauses of %v: the freezes did not test refutation", pauses, pause)
+	}
+}
+
 // TestNodesNoFalsePositivesUnderLoad: members run for 10 s while CPU hogs
-// (two per core, in processes of their own) saturate the machine; no
-// member is declared dead.
+// (two per core, in processes of their own) saturate the machine, probing
+// as fast as the defaults do; no member is declared dead.
+//
+// The suspicion timeout is 2 s rather than the default 400 ms: a shared
+// machine also busy with other jobs can starve this process for longer
+// than the defaults' 480 ms of tolerated silence (a Go process was seen
+// waking 470 ms late there). What this tests is the machinery under load:
+// probes failing for slowness must end in refutations, never in verdicts,
+// and memberlist must never wait on this package. bench/livenessbench
+// measures the defaults.
 func TestNodesNoFalsePositivesUnderLoad(t *testing.T) {
 	if testing.Short() {
 		t.Skip("10 s under load: skipped with -short")
@@ -503,12 +585,40 @@ func TestNodesNoFalsePositivesUnderLoad(t *testing.T) {
 		}
 		t.Cleanup(func() { hog.Process.Kill(); hog.Wait() })
 	}
-	ms := startMembers(t, 3)
-	c := startChild(t, "busy", []string{ms[0].Addr()})
+	const suspicionMult = 20
+	ms := startMembersConfig(t, 3, func(c *NodeConfig) { c.SuspicionMult = suspicionMult })
+	c := startChild(t, "busy", []string{ms[0].Addr()}, fmt.Sprintf("%s=%d", envSuspicion, suspicionMult))
 	converge(t, ms, 4)
 	time.Sleep(10 * time.Second)
 	for _, m := range ms {
 		m.only(t)
 	}
 	c.only(t)
+	t.Logf("the member process refuted %d suspicions", c.refuted.Load())
+}
+
+// TestNodesLogToZap: memberlist's own log lines reach the configured zap
+// logger at debug level, never above it.
+func TestNodesLogToZap(t *testing.T) {
+	core, logs := observer.New(zap.DebugLevel)
+	cfg := testNodeConfig("logged")
+	cfg.Logger = zap.New(core)
+	n, err := StartNodes(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	peer := startMember(t, "peer")
+	if _, err := n.Join(context.Background(), []string{peer.Addr()}); err != nil {
+		t.Fatal(err)
+	}
+	n.Close()
+	fromMemberlist := logs.FilterLoggerName("memberlist").All()
+	if len(fromMemberlist) == 0 {
+		t.Fatalf("no memberlist log entries; all: %v", logs.All())
+	}
+	for _, e := range fromMemberlist {
+		if e.Level != zap.DebugLevel || strings.HasPrefix(e.Message, "[") || e.ContextMap()["node"] != "logged" {
+			t.Errorf("memberlist entry %v %q %v", e.Level, e.Message, e.ContextMap())
+		}
+	}
 }

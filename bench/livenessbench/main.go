@@ -13,10 +13,17 @@
 //     sets the namespace's end down, so packets to it vanish. Same
 //     latencies. Skipped with a line saying why when namespaces are
 //     unavailable.
+//   - pauses: in one cluster, a random member is frozen for -pause (shorter
+//     than the silence a verdict needs: ProbeInterval + SuspicionTimeout −
+//     GossipInterval) and continued, -pauses times, one second apart. Each
+//     pause long enough to get the member suspected must end in its
+//     refutation reaching every member, never in a verdict.
 //   - false positives: -members members run for -fp-duration while -hogs
-//     processes spin on the CPUs; every NodeDead or NodeLeft any member
-//     reports is a false positive (the goal: zero in 5 minutes with
-//     both cores saturated).
+//     processes spin on the CPUs (at nice -hog-nice: 0 competes with the
+//     members as equals, 10 is workers run below their agent); every
+//     NodeDead or NodeLeft any member reports is a false positive (the
+//     issue's goal: zero in 5 minutes with both cores saturated). Members
+//     also count the suspicions they refuted: near misses.
 //
 // The timers are health.DefaultNodeConfig's unless flags change them; the
 // table quotes them. Every process the benchmark starts gets
@@ -44,6 +51,9 @@ import (
 	"syscall"
 	"time"
 
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+
 	"github.com/gorunhq/gorun/bench/internal/stats"
 	"github.com/gorunhq/gorun/health"
 )
@@ -52,7 +62,10 @@ type config struct {
 	trials     int
 	members    int
 	fpDuration time.Duration
+	pauses     int
+	pause      time.Duration
 	hogs       int
+	hogNice    int
 	netns      bool
 	timeout    time.Duration
 	node       health.NodeConfig
@@ -71,7 +84,10 @@ func main() {
 	flag.IntVar(&cfg.trials, "trials", 20, "clusters formed and broken per blackhole benchmark")
 	flag.IntVar(&cfg.members, "members", 4, "members per cluster, the victim included")
 	flag.DurationVar(&cfg.fpDuration, "fp-duration", 5*time.Minute, "length of the false-positive run (0 skips it)")
+	flag.IntVar(&cfg.pauses, "pauses", 30, "members frozen and continued in the pause benchmark (0 skips it)")
+	flag.DurationVar(&cfg.pause, "pause", 300*time.Millisecond, "how long each is frozen")
 	flag.IntVar(&cfg.hogs, "hogs", 2*runtime.NumCPU(), "CPU-spinning processes during the false-positive run")
+	flag.IntVar(&cfg.hogNice, "hog-nice", 0, "nice value of the hogs: 0 competes with the members as equals; 10 is workers run below their agent")
 	flag.BoolVar(&cfg.netns, "netns", true, "also cut a link between network namespaces (needs root and iproute2)")
 	flag.DurationVar(&cfg.timeout, "timeout", 15*time.Second, "bound on forming a cluster and on each detection")
 	timerFlags(flag.CommandLine, &cfg.node)
@@ -94,6 +110,7 @@ func timerFlags(fs *flag.FlagSet, c *health.NodeConfig) {
 	fs.IntVar(&c.SuspicionMaxTimeoutMult, "suspicion-max-mult", c.SuspicionMaxTimeoutMult, "NodeConfig.SuspicionMaxTimeoutMult")
 	fs.DurationVar(&c.GossipInterval, "gossip-interval", c.GossipInterval, "NodeConfig.GossipInterval")
 	fs.IntVar(&c.IndirectChecks, "indirect-checks", c.IndirectChecks, "NodeConfig.IndirectChecks")
+	fs.IntVar(&c.RetransmitMult, "retransmit-mult", c.RetransmitMult, "NodeConfig.RetransmitMult")
 }
 
 func timerArgs(c health.NodeConfig) []string {
@@ -101,7 +118,7 @@ func timerArgs(c health.NodeConfig) []string {
 		"-probe-interval=" + c.ProbeInterval.String(), "-probe-timeout=" + c.ProbeTimeout.String(),
 		"-suspicion-mult=" + strconv.Itoa(c.SuspicionMult), "-suspicion-max-mult=" + strconv.Itoa(c.SuspicionMaxTimeoutMult),
 		"-gossip-interval=" + c.GossipInterval.String(),
-		"-indirect-checks=" + strconv.Itoa(c.IndirectChecks),
+		"-indirect-checks=" + strconv.Itoa(c.IndirectChecks), "-retransmit-mult=" + strconv.Itoa(c.RetransmitMult),
 	}
 }
 
@@ -143,13 +160,20 @@ func run(cfg config) error {
 		}
 	}
 
+	var pr *pauseResult
+	if cfg.pauses > 0 {
+		if pr, err = b.pauses(ctx); err != nil {
+			return fmt.Errorf("pauses: %w", err)
+		}
+	}
+
 	var fp *fpResult
 	if cfg.fpDuration > 0 {
 		if fp, err = b.falsePositives(ctx); err != nil {
 			return fmt.Errorf("false positives: %w", err)
 		}
 	}
-	printTable(cfg, rows, fp)
+	printTable(cfg, rows, pr, fp)
 	return nil
 }
 
@@ -244,8 +268,10 @@ func (b *bench) trial(ctx context.Context, trial int, ns *netns) (first, last ti
 
 type fpResult struct {
 	events  []health.Event
+	refuted int // suspicions the suspects refuted: near misses
 	members int
 	hogs    int
+	nice    int
 	dur     time.Duration
 	load    string
 }
@@ -253,7 +279,7 @@ type fpResult struct {
 // falsePositives runs cfg.members members beside cfg.hogs CPU hogs for
 // cfg.fpDuration and collects every death or departure they report.
 func (b *bench) falsePositives(ctx context.Context) (*fpResult, error) {
-	res := &fpResult{members: b.cfg.members, hogs: b.cfg.hogs, dur: b.cfg.fpDuration}
+	res := &fpResult{members: b.cfg.members, hogs: b.cfg.hogs, nice: b.cfg.hogNice, dur: b.cfg.fpDuration}
 	var hogs []*exec.Cmd
 	defer func() {
 		for _, h := range hogs {
@@ -268,32 +294,14 @@ func (b *bench) falsePositives(ctx context.Context) (*fpResult, error) {
 			return nil, err
 		}
 		hogs = append(hogs, h)
+		if err := syscall.Setpriority(syscall.PRIO_PROCESS, h.Process.Pid, b.cfg.hogNice); err != nil {
+			return nil, fmt.Errorf("nice %d: %w", b.cfg.hogNice, err)
+		}
 	}
-	var ms []*memberProc
-	defer func() {
-		for _, m := range ms {
-			m.kill()
-		}
-	}()
-	formCtx, cancel := context.WithTimeout(ctx, 3*b.cfg.timeout)
-	defer cancel()
-	var seeds []string
-	for i := range b.cfg.members {
-		m, err := b.startMember(formCtx, fmt.Sprintf("fp-m%d", i), "127.0.0.1", seeds, nil)
-		if err != nil {
-			return nil, err
-		}
-		ms = append(ms, m)
-		seeds = append(seeds, m.addr)
-	}
-	for _, m := range ms {
-		for _, peer := range ms {
-			if peer != m {
-				if _, err := m.wait(formCtx, health.NodeJoined, peer.name); err != nil {
-					return nil, fmt.Errorf("forming under load: %w", err)
-				}
-			}
-		}
+	ms, err := b.formCluster(ctx, "fp")
+	defer killAll(ms)
+	if err != nil {
+		return nil, fmt.Errorf("forming under load: %w", err)
 	}
 	fmt.Fprintf(os.Stderr, "false-positive run: %d members, %d hogs, %v\n", len(ms), len(hogs), b.cfg.fpDuration)
 	select {
@@ -304,10 +312,86 @@ func (b *bench) falsePositives(ctx context.Context) (*fpResult, error) {
 	if l, err := os.ReadFile("/proc/loadavg"); err == nil {
 		res.load = strings.Join(strings.Fields(string(l))[:3], " ")
 	}
-	for _, m := range ms {
-		res.events = append(res.events, m.failures("")...)
-	}
+	res.events, res.refuted = verdicts(ms)
 	return res, nil
+}
+
+// verdicts returns the deaths and departures members reported and the
+// number of suspicions they refuted.
+func verdicts(ms []*memberProc) (events []health.Event, refuted int) {
+	for _, m := range ms {
+		events = append(events, m.failures("")...)
+		m.mu.Lock()
+		refuted += m.refuted
+		m.mu.Unlock()
+	}
+	return events, refuted
+}
+
+type pauseResult struct {
+	pauses  int
+	pause   time.Duration
+	refuted int
+	events  []health.Event
+}
+
+func (b *bench) pauses(ctx context.Context) (*pauseResult, error) {
+	ms, err := b.formCluster(ctx, "pause")
+	defer killAll(ms)
+	if err != nil {
+		return nil, err
+	}
+	for i := range b.cfg.pauses {
+		victim := ms[i%len(ms)]
+		if err := victim.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
+			return nil, err
+		}
+		time.Sleep(b.cfg.pause)
+		if err := victim.cmd.Process.Signal(syscall.SIGCONT); err != nil {
+			return nil, err
+		}
+		select {
+		case <-time.After(time.Second):
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		}
+	}
+	res := &pauseResult{pauses: b.cfg.pauses, pause: b.cfg.pause}
+	res.events, res.refuted = verdicts(ms)
+	return res, nil
+}
+
+// formCluster starts cfg.members members on loopback, each joining those
+// before it, and waits until each has seen every other join.
+func (b *bench) formCluster(ctx context.Context, prefix string) ([]*memberProc, error) {
+	ctx, cancel := context.WithTimeout(ctx, 3*b.cfg.timeout)
+	defer cancel()
+	var ms []*memberProc
+	var seeds []string
+	for i := range b.cfg.members {
+		m, err := b.startMember(ctx, fmt.Sprintf("%s-m%d", prefix, i), "127.0.0.1", seeds, nil)
+		if err != nil {
+			return ms, err
+		}
+		ms = append(ms, m)
+		seeds = append(seeds, m.addr)
+	}
+	for _, m := range ms {
+		for _, peer := range ms {
+			if peer != m {
+				if _, err := m.wait(ctx, health.NodeJoined, peer.name); err != nil {
+					return ms, err
+				}
+			}
+		}
+	}
+	return ms, nil
+}
+
+func killAll(ms []*memberProc) {
+	for _, m := range ms {
+		m.kill()
+	}
 }
 
 // memberProc is a member process (memberMain) and the events it printed.
@@ -316,10 +400,11 @@ type memberProc struct {
 	addr string
 	cmd  *exec.Cmd
 
-	mu     sync.Mutex
-	events []health.Event
-	grew   chan struct{} // capacity 1: events grew
-	exited chan struct{} // its output ended
+	mu      sync.Mutex
+	events  []health.Event
+	refuted int           // suspicions of itself it refuted
+	grew    chan struct{} // capacity 1: events grew
+	exited  chan struct{} // its output ended
 }
 
 func (b *bench) startMember(ctx context.Context, name, bind string, seeds []string, wrap []string) (*memberProc, error) {
@@ -358,6 +443,12 @@ func (m *memberProc) read(out io.Reader, addr chan<- string) {
 		line := sc.Text()
 		if a, ok := strings.CutPrefix(line, "addr "); ok {
 			addr <- a
+			continue
+		}
+		if line == "refuted" {
+			m.mu.Lock()
+			m.refuted++
+			m.mu.Unlock()
 			continue
 		}
 		ev, err := parseEvent(line)
@@ -419,7 +510,8 @@ func (m *memberProc) kill() {
 }
 
 // memberMain is a member process: it joins the seeds, prints "addr A",
-// then an event line per event until killed.
+// then an event line per event, and "refuted" whenever it refutes a
+// suspicion of itself, until killed.
 func memberMain(args []string) int {
 	fs := flag.NewFlagSet("member", flag.ExitOnError)
 	cfg := health.DefaultNodeConfig()
@@ -429,6 +521,17 @@ func memberMain(args []string) int {
 	timerFlags(fs, &cfg)
 	fs.Parse(args)
 	cfg.Cluster = "livenessbench"
+	var out sync.Mutex
+	// memberlist logs each refutation (at debug level, through the Logger).
+	cfg.Logger = zap.New(zapcore.NewCore(zapcore.NewJSONEncoder(zapcore.EncoderConfig{}), zapcore.AddSync(io.Discard), zap.DebugLevel),
+		zap.Hooks(func(e zapcore.Entry) error {
+			if strings.HasPrefix(e.Message, "Refuting a suspect message") || strings.HasPrefix(e.Message, "Refuting a dead message") {
+				out.Lock()
+				fmt.Println("refuted")
+				out.Unlock()
+			}
+			return nil
+		}))
 	n, err := health.StartNodes(cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -444,10 +547,10 @@ func memberMain(args []string) int {
 	fmt.Println("addr", n.Addr())
 	events := make(chan health.Event, 64)
 	go n.Run(context.Background(), events)
-	w := bufio.NewWriter(os.Stdout)
 	for ev := range events {
-		fmt.Fprintln(w, formatEvent(ev))
-		w.Flush()
+		out.Lock()
+		fmt.Println(formatEvent(ev))
+		out.Unlock()
 	}
 	return 0
 }
@@ -527,7 +630,7 @@ func ipCmd(args ...string) error {
 	return nil
 }
 
-func printTable(cfg config, rows []row, fp *fpResult) {
+func printTable(cfg config, rows []row, pr *pauseResult, fp *fpResult) {
 	c := cfg.node
 	fmt.Printf("Node liveness (%d cores, %s): %d members; ProbeInterval %v, ProbeTimeout %v, SuspicionMult %d "+
 		"(suspicion %v), GossipInterval %v; model worst case %v\n\n",
@@ -550,11 +653,20 @@ func printTable(cfg config, rows []row, fp *fpResult) {
 			ms(median(r.first)), ms(quantile(r.first, 0.9)), ms(slices.Max(r.first)),
 			ms(median(r.last)), ms(quantile(r.last, 0.9)), ms(slices.Max(r.last)), within, len(r.last))
 	}
+	if pr != nil {
+		fmt.Println()
+		fmt.Println("| pauses (frozen, then continued) | members | pause | suspicions refuted | deaths or departures reported |")
+		fmt.Println("|---|---:|---:|---:|---:|")
+		fmt.Printf("| %d | %d | %v | %d | %d |\n", pr.pauses, cfg.members, pr.pause, pr.refuted, len(pr.events))
+		for _, ev := range pr.events {
+			fmt.Println("  false positive:", ev)
+		}
+	}
 	if fp != nil {
 		fmt.Println()
-		fmt.Println("| false-positive run | members | CPU hogs | load (1/5/15 min) | deaths or departures reported |")
-		fmt.Println("|---|---:|---:|---|---:|")
-		fmt.Printf("| %v | %d | %d | %s | %d |\n", fp.dur, fp.members, fp.hogs, fp.load, len(fp.events))
+		fmt.Println("| false-positive run | members | CPU hogs (nice) | load (1/5/15 min) | suspicions refuted | deaths or departures reported |")
+		fmt.Println("|---|---:|---:|---|---:|---:|")
+		fmt.Printf("| %v | %d | %d (%d) | %s | %d | %d |\n", fp.dur, fp.members, fp.hogs, fp.nice, fp.load, fp.refuted, len(fp.events))
 		for _, ev := range fp.events {
 			fmt.Println("  false positive:", ev)
 		}
