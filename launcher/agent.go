@@ -57,13 +57,28 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		}
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
+	a.multiNode = cfg.MaxNodes > 1
+	if a.multiNode && cfg.OnFailure == OnFailureShrink {
+		// Before the rendezvous: this node's record carries its address.
+		addr := cfg.Rendezvous.LocalAddr
+		if addr == "" {
+			addr, _ = os.Hostname()
+		}
+		if a.gossip, err = startGossip(cfg.NodeLiveness, log, a.runID, addr); err != nil {
+			return err
+		}
+		a.cfg.gossip = a.gossip.self()
+	}
 	m, err := newMembership(ctx, &a.cfg, log, a.runID)
 	if err != nil {
 		return err
 	}
 	a.m = m
-	a.multiNode = cfg.MaxNodes > 1
-	return a.run(ctx)
+	err = a.run(ctx)
+	// A node that ends well leaves the gossip, so that the others see a
+	// departure, not a death.
+	a.gossip.close(err == nil)
+	return err
 }
 
 // agent runs the local worker group through its attempts.
@@ -81,6 +96,8 @@ type agent struct {
 	health *Health // nil without --health-addr; its methods accept nil
 	// multiNode: the job has other nodes to watch while workers run.
 	multiNode bool
+	// gossip finds lost nodes in multi-node shrink mode; nil otherwise.
+	gossip *gossip
 	// heartbeats receives workers' heartbeats (--heartbeat-timeout); nil
 	// when they are off. hung carries its reports to the monitor loop.
 	heartbeats *health.Monitor
@@ -162,6 +179,7 @@ func (a *agent) listenHeartbeats() error {
 }
 
 func (a *agent) close() {
+	a.gossip.close(false)
 	if a.heartbeats != nil {
 		a.stopBeats()
 		a.heartbeats.Close()
@@ -251,6 +269,9 @@ func (a *agent) run(ctx context.Context) error {
 				p.release()
 				a.health.SetPhase(PhaseFailed)
 				return err
+			}
+			if a.gossip != nil {
+				a.gossip.join(ctx, p.gossip)
 			}
 		}
 		out, err := a.runRound(ctx, p, sigs, sv)
@@ -488,6 +509,16 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal, sv
 			return fallBack(err.Error())
 		case ev := <-a.hung:
 			a.stopHung(g, ev)
+		case ev := <-a.gossip.eventsOrNil():
+			if ev.Kind != health.NodeDead || sv == nil {
+				a.log.Debug("node liveness", zap.Stringer("event", ev))
+				continue
+			}
+			n, err := sv.gossipLost(ctx, ev.Node, ev.Reason)
+			a.health.FailureReported(ReportNode, n)
+			if err != nil {
+				return fallBack(err.Error())
+			}
 		case <-poll:
 			c, err := a.m.watch(ctx)
 			if err != nil {

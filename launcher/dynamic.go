@@ -81,6 +81,8 @@ type nodeInfo struct {
 	NProc    int    `json:"nproc"`
 	Addr     string `json:"addr"`
 	NodeRank int    `json:"node_rank"` // static only
+	// Gossip is the agent's node-liveness member, in shrink mode.
+	Gossip gossipPeer `json:"gossip"`
 }
 
 // Keys in the rendezvous store, besides the rendezvous's own.
@@ -131,7 +133,7 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 		d.close()
 		return nil, fmt.Errorf("rendezvous store: %w", err)
 	}
-	data, _ := json.Marshal(nodeInfo{NProc: cfg.NProcPerNode, Addr: d.addr, NodeRank: r.NodeRank})
+	data, _ := json.Marshal(nodeInfo{NProc: cfg.NProcPerNode, Addr: d.addr, NodeRank: r.NodeRank, Gossip: cfg.gossip})
 	if d.dyn, err = rendezvous.NewDynamic(d.store, d.me, data, dcfg); err != nil {
 		d.close()
 		return nil, fmt.Errorf("rendezvous: %w", err)
@@ -331,6 +333,7 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	for i, in := range infos {
 		nodes[i].nproc = in.NProc
 		p.members = append(p.members, in.Addr)
+		p.gossip = append(p.gossip, in.Gossip)
 	}
 	p.nodeIDs, p.nodes = ids, nodes
 	p.assignments = assign(nodes, groupRank)

@@ -58,6 +58,9 @@ type plan struct {
 	// nodes are the members' worker counts, by group rank: which global
 	// ranks each node runs.
 	nodes nodeRanks
+	// gossip are the members' node-liveness identities, by group rank
+	// (empty names outside multi-node shrink mode).
+	gossip []gossipPeer
 	// barrierNodes is how many nodes meet at the exit barrier: the members
 	// less those lost in shrink mode. 0 means all members.
 	barrierNodes int

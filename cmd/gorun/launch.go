@@ -145,6 +145,12 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
+		&cli.Float64Flag{Name: "node-probe-interval", Value: 0.1,
+			Usage:   "shrink mode on several nodes: `SECONDS` between an agent's liveness probes of another (memberlist); a silent node is declared dead after about 6 of them",
+			EnvVars: []string{"GORUN_NODE_PROBE_INTERVAL"}, Category: catFT},
+		&cli.IntFlag{Name: "node-suspicion-mult", Value: 4,
+			Usage:   "probe intervals a suspected node has to answer before it is declared dead; raise it on overloaded machines to avoid false verdicts",
+			EnvVars: []string{"GORUN_NODE_SUSPICION_MULT"}, Category: catFT},
 	}
 }
 
@@ -235,6 +241,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	cfg.MaxRestarts = c.Int("max-restarts")
 	cfg.OnFailure = c.String("on-failure")
 	cfg.MinWorldSize = c.Int("min-world-size")
+	cfg.NodeLiveness.SuspicionMult = c.Int("node-suspicion-mult")
 	cfg.StartMethod = c.String("start-method")
 	for _, d := range []struct {
 		flag string
@@ -245,6 +252,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		{"exit-barrier-timeout", &cfg.ExitBarrierTimeout},
 		{"settle-window", &cfg.SettleWindow},
 		{"heartbeat-timeout", &cfg.HeartbeatTimeout},
+		{"node-probe-interval", &cfg.NodeLiveness.ProbeInterval},
 	} {
 		if *d.dst, err = seconds(c.Float64(d.flag)); err != nil {
 			return cfg, usageErrorf("--%s: %v", d.flag, err)

@@ -1,0 +1,138 @@
+package launcher
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/health"
+)
+
+// gossipPeer is one agent's gossip identity, published in its rendezvous
+// record.
+type gossipPeer struct {
+	Name string `json:"gossip_name,omitempty"`
+	Addr string `json:"gossip_addr,omitempty"`
+}
+
+// gossip is node liveness among the job's agents (health.Nodes, on
+// hashicorp/memberlist): a node that stops answering probes — crashed,
+// frozen, cut off — is declared dead in well under a second, where the
+// rendezvous keep-alive takes its whole window. It runs in multi-node
+// shrink mode, started before the rendezvous so that its address is in
+// this node's record, and joined to each round's other agents.
+type gossip struct {
+	log    *zap.Logger
+	nodes  *health.Nodes
+	events chan health.Event
+	cancel context.CancelFunc
+	done   chan struct{}
+	once   sync.Once
+}
+
+// gossipJoinTimeout bounds joining a round's peers; a node that cannot be
+// reached still has the rendezvous keep-alive behind it.
+const gossipJoinTimeout = 5 * time.Second
+
+// startGossip starts this agent's gossip member, advertising an address
+// of the host addr names (--local-addr, or the host name).
+func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string) (*gossip, error) {
+	ip, err := advertiseIP(addr)
+	if err != nil {
+		return nil, fmt.Errorf("node liveness: %w", err)
+	}
+	nc := health.DefaultNodeConfig()
+	nc.Name = fmt.Sprintf("%s-%d", addr, os.Getpid())
+	nc.Cluster = runID
+	nc.AdvertiseAddr = ip
+	if cfg.ProbeInterval > 0 {
+		nc.ProbeInterval = cfg.ProbeInterval
+		nc.ProbeTimeout = cfg.ProbeInterval / 2
+	}
+	if cfg.SuspicionMult > 0 {
+		nc.SuspicionMult = cfg.SuspicionMult
+	}
+	nc.Logger = log.Named("gossip")
+	nodes, err := health.StartNodes(nc)
+	if err != nil {
+		return nil, fmt.Errorf("node liveness: %w", err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	g := &gossip{log: log, nodes: nodes, events: make(chan health.Event, 64), cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(g.done)
+		nodes.Run(ctx, g.events)
+	}()
+	return g, nil
+}
+
+// advertiseIP resolves addr to the IP address peers reach this node at.
+func advertiseIP(addr string) (string, error) {
+	if ip := net.ParseIP(addr); ip != nil {
+		return ip.String(), nil
+	}
+	ips, err := net.LookupIP(addr)
+	if err != nil || len(ips) == 0 {
+		return "", fmt.Errorf("no address for %q (set --local-addr): %v", addr, err)
+	}
+	for _, ip := range ips {
+		if ip.To4() != nil {
+			return ip.String(), nil
+		}
+	}
+	return ips[0].String(), nil
+}
+
+// self is what this node publishes.
+func (g *gossip) self() gossipPeer {
+	if g == nil {
+		return gossipPeer{}
+	}
+	return gossipPeer{Name: g.nodes.Name(), Addr: g.nodes.Addr()}
+}
+
+// join makes the round's agents this member's peers.
+func (g *gossip) join(ctx context.Context, peers []gossipPeer) {
+	var names, seeds []string
+	for _, p := range peers {
+		if p.Name != "" {
+			names, seeds = append(names, p.Name), append(seeds, p.Addr)
+		}
+	}
+	g.nodes.Expect(names)
+	jctx, cancel := context.WithTimeout(ctx, gossipJoinTimeout)
+	defer cancel()
+	if _, err := g.nodes.Join(jctx, seeds); err != nil {
+		g.log.Warn("node liveness: cannot reach the round's other agents; lost nodes are found by the rendezvous keep-alive only", zap.Error(err))
+	}
+}
+
+// close leaves the gossip (graceful: the peers see a departure, not a
+// death) and stops the member.
+func (g *gossip) close(graceful bool) {
+	if g == nil {
+		return
+	}
+	g.once.Do(func() {
+		if graceful {
+			g.nodes.Leave(time.Second)
+		}
+		g.cancel()
+		g.nodes.Close()
+		<-g.done
+	})
+}
+
+// eventsOrNil is the member's event stream, nil (never ready) without
+// gossip.
+func (g *gossip) eventsOrNil() <-chan health.Event {
+	if g == nil {
+		return nil
+	}
+	return g.events
+}
