@@ -82,3 +82,14 @@ bin/pgbench -nproc "${PG_NPROC:-4}" -sizes "${PG_SIZES:-4096,1048576,16777216,67
   -iters "${PG_ITERS:-200,50,15,7}" -reps "${PG_REPS:-5}" -python "${PYTHON:-/usr/bin/python3}" \
   -transports "${PG_TRANSPORTS:-shm,unix,tcp}" -rounds "${PG_ROUNDS:-3}" \
   -out bench/results/pg.jsonl | tee bench/results/pg.md
+
+# Fault recovery: one of 8 ranks SIGKILLed → the survivors' first successful
+# collective, gorun --on-failure shrink and restart beside torchrun 1.13's
+# full restart, Go (pg/cpu) and PyTorch gloo workers, rows interleaved trial
+# by trial (bench/ftbench, bench/gloo_resume.py). Knob (env): FT_TRIALS.
+go build -o bin/ftbench ./bench/ftbench
+go build -o bin/allreduce ./examples/allreduce
+echo
+echo "## Fault recovery: gorun vs torchrun 1.13 ($(nproc) cores, $(date -u +%F))"
+bin/ftbench -trials "${FT_TRIALS:-10}" -gorun bin/gorun -worker bin/allreduce -python "${PYTHON:-/usr/bin/python3}" \
+  -out bench/results/ft.jsonl | tee bench/results/ft.md

@@ -93,6 +93,7 @@ func (w *worker) agreeStep(ctx context.Context, step int) (int, error) {
 	if err := v.Read(lowest[:]); err != nil {
 		return step, err
 	}
+	w.collectiveDone() // the new group's first collective
 	return int(lowest[0]), nil
 }
 

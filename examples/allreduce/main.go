@@ -29,8 +29,14 @@
 //
 //	done rank=R world=W steps=S sum=X
 //
-// with R and W the current group's. `allreduce -h` lists the flags and the
-// exit codes.
+// with R and W the current group's. With --timestamps every rank also
+// prints, after the first successful collective of each attempt and epoch,
+//
+//	first-collective attempt=A epoch=E unix_ns=T
+//
+// (A is TORCHELASTIC_RESTART_COUNT, T the wall clock in Unix nanoseconds):
+// bench/ftbench measures recovery from these. `allreduce -h` lists the
+// flags and the exit codes.
 //
 // The group is pg/cpu by default (host memory over TCP); --backend nccl uses
 // pg/nccl (one GPU per local rank, device memory), which needs a build with
@@ -68,6 +74,12 @@ contributes r+1, and checks the sum. With GORUN_ON_FAILURE=shrink (gorun
 --on-failure shrink) or --shrink the worker follows gorun's shrink epochs
 and carries on without the ranks they exclude.
 
+With --timestamps each rank prints, after the first successful collective
+of each attempt (TORCHELASTIC_RESTART_COUNT) and shrink epoch,
+  first-collective attempt=A epoch=E unix_ns=T
+with T the wall clock in nanoseconds since the Unix epoch, so that a
+benchmark can tell when the group was working again after a failure.
+
 Exit codes:
   0  every step's sum was right (shrink mode: this rank survived to the end)
   1  a collective failed, or a shrink epoch asked for a restart: the
@@ -90,6 +102,8 @@ type options struct {
 	// shrink: follow gorun's shrink epochs (GORUN_ON_FAILURE=shrink, or
 	// --shrink).
 	shrink bool
+	// timestamps: print a first-collective line per attempt and epoch.
+	timestamps bool
 }
 
 func main() {
@@ -111,6 +125,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&opt.backend, "backend", "cpu", "process group backend: cpu or nccl")
 	fs.DurationVar(&opt.timeout, "timeout", 5*time.Minute, "bound on forming the group, on each step and on waiting for a shrink epoch")
 	fs.BoolVar(&opt.shrink, "shrink", false, "follow gorun's shrink epochs; default: on when GORUN_ON_FAILURE=shrink (--shrink=false turns it off)")
+	fs.BoolVar(&opt.timestamps, "timestamps", false, "print 'first-collective attempt=A epoch=E unix_ns=T' after the first successful collective of each attempt and epoch")
 	if err := fs.Parse(args); err != nil {
 		return exitUsage
 	}
@@ -155,6 +170,12 @@ func run(args []string, stdout, stderr io.Writer) int {
 // doneLine is what a rank prints at the end.
 func doneLine(r result) string {
 	return fmt.Sprintf("done rank=%d world=%d steps=%d sum=%g", r.rank, r.world, r.steps, r.sum)
+}
+
+// firstCollectiveLine is what a rank prints with --timestamps after the
+// first successful collective of an attempt and epoch, at time t.
+func firstCollectiveLine(attempt, epoch int, t time.Time) string {
+	return fmt.Sprintf("first-collective attempt=%d epoch=%d unix_ns=%d", attempt, epoch, t.UnixNano())
 }
 
 // exitCode maps train's outcome to the exit code.

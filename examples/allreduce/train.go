@@ -56,8 +56,9 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 	}
 
 	w := &worker{
-		be: be, opt: opt, out: out, globalRank: e.rank,
+		be: be, opt: opt, out: out, globalRank: e.rank, attempt: e.attempt,
 		store: rendezvous.NewPrefixStore(e.namespace(), store), epoch: shrink.Initial(e.world),
+		stamped: -1,
 	}
 	defer w.close()
 	if err := w.use(g); err != nil {
@@ -85,6 +86,7 @@ type worker struct {
 	opt        options
 	out        io.Writer
 	globalRank int              // RANK, as launched
+	attempt    int              // TORCHELASTIC_RESTART_COUNT
 	follower   *shrink.Follower // nil unless in shrink mode
 	store      rendezvous.Store // the worker store, in this attempt's namespace
 
@@ -92,6 +94,10 @@ type worker struct {
 	group pg.ProcessGroup
 	vec   vector    // in group's memory
 	host  []float64 // the last result, read back from vec
+
+	// stamped is the last epoch whose first successful collective was
+	// timestamped (--timestamps); -1 before the first.
+	stamped int
 }
 
 // use makes g the current group, with a vector in its memory (a device
@@ -201,7 +207,24 @@ func (w *worker) step(ctx context.Context) error {
 	if err := w.group.AllReduce(stepCtx, w.vec.Buffer(), pg.Sum); err != nil {
 		return fmt.Errorf("allreduce: %w", err)
 	}
-	return w.vec.Read(w.host)
+	if err := w.vec.Read(w.host); err != nil {
+		return err
+	}
+	w.collectiveDone()
+	return nil
+}
+
+// collectiveDone notes that a collective of the current epoch has completed
+// (its result read back, so on a device it has finished too). With
+// --timestamps the first one of each epoch prints the first-collective line:
+// the moment the group works again after a failure.
+func (w *worker) collectiveDone() {
+	if !w.opt.timestamps || w.stamped >= w.epoch.Number {
+		return
+	}
+	now := time.Now()
+	w.stamped = w.epoch.Number
+	fmt.Fprintln(w.out, firstCollectiveLine(w.attempt, w.epoch.Number, now))
 }
 
 // expectedSum is what every element of a step's result must be in epoch e:

@@ -10,7 +10,10 @@ the new rank 0 and carry on. Every survivor ends with
     done rank=R world=W steps=S loss=X
 
 where loss is measured on a fixed evaluation set, so all survivors print the
-same X.
+same X. With --timestamps every rank also prints, after its first successful
+collective of each attempt and epoch (bench/ftbench measures recovery so),
+
+    first-collective attempt=A epoch=E unix_ns=T
 
     gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
 """
@@ -51,7 +54,18 @@ def main():
     ap.add_argument("--step-ms", type=int, default=10)
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--backend", default="gloo")
+    ap.add_argument("--timestamps", action="store_true",
+                    help="print 'first-collective attempt=A epoch=E unix_ns=T' after the first "
+                         "successful collective of each attempt and epoch")
     args = ap.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    stamped = -1  # the last epoch whose first collective was stamped
+
+    def collective_done():
+        nonlocal stamped
+        if args.timestamps and group.epoch.number > stamped:
+            stamped = group.epoch.number
+            print("first-collective attempt=%d epoch=%d unix_ns=%d" % (attempt, stamped, time.time_ns()), flush=True)
 
     group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60))
     me = group.global_rank
@@ -67,6 +81,7 @@ def main():
                 # takes the new rank 0's model and step count, as its first
                 # collective in the new group.
                 group.resync(w, step)
+                collective_done()
                 resync = False
             if group.check():
                 resync = True
@@ -74,6 +89,7 @@ def main():
             x, y = batch(me, int(step.item()))
             grad = 2 * x.t() @ (x @ w - y) / len(x)
             dist.all_reduce(grad)
+            collective_done()
             w -= args.lr * grad / group.world_size
             step += 1
         except RuntimeError as err:

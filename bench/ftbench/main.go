@@ -1,0 +1,312 @@
+// Command ftbench measures how long a job takes to recover from a crashed
+// rank: from the SIGKILL of one worker to the survivors' first successful
+// collective, under gorun's two failure modes and under torchrun 1.13. It
+// prints a markdown table (median and p90 over -trials) for BENCHMARKS.md
+// and, with -out, every trial as a JSON line.
+//
+// Rows (all in the same run, interleaved within each trial, the order
+// rotated from trial to trial, so that the machine's noise hits all alike):
+//
+//  1. gorun --on-failure shrink, Go allreduce (examples/allreduce, pg/cpu):
+//     the survivors move to epoch 1 and carry on.
+//  2. gorun --on-failure restart --max-restarts 1, the same worker: every
+//     rank is stopped and attempt 1 starts.
+//  3. torchrun 1.13 --max-restarts 1 with a PyTorch gloo worker
+//     (bench/gloo_resume.py): torchrun's full restart.
+//  4. gorun --on-failure restart with that PyTorch worker: row 3 with gorun.
+//  5. gorun --on-failure shrink with PyTorch gloo
+//     (examples/torch/train_elastic.py on gorun_ft): the survivors
+//     re-initialise gloo among themselves.
+//
+// Rows 3–5 need PyTorch (-python); without it they are skipped, with one
+// line saying so.
+//
+// Every worker prints `first-collective attempt=A epoch=E unix_ns=T` after
+// its first successful collective of each attempt (TORCHELASTIC_RESTART_
+// COUNT) and shrink epoch. A trial starts the job (-hosts × -nproc ranks,
+// only -hosts 1 yet: one agent, --standalone), waits until every rank has
+// stamped attempt 0 epoch 0, lets it run -warmup more, reads the clock and
+// SIGKILLs rank -victim, then waits until every rank of the recovery — the
+// survivors at attempt 0 epoch 1 (shrink) or all ranks at attempt 1 epoch 0
+// (restart) — has stamped. The trial's value is the last of those stamps
+// minus the kill time (the group works again when every member does); the
+// first is recorded too. Stamps and kill time are the same machine's
+// CLOCK_REALTIME. Each trial is bounded by -trial-timeout. At its end the
+// launcher gets SIGTERM (and its process group SIGKILL if it has not
+// stopped within 10 s), and the benchmark — a child subreaper — kills and
+// reaps whatever it left, and counts that.
+//
+//	go run ./bench/ftbench -trials 10 -out bench/results/ft.jsonl
+//
+// gorun and the Go worker are built from this repository into a temporary
+// directory unless -gorun and -worker name binaries.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/gorunhq/gorun/bench/internal/stats"
+)
+
+// config is the benchmark's settings, from the flags.
+type config struct {
+	trials       int
+	hosts, nproc int
+	victim       int           // the global rank killed
+	warmup       time.Duration // run time between every rank's first collective and the kill
+	stepMs       int           // the workers' pause between steps
+	trialTimeout time.Duration
+	rows         string // which rows, by number; "" for all
+	settleWindow string // gorun --settle-window in shrink rows; "" for its default
+
+	gorun, worker string // binaries; built when empty
+	python        string // Python with torch 1.13, for torchrun and the Python workers
+	root          string // the repository: bench/gloo_resume.py, examples/torch/…
+	out, logs     string // JSON lines; a directory for every trial's console output
+
+	tmp          string // removed at the end
+	torchVersion string // "" when -python cannot import torch
+}
+
+func main() {
+	var c config
+	flag.IntVar(&c.trials, "trials", 10, "trials per row")
+	flag.IntVar(&c.hosts, "hosts", 1, "hosts the ranks are spread over (only 1 yet)")
+	flag.IntVar(&c.nproc, "nproc", 8, "ranks per host")
+	flag.IntVar(&c.victim, "victim", 3, "the global rank SIGKILLed in every trial")
+	flag.DurationVar(&c.warmup, "warmup", 500*time.Millisecond, "run time after every rank's first collective before the kill")
+	flag.IntVar(&c.stepMs, "step-ms", 5, "the workers' pause between collectives, in milliseconds")
+	flag.DurationVar(&c.trialTimeout, "trial-timeout", 3*time.Minute, "bound on one trial, start to recovery")
+	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
+	flag.StringVar(&c.settleWindow, "settle-window", "", "gorun's --settle-window (SECONDS) in the shrink rows (default: gorun's, 0.1)")
+	flag.StringVar(&c.gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
+	flag.StringVar(&c.worker, "worker", "", "examples/allreduce binary (default: build it)")
+	flag.StringVar(&c.python, "python", "/usr/bin/python3", "Python with PyTorch 1.13: torchrun, the Python workers")
+	flag.StringVar(&c.root, "root", ".", "the repository's root")
+	flag.StringVar(&c.out, "out", "", "write every trial as a JSON line to this file")
+	flag.StringVar(&c.logs, "logs", "", "keep every trial's console output in this directory")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, &c, os.Stdout); err != nil {
+		fmt.Fprintln(os.Stderr, "ftbench:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, c *config, stdout io.Writer) error {
+	selected, err := c.selectRows()
+	if err != nil {
+		return err
+	}
+	switch {
+	case c.trials < 1 || c.nproc < 2:
+		return errors.New("-trials must be at least 1 and -nproc at least 2")
+	case c.victim < 0 || c.victim >= c.hosts*c.nproc:
+		return fmt.Errorf("-victim %d is not a rank of %d", c.victim, c.hosts*c.nproc)
+	case c.hosts != 1:
+		return fmt.Errorf("-hosts %d: only 1 is supported yet (several hosts need network namespaces)", c.hosts)
+	}
+	// Orphans of a launcher are reparented to us, so none escapes.
+	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
+		return fmt.Errorf("become a subreaper: %w", err)
+	}
+	if c.tmp, err = os.MkdirTemp("", "ftbench-"); err != nil {
+		return err
+	}
+	defer os.RemoveAll(c.tmp)
+	if err := c.build(ctx); err != nil {
+		return err
+	}
+	if c.logs != "" {
+		if err := os.MkdirAll(c.logs, 0o755); err != nil {
+			return err
+		}
+	}
+	var raw io.Writer = io.Discard
+	if c.out != "" {
+		if err := os.MkdirAll(filepath.Dir(c.out), 0o755); err != nil {
+			return err
+		}
+		f, err := os.Create(c.out)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		raw = f
+	}
+
+	c.torchVersion = torchVersion(ctx, c.python)
+	var skipped string
+	if c.torchVersion == "" && slices.ContainsFunc(selected, row.torch) {
+		skipped = fmt.Sprintf("PyTorch rows skipped: %s cannot import torch.", c.python)
+		fmt.Fprintln(os.Stderr, "ftbench:", skipped)
+		selected = slices.DeleteFunc(selected, row.torch)
+	}
+
+	var all []result
+	for trial := 1; trial <= c.trials && ctx.Err() == nil; trial++ {
+		for i := range selected {
+			r := selected[(i+trial-1)%len(selected)] // rotated, trial by trial
+			if ctx.Err() != nil {
+				break
+			}
+			res := runTrial(ctx, c, r, trial)
+			all = append(all, res)
+			if err := json.NewEncoder(raw).Encode(res); err != nil {
+				return err
+			}
+			progress(res)
+		}
+	}
+	printTable(stdout, c, selected, all, skipped)
+	return ctx.Err()
+}
+
+// selectRows returns the rows -rows names (all by default), in table order.
+func (c *config) selectRows() ([]row, error) {
+	if c.rows == "" {
+		return slices.Clone(rows), nil
+	}
+	var out []row
+	for f := range strings.SplitSeq(c.rows, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 || n > len(rows) {
+			return nil, fmt.Errorf("-rows: %q is not a row number 1..%d", f, len(rows))
+		}
+		if !slices.Contains(out, rows[n-1]) {
+			out = append(out, rows[n-1])
+		}
+	}
+	slices.SortFunc(out, func(a, b row) int { return slices.Index(rows, a) - slices.Index(rows, b) })
+	return out, nil
+}
+
+// build builds gorun and the Go worker from the repository into the
+// temporary directory, unless -gorun and -worker name binaries.
+func (c *config) build(ctx context.Context) error {
+	for _, b := range []struct {
+		path *string
+		pkg  string
+	}{{&c.gorun, "./cmd/gorun"}, {&c.worker, "./examples/allreduce"}} {
+		if *b.path != "" {
+			if _, err := os.Stat(*b.path); err != nil {
+				return err
+			}
+			continue
+		}
+		*b.path = filepath.Join(c.tmp, filepath.Base(b.pkg))
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", *b.path, b.pkg)
+		cmd.Dir = c.root
+		cmd.Env = append(cmd.Environ(), "CGO_ENABLED=0") // gorun ships static
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go build %s: %w\n%s", b.pkg, err, out)
+		}
+	}
+	// The launchers run the workers from their own directories: absolute
+	// paths, then.
+	for _, p := range []*string{&c.gorun, &c.worker, &c.root} {
+		abs, err := filepath.Abs(*p)
+		if err != nil {
+			return err
+		}
+		*p = abs
+	}
+	return nil
+}
+
+// torchVersion is "torch V on Python P" when python can import torch, else "".
+func torchVersion(ctx context.Context, python string) string {
+	out, err := exec.CommandContext(ctx, python, "-c",
+		"import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(out))
+}
+
+// progress reports a trial on stderr as it ends.
+func progress(r result) {
+	if r.Error != "" {
+		fmt.Fprintf(os.Stderr, "ftbench: trial %d, %s: FAILED: %s\n", r.Trial, r.Row, r.Error)
+		return
+	}
+	fmt.Fprintf(os.Stderr, "ftbench: trial %d, %s: %.1f ms (first survivor %.1f ms)\n", r.Trial, r.Row, r.LastMs, r.FirstMs)
+}
+
+// quantile is the nearest-rank q-quantile of v (q in (0, 1]): the smallest
+// value with at least q of the values at or below it. 0 for none.
+func quantile(v []float64, q float64) float64 {
+	if len(v) == 0 {
+		return 0
+	}
+	s := slices.Sorted(slices.Values(v))
+	i := int(math.Ceil(q*float64(len(s)))) - 1
+	return s[max(i, 0)]
+}
+
+func printTable(w io.Writer, c *config, selected []row, all []result, skipped string) {
+	fmt.Fprintf(w, "Command: `%s`\n\n", strings.Join(os.Args, " "))
+	fmt.Fprintf(w, "%d host × %d ranks on %d CPUs; rank %d SIGKILLed %v after every rank's first collective; workers pause %d ms between collectives. ",
+		c.hosts, c.nproc, runtime.NumCPU(), c.victim, c.warmup, c.stepMs)
+	fmt.Fprintf(w, "Kill → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", c.trials)
+	if c.settleWindow != "" {
+		fmt.Fprintf(w, " gorun's shrink rows: --settle-window %s.", c.settleWindow)
+	}
+	if c.torchVersion != "" {
+		fmt.Fprintf(w, " torchrun: `%s -m torch.distributed.run --redirects 1 --tee 1` (%s), its default --monitor-interval (5 s).", c.python, c.torchVersion)
+	}
+	fmt.Fprintln(w)
+	if skipped != "" {
+		fmt.Fprintf(w, "\n%s\n", skipped)
+	}
+	fmt.Fprintf(w, "\n| # | launcher, mode, worker | trials ok | median (ms) | p90 (ms) | min (ms) | max (ms) | first survivor, median (ms) |\n")
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|\n")
+	var failures []string
+	left := 0
+	for _, r := range selected {
+		var last, first []float64
+		n := 0
+		for _, res := range all {
+			if res.Row != r.name {
+				continue
+			}
+			n++
+			left += res.LeftBehind
+			if res.Error != "" {
+				failures = append(failures, fmt.Sprintf("trial %d, %s: %s", res.Trial, res.Row, res.Error))
+				continue
+			}
+			last, first = append(last, res.LastMs), append(first, res.FirstMs)
+		}
+		num := slices.Index(rows, r) + 1
+		if len(last) == 0 {
+			fmt.Fprintf(w, "| %d | %s | 0/%d | failed | | | | |\n", num, r.name, n)
+			continue
+		}
+		fmt.Fprintf(w, "| %d | %s | %d/%d | %.1f | %.1f | %.1f | %.1f | %.1f |\n", num, r.name, len(last), n,
+			stats.Median(last), quantile(last, 0.9), slices.Min(last), slices.Max(last), stats.Median(first))
+	}
+	fmt.Fprintf(w, "\nProcesses left behind by the launchers once they had stopped on SIGTERM (killed and reaped by the benchmark), all trials: %d.\n", left)
+	for _, f := range failures {
+		fmt.Fprintf(w, "\nfailure: %s\n", f)
+	}
+}
