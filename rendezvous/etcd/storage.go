@@ -148,12 +148,18 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	return s, nil
 }
 
-// Close stops the watch. Registered waiters are never released afterwards;
-// the data stays in etcd (see Drop).
+// Close stops the watch and deletes this Storage's bookkeeping (the tokens
+// of its read-modify-writes, which no operation needs once none is in
+// flight). Registered waiters are never released afterwards; the data stays
+// in etcd (see Drop).
 func (s *Storage) Close() error {
 	s.cancel()
 	<-s.done
-	return nil
+	// Briefly: an agent leaving a broken etcd should not hang on this.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err := s.cli.Delete(ctx, s.prefix+tokenDir+s.id+"/", clientv3.WithPrefix())
+	return err
 }
 
 // Drop deletes everything under the Storage's prefix.

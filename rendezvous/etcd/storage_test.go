@@ -310,3 +310,41 @@ func TestStorageLeaderLoss(t *testing.T) {
 		t.Fatalf("counter = %d, %v; want 20", n, err)
 	}
 }
+
+// TestStorageCloseDropsTokens: the tokens that make read-modify-writes
+// idempotent go with the Storage that wrote them, so that agents coming
+// and going do not leave keys behind; the data stays.
+func TestStorageCloseDropsTokens(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 20*time.Second)
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10 {
+		if _, err := st.Add([]byte(fmt.Sprint("n", i)), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func(dir string) int64 {
+		r, err := cli.Get(ctx, prefix+dir, clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Count
+	}
+	if n := count("m/t/"); n == 0 {
+		t.Fatal("no token written: the test tests nothing")
+	}
+	if err := st.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := count("m/t/"); n != 0 {
+		t.Fatalf("%d tokens left after Close", n)
+	}
+	if n := count("k/"); n != 10 {
+		t.Fatalf("%d keys after Close; want the 10 counters", n)
+	}
+}
