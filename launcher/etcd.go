@@ -1,0 +1,273 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/etcd"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// etcdNode is the membership of a multi-node job whose rendezvous runs in
+// etcd (--rdzv-backend etcd or etcd-v2). No agent hosts anything another
+// needs, so losing a node loses that node only. The job's keys are under
+// <prefix>/<run id>/:
+//
+//	rdzv/           the dynamic rendezvous's state and the job's counters
+//	alive/<node>    one key per agent, bound to the agent's lease
+//	store/<round>/  the round's worker store
+//
+// The dynamic rendezvous runs as with c10d, on an etcd.Store. Liveness is
+// the leases': a node whose lease expires is seen lost through a watch of
+// alive/ within about lease_ttl (etcd.Liveness). The rendezvous state's own
+// heartbeats are kept as a backstop and lapse with the lease, so that the
+// survivors' next round does not wait for a dead node's heartbeat.
+//
+// Every agent serves the worker store on its own node: a tcpstore server
+// whose keys live in etcd under the round's directory, so MASTER_ADDR is
+// the local node and every node's workers see one store. A new round
+// starts in a fresh directory; its group rank 0 deletes the older ones.
+type etcdNode struct {
+	*dynamicNode
+	settings etcdSettings
+	cli      *clientv3.Client
+	live     *etcd.Liveness
+	// members names the current round's nodes; since is the liveness
+	// revision they were all present at.
+	members []string
+	since   int64
+	// worker is the storage of the current round's worker store (the
+	// plan holds its server).
+	worker *etcd.Storage
+}
+
+func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*etcdNode, error) {
+	r := cfg.Rendezvous
+	s, err := r.etcdSettings(runID)
+	if err != nil {
+		return nil, err
+	}
+	if r.Backend == backendEtcdV2 {
+		log.Info("--rdzv-backend etcd-v2: gorun speaks etcd's v3 API (etcd 3.4 or later), not the v2 API")
+	}
+	if s.passwordOnCommandLine {
+		log.Warn("the etcd password is on the command line, where other users of this machine can read it; " +
+			"use --rdzv-conf password_env=VAR or $" + envEtcdPassword)
+	}
+	d, dcfg, err := newDynamicBase(cfg, log, runID)
+	if err != nil {
+		return nil, err
+	}
+	e := &etcdNode{dynamicNode: d, settings: s}
+	if err := e.connect(ctx, &dcfg); err != nil {
+		e.close()
+		return nil, err
+	}
+	if err := e.start(ctx, dcfg); err != nil {
+		e.close()
+		return nil, err
+	}
+	return e, nil
+}
+
+// connect reaches etcd (retrying until join_timeout), opens the
+// rendezvous store and takes this node's lease. It sets the rendezvous
+// heartbeats in dcfg from the lease's TTL unless --rdzv-conf sets them.
+func (e *etcdNode) connect(ctx context.Context, dcfg *rendezvous.DynamicConfig) error {
+	conf := e.cfg.Rendezvous.Conf
+	ccfg := e.settings.client
+	ccfg.Logger = e.log
+	cctx, cancel := context.WithTimeout(ctx, dcfg.JoinTimeout)
+	cli, err := etcd.Connect(cctx, ccfg)
+	cancel()
+	switch {
+	case errors.Is(err, etcd.ErrUnreachable):
+		return fmt.Errorf("%w: join_timeout %v: %w", ErrRendezvousTimeout, dcfg.JoinTimeout, err)
+	case errors.Is(err, etcd.ErrTLS), errors.Is(err, etcd.ErrAuth):
+		// Not retried: the certificates or credentials must change.
+		return invalidf("%w", err)
+	case err != nil:
+		return fmt.Errorf("etcd: %w", err)
+	}
+	e.cli = cli
+
+	readTimeout, err := confSeconds(conf, "read_timeout", defaultC10dRead)
+	if err != nil {
+		return err
+	}
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
+		Prefix: e.settings.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
+	})
+	if err != nil {
+		return fmt.Errorf("etcd rendezvous store: %w", err)
+	}
+	e.store = etcd.NewStore(st, readTimeout)
+
+	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
+		Dir: e.settings.base + "alive/", Name: e.me.String(), Value: []byte(e.addr),
+		TTL: e.settings.leaseTTL, Logger: e.log.Named("liveness"),
+	})
+	if err != nil {
+		return err
+	}
+	ttl := e.live.TTL()
+	if ttl > e.settings.leaseTTL+time.Second {
+		e.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
+			zap.Duration("asked", e.settings.leaseTTL), zap.Duration("granted", ttl))
+	}
+	if _, set := conf["keep_alive_interval"]; !set {
+		dcfg.KeepAliveInterval = ttl / time.Duration(dcfg.KeepAliveMaxAttempt)
+	}
+	e.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
+		zap.String("keys", e.settings.base), zap.Duration("lease_ttl", ttl))
+	return nil
+}
+
+func (e *etcdNode) next(ctx context.Context) (*plan, error) {
+	e.endRound()
+	round, err := e.join(ctx)
+	if err != nil {
+		return nil, err
+	}
+	// Every member put its presence key before joining: read now, the
+	// view holds them all unless they are gone already.
+	since, err := e.live.Sync(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("etcd: %w", err)
+	}
+	infos, groupRank, _, err := e.order(round)
+	if err != nil {
+		return nil, err
+	}
+	v, err := e.store.Get(ctx, e.restartsKey())
+	if err != nil {
+		return nil, fmt.Errorf("reading the restart count: %w", err)
+	}
+	restarts, err := rendezvous.ParseCounter(v)
+	if err != nil {
+		return nil, fmt.Errorf("rendezvous store: restart count: %w", err)
+	}
+	srv, err := e.serveWorkerStore(ctx, round.Number)
+	if err != nil {
+		return nil, err
+	}
+	p := &plan{round: round.Number, store: srv}
+	layout(p, infos, groupRank)
+	p.env = workerEnv(e.cfg, e.runID, e.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
+	e.members, e.since = e.members[:0], since
+	for _, m := range round.Members {
+		e.members = append(e.members, m.Node.String())
+	}
+	if groupRank == 0 {
+		e.dropStores(ctx, round.Number)
+	}
+	return p, nil
+}
+
+// storePrefix is the directory of a round's worker store. The round is
+// zero-padded so that the directories sort by round.
+func (e *etcdNode) storePrefix(round int) string {
+	return fmt.Sprintf("%sstore/%010d/", e.settings.base, round)
+}
+
+// serveWorkerStore starts this node's server of the round's worker store.
+func (e *etcdNode) serveWorkerStore(ctx context.Context, round int) (*tcpstore.Server, error) {
+	st, err := etcd.NewStorage(ctx, e.cli, etcd.StorageConfig{Prefix: e.storePrefix(round), Logger: e.log.Named("store")})
+	if err != nil {
+		return nil, fmt.Errorf("worker store: %w", err)
+	}
+	// Storage calls wait on etcd: a goroutine per connection, so that one
+	// worker's round trip holds up no other.
+	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.log.Named("store")})
+	if err != nil {
+		st.Close()
+		return nil, fmt.Errorf("worker store: %w", err)
+	}
+	e.worker = st
+	return srv, nil
+}
+
+// endRound closes the storage of the last round's worker store, whose
+// server the agent has stopped.
+func (e *etcdNode) endRound() {
+	if e.worker != nil {
+		e.worker.Close()
+		e.worker = nil
+	}
+}
+
+// dropStores deletes the worker stores of the rounds before round (all of
+// them for round -1). When a round completes, every member has left the
+// earlier rounds, and a node lost since has its workers dead or dying.
+func (e *etcdNode) dropStores(ctx context.Context, round int) {
+	dir := e.settings.base + "store/"
+	end := clientv3.GetPrefixRangeEnd(dir)
+	if round >= 0 {
+		end = e.storePrefix(round)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := e.cli.Delete(ctx, dir, clientv3.WithRange(end)); err != nil {
+		e.log.Warn("deleting old worker stores from etcd", zap.String("dir", dir), zap.Error(err))
+	}
+}
+
+// watch reports a lost node as soon as the liveness watch has seen it
+// gone; the rest (nodes waiting, the job closed) comes from the
+// rendezvous state.
+func (e *etcdNode) watch(ctx context.Context) (*change, error) {
+	if lost := e.live.Lost(e.members, e.since); len(lost) > 0 {
+		return &change{lost: lost}, nil
+	}
+	c, err := e.dynamicNode.watch(ctx)
+	if c != nil && c.storeLost {
+		// No host to lose: etcd is down or cut off. Keep watching; the
+		// workers fail if their store stays away, and leases tell who
+		// is gone once etcd is back.
+		return nil, fmt.Errorf("etcd has not answered for %v", time.Since(e.lastSeen).Round(time.Millisecond))
+	}
+	return c, err
+}
+
+func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
+	err := e.dynamicNode.finish(ctx, p, ok)
+	// The job is over: its worker stores go. The rendezvous state stays
+	// (a few KB), so that an agent arriving late learns the job ended.
+	if !ok || p.assignments[0].GroupRank == 0 {
+		e.dropStores(ctx, -1)
+	}
+	return err
+}
+
+func (e *etcdNode) leave(ctx context.Context) {
+	e.dynamicNode.leave(ctx)
+	e.closeLiveness()
+}
+
+// closeLiveness revokes this node's lease: the others see it gone now.
+func (e *etcdNode) closeLiveness() {
+	if e.live == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := e.live.Close(ctx); err != nil {
+		e.log.Debug("revoking the etcd lease", zap.Error(err))
+	}
+}
+
+func (e *etcdNode) close() {
+	e.dynamicNode.close()
+	e.endRound()
+	e.closeLiveness()
+	if e.cli != nil {
+		e.cli.Close()
+	}
+}
