@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
 )
 
 // Multi-node jobs with the etcd backend: real etcd members started by the
@@ -98,6 +100,38 @@ func TestEtcdTwoNodesOneStore(t *testing.T) {
 		}
 		if r.Count != 0 {
 			t.Errorf("%d keys left under %s after the job", r.Count, dir)
+		}
+	}
+}
+
+// TestEtcdTorchGloo: two agents meet through etcd, two PyTorch 1.13 workers
+// each; every worker bootstraps gloo from its own node's store (etcd
+// underneath) and the four all_reduce together.
+func TestEtcdTorchGloo(t *testing.T) {
+	py := torchtest.Python(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	bin := testutil.BuildGorun(t)
+	script, _ := filepath.Abs(filepath.Join("..", "..", "examples", "torch", "allreduce.py"))
+	var agents []*agentProc
+	for range 2 {
+		agents = append(agents, startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + py},
+			etcdArgs(cluster, "2", "", "--nproc-per-node", "2", "--log-dir", t.TempDir(), script)...))
+	}
+	var lines []string
+	for _, p := range agents {
+		for range 2 {
+			lines = append(lines, p.expectLine(t, "all_reduce sum="))
+		}
+	}
+	for _, p := range agents {
+		if code := p.exitCode(t, 60*time.Second); code != 0 {
+			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+	all := strings.Join(lines, "\n")
+	for r := range 4 {
+		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
+			t.Fatalf("no line %q in\n%s", want, all)
 		}
 	}
 }
