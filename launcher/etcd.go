@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strconv"
+	"strings"
+	"sync/atomic"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -26,9 +29,13 @@ import (
 //
 // The dynamic rendezvous runs as with c10d, on an etcd.Store. Liveness is
 // the leases': a node whose lease expires is seen lost through a watch of
-// alive/ within about lease_ttl (etcd.Liveness). The rendezvous state's own
-// heartbeats are kept as a backstop and lapse with the lease, so that the
-// survivors' next round does not wait for a dead node's heartbeat.
+// alive/ within about lease_ttl (etcd.Liveness), by etcd's clock, which a
+// leader change does not stop (the new leader extends every lease). Every
+// node that sees a lease go takes that node out of the rendezvous state, as
+// the node would have left itself, so that the survivors' next round does
+// not wait for its heartbeat there to lapse; those heartbeats
+// (keep_alive_interval × keep_alive_max_attempt, 15 s by default) remain as
+// a backstop.
 //
 // Every agent serves the worker store on its own node: a tcpstore server
 // whose keys live in etcd under the round's directory, so MASTER_ADDR is
@@ -46,6 +53,17 @@ type etcdNode struct {
 	// worker is the storage of the current round's worker store (the
 	// plan holds its server).
 	worker *etcd.Storage
+	// lastStatus is when watch last read the rendezvous state.
+	lastStatus time.Time
+
+	// The reaper takes nodes whose leases went out of the rendezvous.
+	dcfg       rendezvous.DynamicConfig
+	gone       chan string // names of nodes whose presence keys went
+	stopReaper context.CancelFunc
+	reaperDone chan struct{}
+	// over: the job is over for this node; departures are no longer
+	// failures to act on.
+	over atomic.Bool
 }
 
 func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*etcdNode, error) {
@@ -65,8 +83,10 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 	if err != nil {
 		return nil, err
 	}
-	e := &etcdNode{dynamicNode: d, settings: s}
-	if err := e.connect(ctx, &dcfg); err != nil {
+	e := &etcdNode{dynamicNode: d, settings: s, gone: make(chan string, 1024)}
+	e.dcfg = dcfg
+	e.dcfg.OnProgress = nil
+	if err := e.connect(ctx, dcfg.JoinTimeout); err != nil {
 		e.close()
 		return nil, err
 	}
@@ -78,18 +98,16 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 }
 
 // connect reaches etcd (retrying until join_timeout), opens the
-// rendezvous store and takes this node's lease. It sets the rendezvous
-// heartbeats in dcfg from the lease's TTL unless --rdzv-conf sets them.
-func (e *etcdNode) connect(ctx context.Context, dcfg *rendezvous.DynamicConfig) error {
-	conf := e.cfg.Rendezvous.Conf
+// rendezvous store, takes this node's lease and starts the reaper.
+func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
 	ccfg := e.settings.client
 	ccfg.Logger = e.log
-	cctx, cancel := context.WithTimeout(ctx, dcfg.JoinTimeout)
+	cctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	cli, err := etcd.Connect(cctx, ccfg)
 	cancel()
 	switch {
 	case errors.Is(err, etcd.ErrUnreachable):
-		return fmt.Errorf("%w: join_timeout %v: %w", ErrRendezvousTimeout, dcfg.JoinTimeout, err)
+		return fmt.Errorf("%w: join_timeout %v: %w", ErrRendezvousTimeout, joinTimeout, err)
 	case errors.Is(err, etcd.ErrTLS), errors.Is(err, etcd.ErrAuth):
 		// Not retried: the certificates or credentials must change.
 		return invalidf("%w", err)
@@ -98,7 +116,7 @@ func (e *etcdNode) connect(ctx context.Context, dcfg *rendezvous.DynamicConfig) 
 	}
 	e.cli = cli
 
-	readTimeout, err := confSeconds(conf, "read_timeout", defaultC10dRead)
+	readTimeout, err := confSeconds(e.cfg.Rendezvous.Conf, "read_timeout", defaultC10dRead)
 	if err != nil {
 		return err
 	}
@@ -110,9 +128,19 @@ func (e *etcdNode) connect(ctx context.Context, dcfg *rendezvous.DynamicConfig) 
 	}
 	e.store = etcd.NewStore(st, readTimeout)
 
+	me := e.me.String()
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
-		Dir: e.settings.base + "alive/", Name: e.me.String(), Value: []byte(e.addr),
+		Dir: e.settings.base + "alive/", Name: me, Value: []byte(e.addr),
 		TTL: e.settings.leaseTTL, Logger: e.log.Named("liveness"),
+		OnDelete: func(name string) {
+			if name == me || e.over.Load() {
+				return // this node's own loss ends its round (watch)
+			}
+			select {
+			case e.gone <- name:
+			default: // the state's heartbeats will drop it
+			}
+		},
 	})
 	if err != nil {
 		return err
@@ -122,12 +150,79 @@ func (e *etcdNode) connect(ctx context.Context, dcfg *rendezvous.DynamicConfig) 
 		e.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
 			zap.Duration("asked", e.settings.leaseTTL), zap.Duration("granted", ttl))
 	}
-	if _, set := conf["keep_alive_interval"]; !set {
-		dcfg.KeepAliveInterval = ttl / time.Duration(dcfg.KeepAliveMaxAttempt)
-	}
+	rctx, stop := context.WithCancel(context.Background())
+	e.stopReaper, e.reaperDone = stop, make(chan struct{})
+	go e.reap(rctx)
 	e.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
 		zap.String("keys", e.settings.base), zap.Duration("lease_ttl", ttl))
 	return nil
+}
+
+// reap takes each node whose presence key went out of the rendezvous
+// state, leaving on its behalf: its lease expired, so it is gone, and the
+// round it was in is over. Every node that sees the key go does it; the
+// first to write wins and the others find the node out already.
+func (e *etcdNode) reap(ctx context.Context) {
+	defer close(e.reaperDone)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case name := <-e.gone:
+			if e.over.Load() {
+				continue
+			}
+			if err := e.expel(ctx, name); err != nil {
+				e.log.Warn("taking a node whose etcd lease expired out of the rendezvous",
+					zap.String("node", name), zap.Error(err))
+			}
+		}
+	}
+}
+
+// expel takes node name out of the rendezvous state.
+func (e *etcdNode) expel(ctx context.Context, name string) error {
+	node, ok := parseNodeDesc(name)
+	if !ok {
+		return fmt.Errorf("%q is not a node of the rendezvous", name)
+	}
+	h, err := rendezvous.NewDynamic(e.store, node, nil, e.dcfg)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	if err := h.Leave(ctx); err != nil {
+		return err
+	}
+	e.log.Debug("node's etcd lease expired: taken out of the rendezvous", zap.String("node", name))
+	return nil
+}
+
+// parseNodeDesc reads NodeDesc.String()'s "addr_pid_localid"; the address
+// may hold underscores, the last two fields are numbers.
+func parseNodeDesc(s string) (rendezvous.NodeDesc, bool) {
+	rest, local, ok := cutLast(s, "_")
+	if !ok {
+		return rendezvous.NodeDesc{}, false
+	}
+	addr, pid, ok := cutLast(rest, "_")
+	if !ok || addr == "" {
+		return rendezvous.NodeDesc{}, false
+	}
+	p, err1 := strconv.Atoi(pid)
+	l, err2 := strconv.Atoi(local)
+	if err1 != nil || err2 != nil {
+		return rendezvous.NodeDesc{}, false
+	}
+	return rendezvous.NodeDesc{Addr: addr, Pid: p, LocalID: l}, true
+}
+
+func cutLast(s, sep string) (before, after string, ok bool) {
+	i := strings.LastIndex(s, sep)
+	if i < 0 {
+		return s, "", false
+	}
+	return s[:i], s[i+len(sep):], true
 }
 
 func (e *etcdNode) next(ctx context.Context) (*plan, error) {
@@ -219,13 +314,21 @@ func (e *etcdNode) dropStores(ctx context.Context, round int) {
 	}
 }
 
+// watchEvery is the monitor interval itself: watch reads the liveness view
+// in memory, and the rendezvous state only as often as c10d's would.
+func (e *etcdNode) watchEvery(monitor time.Duration) time.Duration { return monitor }
+
 // watch reports a lost node as soon as the liveness watch has seen it
 // gone; the rest (nodes waiting, the job closed) comes from the
-// rendezvous state.
+// rendezvous state, read every fifth of a keep-alive interval.
 func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 	if lost := e.live.Lost(e.members, e.since); len(lost) > 0 {
 		return &change{lost: lost}, nil
 	}
+	if time.Since(e.lastStatus) < e.dynamicNode.watchEvery(e.cfg.MonitorInterval) {
+		return nil, nil
+	}
+	e.lastStatus = time.Now()
 	c, err := e.dynamicNode.watch(ctx)
 	if c != nil && c.storeLost {
 		// No host to lose: etcd is down or cut off. Keep watching; the
@@ -237,6 +340,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 }
 
 func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
+	e.over.Store(true)
 	err := e.dynamicNode.finish(ctx, p, ok)
 	// The job is over: its worker stores go. The rendezvous state stays
 	// (a few KB), so that an agent arriving late learns the job ended.
@@ -246,7 +350,13 @@ func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
 	return err
 }
 
+func (e *etcdNode) closed(ctx context.Context) {
+	e.over.Store(true)
+	e.dynamicNode.closed(ctx)
+}
+
 func (e *etcdNode) leave(ctx context.Context) {
+	e.over.Store(true)
 	e.dynamicNode.leave(ctx)
 	e.closeLiveness()
 }
@@ -264,6 +374,11 @@ func (e *etcdNode) closeLiveness() {
 }
 
 func (e *etcdNode) close() {
+	e.over.Store(true)
+	if e.stopReaper != nil {
+		e.stopReaper()
+		<-e.reaperDone
+	}
 	e.dynamicNode.close()
 	e.endRound()
 	e.closeLiveness()

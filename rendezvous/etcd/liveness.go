@@ -37,6 +37,11 @@ type LivenessConfig struct {
 	TTL time.Duration
 	// Logger receives lease losses and watch interruptions. Default: none.
 	Logger *zap.Logger
+	// OnDelete, if set, is called with the name of every node whose key
+	// the watch sees deleted (its lease expired or was revoked), after
+	// the view took the deletion. It runs on the watch's goroutine and
+	// must not block.
+	OnDelete func(name string)
 }
 
 // Liveness is one node's presence in a directory of etcd keys bound to
@@ -292,8 +297,17 @@ func (l *Liveness) watchLoop(rev int64) {
 	}
 }
 
-// apply brings the view up to a watch response's events.
+// apply brings the view up to a watch response's events, then reports
+// the deletions.
 func (l *Liveness) apply(evs []*clientv3.Event) {
+	var deleted []string
+	defer func() {
+		if l.cfg.OnDelete != nil {
+			for _, name := range deleted {
+				l.cfg.OnDelete(name)
+			}
+		}
+	}()
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	synced := l.rev
@@ -310,6 +324,7 @@ func (l *Liveness) apply(evs []*clientv3.Event) {
 		}
 		if ev.Type == mvccpb.DELETE {
 			p.alive, p.deleted = false, rev
+			deleted = append(deleted, name)
 		} else {
 			p.alive = true
 		}
