@@ -77,6 +77,10 @@ type dynamicNode struct {
 	store rendezvous.Store // every agent's view of the rendezvous store
 	dyn   *rendezvous.Dynamic
 	round rendezvous.Round
+	// storeOutlivesHosts: the rendezvous store lives on without any
+	// agent (etcd), so nobody waits for the others to see the job closed
+	// (seenClosed).
+	storeOutlivesHosts bool
 	// lastSeen is when the rendezvous store last answered a watch: a store
 	// silent for longer than the keep-alive window means its host is gone.
 	lastSeen time.Time
@@ -534,6 +538,9 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 // seenClosed tells the store's host that this node has seen the job
 // closed and needs the store no more.
 func (d *dynamicNode) seenClosed(ctx context.Context) {
+	if d.storeOutlivesHosts {
+		return // a counter every node would fight over, for nobody
+	}
 	if _, err := d.store.Add(ctx, d.seenClosedKey(), 1); err != nil {
 		d.log.Debug("acknowledging the closed job", zap.Error(err))
 	}

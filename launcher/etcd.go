@@ -46,10 +46,16 @@ type etcdNode struct {
 	settings etcdSettings
 	cli      *clientv3.Client
 	live     *etcd.Liveness
-	// members names the current round's nodes; since is the liveness
-	// revision they were all present at.
+	// members names the current round's nodes, since is the liveness
+	// view's revision when the round began, and synced says whether the
+	// view has been read since the round completed: only then does a
+	// member absent from it count as lost (see watch).
 	members []string
 	since   int64
+	synced  bool
+	// dropBefore, when positive, is a round whose older worker stores
+	// this node (its group rank 0) is to delete.
+	dropBefore int
 	// worker is the storage of the current round's worker store (the
 	// plan holds its server).
 	worker *etcd.Storage
@@ -83,6 +89,7 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 	if err != nil {
 		return nil, err
 	}
+	d.storeOutlivesHosts = true
 	e := &etcdNode{dynamicNode: d, settings: s, gone: make(chan string, 1024)}
 	e.dcfg = dcfg
 	e.dcfg.OnProgress = nil
@@ -227,21 +234,23 @@ func cutLast(s, sep string) (before, after string, ok bool) {
 
 func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	e.endRound()
+	since := e.live.Rev()
 	round, err := e.join(ctx)
 	if err != nil {
 		return nil, err
-	}
-	// Every member put its presence key before joining: read now, the
-	// view holds them all unless they are gone already.
-	since, err := e.live.Sync(ctx)
-	if err != nil {
-		return nil, fmt.Errorf("etcd: %w", err)
 	}
 	infos, groupRank, _, err := e.order(round)
 	if err != nil {
 		return nil, err
 	}
-	v, err := e.store.Get(ctx, e.restartsKey())
+	// Between the round's completion and the workers' start every etcd
+	// request counts, each node making them at once: one here (the
+	// counter exists: start created it), the worker store's one, and the
+	// rest after the workers started (see watch).
+	v, ok, err := e.store.(*etcd.Store).Storage().Get([]byte(e.restartsKey()))
+	if err == nil && !ok {
+		err = errors.New("no restart counter")
+	}
 	if err != nil {
 		return nil, fmt.Errorf("reading the restart count: %w", err)
 	}
@@ -256,12 +265,12 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	p := &plan{round: round.Number, store: srv}
 	layout(p, infos, groupRank)
 	p.env = workerEnv(e.cfg, e.runID, e.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
-	e.members, e.since = e.members[:0], since
+	e.members, e.since, e.synced = e.members[:0], since, false
 	for _, m := range round.Members {
 		e.members = append(e.members, m.Node.String())
 	}
-	if groupRank == 0 {
-		e.dropStores(ctx, round.Number)
+	if groupRank == 0 && round.Number > 0 {
+		e.dropBefore = round.Number
 	}
 	return p, nil
 }
@@ -299,8 +308,8 @@ func (e *etcdNode) endRound() {
 }
 
 // dropStores deletes the worker stores of the rounds before round (all of
-// them for round -1). When a round completes, every member has left the
-// earlier rounds, and a node lost since has its workers dead or dying.
+// them for round -1). Once a round has completed, every member has left
+// the earlier rounds, and a node lost since has its workers dead or dying.
 func (e *etcdNode) dropStores(ctx context.Context, round int) {
 	dir := e.settings.base + "store/"
 	end := clientv3.GetPrefixRangeEnd(dir)
@@ -322,8 +331,21 @@ func (e *etcdNode) watchEvery(monitor time.Duration) time.Duration { return moni
 // gone; the rest (nodes waiting, the job closed) comes from the
 // rendezvous state, read every fifth of a keep-alive interval.
 func (e *etcdNode) watch(ctx context.Context) (*change, error) {
-	if lost := e.live.Lost(e.members, e.since); len(lost) > 0 {
+	if !e.synced {
+		// Every member put its presence key before it joined: read now,
+		// the view holds them all unless they are gone.
+		if _, err := e.live.Sync(ctx); err != nil {
+			e.log.Debug("reading the etcd presence keys", zap.Error(err))
+		} else {
+			e.synced = true
+		}
+	}
+	if lost := e.live.Lost(e.members, e.since, e.synced); len(lost) > 0 {
 		return &change{lost: lost}, nil
+	}
+	if e.dropBefore > 0 {
+		e.dropStores(ctx, e.dropBefore)
+		e.dropBefore = 0
 	}
 	if time.Since(e.lastStatus) < e.dynamicNode.watchEvery(e.cfg.MonitorInterval) {
 		return nil, nil

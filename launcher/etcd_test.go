@@ -73,7 +73,8 @@ func nextAll(t *testing.T, nodes []*etcdNode) []*plan {
 
 // TestEtcdMembership runs two nodes' memberships in one process: a round
 // gives each node its own worker store, and the two stores are one; a new
-// round deletes the old round's store from etcd; a node whose lease goes
+// round deletes the old round's store from etcd once its workers run; a
+// node whose lease goes
 // is reported lost by the other's watch; nothing outlives the memberships.
 func TestEtcdMembership(t *testing.T) {
 	noLeaks(t)
@@ -126,6 +127,11 @@ func TestEtcdMembership(t *testing.T) {
 	plans = nextAll(t, nodes)
 	if plans[0].round != 1 || plans[0].env.RestartCount != 1 {
 		t.Fatalf("round %d restarts %d; want round 1 after one restart", plans[0].round, plans[0].env.RestartCount)
+	}
+	for _, n := range nodes { // the workers run: the agents watch
+		if c, err := n.watch(ctx); c != nil || err != nil {
+			t.Fatalf("watch of round 1 = %v, %v", c, err)
+		}
 	}
 	cli := cluster.Client(t, nil)
 	for round, want := range map[string]int64{"0000000000": 0, "0000000001": 1} {

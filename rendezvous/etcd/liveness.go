@@ -170,14 +170,25 @@ func (l *Liveness) Sync(ctx context.Context) (int64, error) {
 	return rev, nil
 }
 
-// Lost returns those of names that are not present, or were deleted after
-// revision since (a node that came back after a deletion was still lost).
-func (l *Liveness) Lost(names []string, since int64) []string {
+// Rev returns the revision the view reflects.
+func (l *Liveness) Rev() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.rev
+}
+
+// Lost returns those of names that were deleted after revision since (a
+// node that came back after a deletion was still lost) and, with absent,
+// those not present either. A node's key put before since but not yet seen
+// by the watch is absent from the view: count absence only once a Sync
+// (or the view's revision) is known to be past the puts in question.
+func (l *Liveness) Lost(names []string, since int64, absent bool) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var lost []string
 	for _, n := range names {
-		if p, ok := l.nodes[n]; !ok || !p.alive || p.deleted > since {
+		p, ok := l.nodes[n]
+		if (ok && p.deleted > since) || (absent && (!ok || !p.alive)) {
 			lost = append(lost, n)
 		}
 	}

@@ -37,7 +37,7 @@ func startLiveness(t *testing.T, cluster *etcdtest.Cluster, dir, name string, tt
 func waitLost(t *testing.T, a *etcd.Liveness, name string, since int64, within time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for !slices.Contains(a.Lost([]string{name}, since), name) {
+	for !slices.Contains(a.Lost([]string{name}, since, true), name) {
 		if time.Since(start) > within {
 			t.Fatalf("%s not reported lost within %v", name, within)
 		}
@@ -64,16 +64,19 @@ func TestLivenessLeaseExpires(t *testing.T) {
 	}
 	// Both alive for several TTLs: renewals keep them.
 	time.Sleep(2500 * time.Millisecond)
-	if lost := a.Lost([]string{"a", "b"}, since); len(lost) != 0 {
+	if lost := a.Lost([]string{"a", "b"}, since, true); len(lost) != 0 {
 		t.Fatalf("lost %v while both renew", lost)
 	}
-	if lost := a.Lost([]string{"c"}, since); !slices.Equal(lost, []string{"c"}) {
+	if lost := a.Lost([]string{"c"}, since, true); !slices.Equal(lost, []string{"c"}) {
 		t.Fatalf("a node never seen: lost %v, want [c]", lost)
+	}
+	if lost := a.Lost([]string{"c"}, since, false); len(lost) != 0 {
+		t.Fatalf("a node never seen, absence not counted: lost %v, want none", lost)
 	}
 	bcli.Close() // b stops renewing, without revoking
 	took := waitLost(t, a, "b", since, 5*time.Second)
 	t.Logf("lease of 1s: node lost after %v", took)
-	if lost := a.Lost([]string{"a"}, since); len(lost) != 0 {
+	if lost := a.Lost([]string{"a"}, since, true); len(lost) != 0 {
 		t.Fatalf("a lost itself: %v", lost)
 	}
 }
@@ -137,10 +140,10 @@ func TestLivenessLeaseLostAndBack(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if lost := b.Lost([]string{"a", "b"}, now); len(lost) != 0 {
+	if lost := b.Lost([]string{"a", "b"}, now, true); len(lost) != 0 {
 		t.Fatalf("after a registered again: lost %v since the new mark", lost)
 	}
-	if lost := b.Lost([]string{"a"}, since); len(lost) != 1 {
+	if lost := b.Lost([]string{"a"}, since, false); len(lost) != 1 {
 		t.Fatalf("a not lost since the old mark: %v", lost)
 	}
 }
