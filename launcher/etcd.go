@@ -45,6 +45,7 @@ type etcdNode struct {
 	*dynamicNode
 	settings etcdSettings
 	cli      *clientv3.Client
+	rdzv     *etcd.Storage // under the rendezvous store
 	live     *etcd.Liveness
 	// members names the current round's nodes, since is the liveness
 	// view's revision when the round began, and synced says whether the
@@ -71,6 +72,9 @@ type etcdNode struct {
 	// failures to act on.
 	over atomic.Bool
 }
+
+// statusTimeout bounds one read of the rendezvous state while workers run.
+const statusTimeout = 2 * time.Second
 
 func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*etcdNode, error) {
 	r := cfg.Rendezvous
@@ -133,7 +137,7 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)
 	}
-	e.store = etcd.NewStore(st, readTimeout)
+	e.rdzv, e.store = st, etcd.NewStore(st, readTimeout)
 
 	me := e.me.String()
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
@@ -247,7 +251,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// request counts, each node making them at once: one here (the
 	// counter exists: start created it), the worker store's one, and the
 	// rest after the workers started (see watch).
-	v, ok, err := e.store.(*etcd.Store).Storage().Get([]byte(e.restartsKey()))
+	v, ok, err := e.rdzv.Get([]byte(e.restartsKey()))
 	if err == nil && !ok {
 		err = errors.New("no restart counter")
 	}
@@ -351,7 +355,11 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 		return nil, nil
 	}
 	e.lastStatus = time.Now()
-	c, err := e.dynamicNode.watch(ctx)
+	// The agent handles its workers' exits between two watches: do not
+	// hold it for the whole keep-alive window on a slow etcd.
+	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
+	defer cancel()
+	c, err := e.dynamicNode.watch(sctx)
 	if c != nil && c.storeLost {
 		// No host to lose: etcd is down or cut off. Keep watching; the
 		// workers fail if their store stays away, and leases tell who
