@@ -262,12 +262,13 @@ func TestAgentBadInput(t *testing.T) {
 			c.Entrypoint = Entrypoint{Program: "x.py", Python: "/nonexistent/python"}
 		}, ErrInvalidConfig},
 		{"standalone with two nodes", func(c *Config) { c.MinNodes, c.MaxNodes = 2, 2 }, ErrInvalidConfig},
-		{"etcd backend", func(c *Config) {
+		{"etcd password without user", func(c *Config) {
 			c.MinNodes, c.MaxNodes = 2, 2
 			c.Rendezvous.Standalone = false
 			c.Rendezvous.Backend = "etcd-v2"
 			c.Rendezvous.Endpoint = "127.0.0.1:2379"
-		}, ErrNotImplemented},
+			c.Rendezvous.Conf = map[string]string{"password": "secret"}
+		}, ErrInvalidConfig},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

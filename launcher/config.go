@@ -172,28 +172,31 @@ func (e Entrypoint) python() string {
 	return e.Python
 }
 
-// Rendezvous backend names, as torchrun's registry spells them.
+// Rendezvous backend names, as torchrun's registry spells them. gorun runs
+// both etcd names the same way: its dynamic rendezvous over etcd's v3 API
+// (torchrun's "etcd" is its legacy EtcdRendezvousHandler, its "etcd-v2"
+// the dynamic rendezvous over etcd's v2 API).
 const (
 	backendStatic = "static"
 	backendC10d   = "c10d"
-	backendEtcd   = "etcd"    // legacy EtcdRendezvousHandler
-	backendEtcdV2 = "etcd-v2" // dynamic rendezvous over etcd's v2 API
+	backendEtcd   = "etcd"
+	backendEtcdV2 = "etcd-v2"
 )
 
-// Default ports when an endpoint has none (torchrun's).
-const (
-	defaultC10dPort = 29400
-	defaultEtcdPort = 2379
-)
+// defaultC10dPort is the port of a c10d endpoint given without one
+// (torchrun's); etcd's is etcd.DefaultPort, 2379.
+const defaultC10dPort = 29400
 
 // RendezvousConfig is how agents find each other (torchrun's --rdzv-*
 // flags and the static, caffe2-era --master-* and --node-rank).
 type RendezvousConfig struct {
 	// Backend is "static" (default), "c10d", "etcd" or "etcd-v2".
 	Backend string
-	// Endpoint is host[:port] (the c10d default port is 29400, etcd's
-	// 2379), or a file path for c10d with store_type=file. For static, an
-	// empty Endpoint means MasterAddr:MasterPort, as in torchrun.
+	// Endpoint is host[:port] (the c10d default port is 29400), a file
+	// path for c10d with store_type=file, or for etcd a comma-separated
+	// list of members, host[:port] (default port 2379) or
+	// http(s)://host[:port]. For static, an empty Endpoint means
+	// MasterAddr:MasterPort, as in torchrun.
 	Endpoint string
 	// RunID is the job id every node shares; default "none".
 	RunID string
@@ -664,7 +667,8 @@ func (r RendezvousConfig) validate(minNodes, maxNodes int) error {
 		}
 		return validateEndpoint(r.Endpoint, defaultC10dPort)
 	case backendEtcd, backendEtcdV2:
-		return validateEndpoint(r.Endpoint, defaultEtcdPort)
+		_, err := r.etcdSettings(r.RunID)
+		return err
 	}
 	return invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", r.Backend)
 }
@@ -755,7 +759,7 @@ func validAddr(a string) bool {
 // as torchrun's RendezvousTimeout and read_timeout checks demand.
 var (
 	confDurations = []string{"join_timeout", "last_call_timeout", "close_timeout",
-		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout"}
+		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout", "lease_ttl"}
 	confCounts = []string{"keep_alive_max_attempt"}
 	confBools  = []string{"is_host", "use_libuv"}
 	confEnums  = []struct {
@@ -763,7 +767,7 @@ var (
 		allowed []string
 	}{
 		{"store_type", []string{"tcp", "file"}},
-		{"protocol", []string{"http", "https"}}, // etcd-v2
+		{"protocol", []string{"http", "https"}}, // etcd, etcd-v2
 	}
 )
 

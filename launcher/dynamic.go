@@ -46,8 +46,14 @@ func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID stri
 			return nil, err // not a typed nil in the interface
 		}
 		return d, nil
+	case backendEtcd, backendEtcdV2:
+		e, err := newEtcdNode(ctx, cfg, log, runID)
+		if err != nil {
+			return nil, err
+		}
+		return e, nil
 	}
-	return nil, fmt.Errorf("--rdzv-backend %s: %w; use c10d", cfg.Rendezvous.Backend, ErrNotImplemented)
+	return nil, fmt.Errorf("--rdzv-backend %s: %w; use c10d or etcd", cfg.Rendezvous.Backend, ErrNotImplemented)
 }
 
 // dynamicNode is the membership of a multi-node job, run by gorun's
@@ -71,6 +77,10 @@ type dynamicNode struct {
 	store rendezvous.Store // every agent's view of the rendezvous store
 	dyn   *rendezvous.Dynamic
 	round rendezvous.Round
+	// storeOutlivesHosts: the rendezvous store lives on without any
+	// agent (etcd), so nobody waits for the others to see the job closed
+	// (seenClosed).
+	storeOutlivesHosts bool
 	// lastSeen is when the rendezvous store last answered a watch: a store
 	// silent for longer than the keep-alive window means its host is gone.
 	lastSeen time.Time
@@ -102,14 +112,31 @@ const (
 )
 
 func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*dynamicNode, error) {
+	d, dcfg, err := newDynamicBase(cfg, log, runID)
+	if err != nil {
+		return nil, err
+	}
+	if err := d.connect(ctx, cfg.Rendezvous.Backend == backendStatic, dcfg.JoinTimeout); err != nil {
+		d.close()
+		return nil, err
+	}
+	if err := d.start(ctx, dcfg); err != nil {
+		d.close()
+		return nil, err
+	}
+	return d, nil
+}
+
+// newDynamicBase returns a dynamicNode with this node's identity, and the
+// rendezvous's configuration, before any store is reached.
+func newDynamicBase(cfg *Config, log *zap.Logger, runID string) (*dynamicNode, rendezvous.DynamicConfig, error) {
 	r := cfg.Rendezvous
-	static := r.Backend == backendStatic
 	d := &dynamicNode{cfg: cfg, log: log, runID: runID}
 	d.addr = r.LocalAddr
 	if d.addr == "" {
 		h, err := os.Hostname()
 		if err != nil {
-			return nil, fmt.Errorf("this node's address (set --local-addr): %w", err)
+			return nil, rendezvous.DynamicConfig{}, fmt.Errorf("this node's address (set --local-addr): %w", err)
 		}
 		d.addr = h
 	}
@@ -118,27 +145,28 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
 	dcfg, err := rendezvous.ParseDynamicConfig(runID, minNodes, maxNodes, r.Conf)
 	if err != nil {
-		return nil, fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
+		return nil, rendezvous.DynamicConfig{}, fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
 	}
 	dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
-	if err := d.connect(ctx, static, dcfg.JoinTimeout); err != nil {
-		d.close()
-		return nil, err
-	}
+	return d, dcfg, nil
+}
+
+// start creates the job's restart counter and this node's handle on the
+// rendezvous, once d.store is up.
+func (d *dynamicNode) start(ctx context.Context, dcfg rendezvous.DynamicConfig) error {
 	// Create the job's restart counter now, before joining, so that after
 	// a round completes one MultiGet reads it with rank 0's worker store
 	// (fillPlan): the round trips after completion are what a large job
 	// waits for, every node asking the one store host at once.
 	if _, err := d.store.CompareSet(ctx, d.restartsKey(), nil, []byte("0")); err != nil {
-		d.close()
-		return nil, fmt.Errorf("rendezvous store: %w", err)
+		return fmt.Errorf("rendezvous store: %w", err)
 	}
-	data, _ := json.Marshal(nodeInfo{NProc: cfg.NProcPerNode, Addr: d.addr, NodeRank: r.NodeRank, Gossip: cfg.gossip})
+	data, _ := json.Marshal(nodeInfo{NProc: d.cfg.NProcPerNode, Addr: d.addr, NodeRank: d.cfg.Rendezvous.NodeRank, Gossip: d.cfg.gossip})
+	var err error
 	if d.dyn, err = rendezvous.NewDynamic(d.store, d.me, data, dcfg); err != nil {
-		d.close()
-		return nil, fmt.Errorf("rendezvous: %w", err)
+		return fmt.Errorf("rendezvous: %w", err)
 	}
-	return d, nil
+	return nil
 }
 
 // logProgress prints one rendezvous progress line: who joined, how many
@@ -276,27 +304,35 @@ func (d *dynamicNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	round, err := d.dyn.Next(ctx)
+	round, err := d.join(ctx)
 	if err != nil {
 		srv.Close()
+		return nil, err
 	}
-	switch {
-	case errors.Is(err, rendezvous.ErrRendezvousClosed):
-		d.seenClosed(ctx)
-		return nil, d.closedError(ctx)
-	case errors.Is(err, rendezvous.ErrRendezvousTimeout):
-		return nil, fmt.Errorf("%w: %v", ErrRendezvousTimeout, err)
-	case err != nil:
-		return nil, fmt.Errorf("rendezvous: %w", err)
-	}
-	d.round = round
-	d.lastSeen = time.Now()
 	p := &plan{round: round.Number}
 	if err := d.fillPlan(ctx, p, round, srv); err != nil {
 		p.release()
 		return nil, err
 	}
 	return p, nil
+}
+
+// join completes the next round, turning the rendezvous's errors into the
+// agent's.
+func (d *dynamicNode) join(ctx context.Context) (rendezvous.Round, error) {
+	round, err := d.dyn.Next(ctx)
+	switch {
+	case errors.Is(err, rendezvous.ErrRendezvousClosed):
+		d.seenClosed(ctx)
+		return round, d.closedError(ctx)
+	case errors.Is(err, rendezvous.ErrRendezvousTimeout):
+		return round, fmt.Errorf("%w: %v", ErrRendezvousTimeout, err)
+	case err != nil:
+		return round, fmt.Errorf("rendezvous: %w", err)
+	}
+	d.round = round
+	d.lastSeen = time.Now()
+	return round, nil
 }
 
 // fillPlan turns a completed round into this node's plan. srv is the worker
@@ -329,6 +365,14 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	if err != nil {
 		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)
 	}
+	layout(p, infos, ids, groupRank)
+	p.env = workerEnv(d.cfg, d.runID, host, port, int(restarts), round.Number)
+	return nil
+}
+
+// layout fills in the plan's members and this node's assignments from the
+// round's infos and node identities, in group-rank order.
+func layout(p *plan, infos []nodeInfo, ids []string, groupRank int) {
 	nodes := make(nodeRanks, len(infos))
 	for i, in := range infos {
 		nodes[i].nproc = in.NProc
@@ -337,8 +381,6 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	}
 	p.nodeIDs, p.nodes = ids, nodes
 	p.assignments = assign(nodes, groupRank)
-	p.env = workerEnv(d.cfg, d.runID, host, port, int(restarts), round.Number)
-	return nil
 }
 
 // order returns the members' published infos and identities in group-rank
@@ -502,6 +544,9 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 // seenClosed tells the store's host that this node has seen the job
 // closed and needs the store no more.
 func (d *dynamicNode) seenClosed(ctx context.Context) {
+	if d.storeOutlivesHosts {
+		return // a counter every node would fight over, for nobody
+	}
 	if _, err := d.store.Add(ctx, d.seenClosedKey(), 1); err != nil {
 		d.log.Debug("acknowledging the closed job", zap.Error(err))
 	}

@@ -1,6 +1,6 @@
 // Command rdzvbench measures multi-node rendezvous on loopback: N agents
-// with the c10d backend, the time from the last agent's start (its join) to
-// every worker of every agent started. gorun and torchrun run the same
+// with the c10d backend (or gorun's etcd backend, -etcd), the time from the
+// last agent's start (its join) to every worker of every agent started. gorun and torchrun run the same
 // job, interleaved within each repetition; medians are reported.
 //
 // N-1 agents start first and are given time to settle into the
@@ -38,14 +38,21 @@ func main() {
 	reps := flag.Int("reps", 3, "repetitions (medians are reported)")
 	gorunAgents := flag.Int("agents", 64, "gorun agents")
 	torchAgents := flag.Int("torch-agents", 16, "torchrun agents (each imports torch: ~240 MB and ~2 s of CPU)")
+	etcdEndpoints := flag.String("etcd", "", "gorun agents meet through etcd at these `HOST:PORT,…` instead of c10d (a fresh run id each time)")
 	flag.Parse()
 	fmt.Printf("Command: %s\n\n", strings.Join(os.Args, " "))
 
 	worker := []string{"sh", "-c", `date +%s%N > "$RDZVBENCH_OUT/$RANK"`}
 	gorunArgv := func(n int) func(int, string) []string {
 		return func(port int, logDir string) []string {
+			backend, endpoint, id := "c10d", "127.0.0.1:"+strconv.Itoa(port), "bench"
+			if *etcdEndpoints != "" {
+				// The port is free, so unused by earlier runs: a run id
+				// whose state etcd does not hold yet.
+				backend, endpoint, id = "etcd", *etcdEndpoints, "bench"+strconv.Itoa(port)
+			}
 			return append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--nnodes", strconv.Itoa(n), "--nproc-per-node", "1",
-				"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + strconv.Itoa(port), "--rdzv-id", "bench",
+				"--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", id,
 				"--local-addr", "127.0.0.1", "--log-dir", logDir, "--no-python"}, worker...)
 		}
 	}
@@ -82,7 +89,11 @@ func main() {
 			}
 		}
 	}
-	fmt.Printf("Medians of %d repetitions, %d CPUs. One worker per agent, c10d backend on loopback.\n\n", *reps, runtime.NumCPU())
+	backend := "c10d backend"
+	if *etcdEndpoints != "" {
+		backend = "gorun's etcd backend (" + *etcdEndpoints + ")"
+	}
+	fmt.Printf("Medians of %d repetitions, %d CPUs. One worker per agent, %s on loopback.\n\n", *reps, runtime.NumCPU(), backend)
 	fmt.Println("| launcher | last join → every agent has exec'd its workers (ms) | last join → every worker's first line (ms) | CPU after the last join, agents + workers, to exit (ms) |")
 	fmt.Println("|---|---|---|---|")
 	for _, l := range launchers {

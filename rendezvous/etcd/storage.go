@@ -13,7 +13,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
@@ -35,6 +34,10 @@ type StorageConfig struct {
 	OpTimeout time.Duration
 	// Logger receives watch interruptions. Default: none.
 	Logger *zap.Logger
+	// BatchInflight is how many transactions of batched plain operations
+	// (Set, Get, QueuePush) may be in flight at once; operations that
+	// arrive meanwhile wait and leave together (see batch.go). Default 2.
+	BatchInflight int
 }
 
 // Layout under Prefix:
@@ -60,11 +63,13 @@ const numStripes = 64
 // tcpstore.Server on every node serves one store to PyTorch workers and no
 // node holds it.
 //
-// Set, Get, Delete and QueuePush are one etcd request. Add, CompareSet,
+// Set, Get and QueuePush are one plain etcd operation. Add, CompareSet,
 // Append and Barrier are compare-and-swap transactions on the key's
-// mod_revision, atomic across nodes. Check, NumKeys and the like read at one
-// revision. Waits, barriers and WATCH_KEY are released by one etcd watch on
-// the prefix, whichever node wrote the key.
+// mod_revision, atomic across nodes. Concurrent callers' operations of
+// both kinds travel together in one etcd request (batch.go). Delete, Check,
+// NumKeys and the like are requests of their own, reading at one revision.
+// Waits, barriers and WATCH_KEY are released by one etcd watch on the
+// prefix, whichever node wrote the key.
 //
 // A queue push wakes one waiter on each node (a waiter that then finds the
 // queue empty pops nothing, as with a race between two local poppers).
@@ -78,6 +83,7 @@ type Storage struct {
 
 	seed    maphash.Seed
 	stripes [numStripes]stripe
+	batch   batcher
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -118,6 +124,9 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
+	if cfg.BatchInflight <= 0 {
+		cfg.BatchInflight = 2
+	}
 	var id [8]byte
 	_, _ = rand.Read(id[:])
 	s := &Storage{
@@ -135,6 +144,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	for i := range s.stripes {
 		s.stripes[i].cache = make(map[string]known)
 	}
+	s.batch = batcher{s: s, maxInflight: cfg.BatchInflight}
 	// The watch starts after the revision read here; every operation
 	// after NewStorage reads a later one.
 	rctx, cancel := context.WithTimeout(ctx, cfg.OpTimeout)
@@ -148,12 +158,19 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	return s, nil
 }
 
-// Close stops the watch. Registered waiters are never released afterwards;
-// the data stays in etcd (see Drop).
+// Close stops the watch and deletes this Storage's bookkeeping (the tokens
+// of its read-modify-writes, which no operation needs once none is in
+// flight). Registered waiters are never released afterwards; the data stays
+// in etcd (see Drop).
 func (s *Storage) Close() error {
 	s.cancel()
 	<-s.done
-	return nil
+	s.batch.close()
+	// Briefly: an agent leaving a broken etcd should not hang on this.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	_, err := s.cli.Delete(ctx, s.prefix+tokenDir+s.id+"/", clientv3.WithPrefix())
+	return err
 }
 
 // Drop deletes everything under the Storage's prefix.
@@ -183,29 +200,22 @@ func (s *Storage) fail(op string, key []byte, err error) error {
 }
 
 func (s *Storage) Set(key, value []byte) error {
-	ctx, cancel := s.opCtx()
-	defer cancel()
-	err := s.retry(ctx, func(ctx context.Context) error {
-		_, err := s.cli.Put(ctx, s.kkey(key), string(value))
-		return err
-	})
-	if err != nil {
+	if _, _, err := s.batch.do(clientv3.OpPut(s.kkey(key), string(value)), 0); err != nil {
 		return s.fail("set", key, err)
 	}
 	return nil
 }
 
 func (s *Storage) Get(key []byte) ([]byte, bool, error) {
-	ctx, cancel := s.opCtx()
-	defer cancel()
-	resp, err := s.get(ctx, s.kkey(key))
+	resp, _, err := s.batch.do(clientv3.OpGet(s.kkey(key)), len(key))
 	if err != nil {
 		return nil, false, s.fail("get", key, err)
 	}
-	if len(resp.Kvs) == 0 {
+	kvs := resp.GetResponseRange().GetKvs()
+	if len(kvs) == 0 {
 		return nil, false, nil
 	}
-	return resp.Kvs[0].Value, true, nil
+	return kvs[0].Value, true, nil
 }
 
 // change is what an update function decides for a key's current value.
@@ -218,23 +228,22 @@ type change struct {
 
 // update runs f on key's current value and stores what it decides in a
 // transaction fenced on the key's mod_revision, retrying on a concurrent
-// change and on etcd errors that leave the outcome unknown (a leader lost
-// mid-request). The first guess is the value this node last saw.
+// change. The first guess is the value this node last saw. The
+// transaction travels in a batch (batch.go), which is sent again when its
+// outcome is unknown (a leader lost mid-request).
 //
 // Every writing attempt also stamps a token key of this node and stripe
-// with the attempt's id, so that when an attempt's outcome is unknown the
-// next read tells whether it was applied: a transaction's comparison is
-// evaluated when it is applied, so at most one attempt of an operation can
-// apply, and an increment is never applied twice.
+// with the attempt's id, and a failed comparison returns the token: a
+// transaction's comparison is evaluated when it is applied, so at most one
+// attempt of an operation can apply, and when the token shows this
+// attempt, it was applied by an earlier sending of its batch. An increment
+// is never applied twice.
 func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) (change, error)) (change, error) {
 	k := s.kkey(key)
 	st, tok := s.stripe(k)
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	ctx, cancel := s.opCtx()
-	defer cancel()
 	opID := strconv.FormatUint(s.seq.Add(1), 16) + "."
-	var tried map[string]change // attempts whose outcome is unknown
 	guess, verified := st.cache[k], false
 	for attempt := 0; ; attempt++ {
 		ch, err := f(guess.val, guess.modRev != 0)
@@ -246,55 +255,40 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		}
 		id := opID + strconv.Itoa(attempt)
 		var then []clientv3.Op
+		writes := []string{k, tok}
+		size := len(k) + len(tok) + len(id)
 		if err == nil && ch.write {
 			then = append([]clientv3.Op{clientv3.OpPut(k, string(ch.result))}, ch.extra...)
 			then = append(then, clientv3.OpPut(tok, id))
+			for _, e := range ch.extra {
+				writes = append(writes, string(e.KeyBytes()))
+				size += len(e.KeyBytes()) + len(e.ValueBytes())
+			}
+			size += len(ch.result)
 		}
-		resp, terr := s.cli.Txn(ctx).
-			If(clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)).
-			Then(then...).
-			Else(clientv3.OpGet(k), clientv3.OpGet(tok)).
-			Commit()
-		var now []*etcdserverpb.ResponseOp
-		switch {
-		case terr != nil:
-			if !transient(ctx, terr) {
-				return change{}, s.fail(op, key, terr)
-			}
-			if len(then) > 0 {
-				if tried == nil {
-					tried = make(map[string]change)
-				}
-				tried[id] = ch
-			}
-			// Read what happened, once etcd answers again.
-			rerr := s.retry(ctx, func(ctx context.Context) error {
-				r, err := s.cli.Txn(ctx).Then(clientv3.OpGet(k), clientv3.OpGet(tok)).Commit()
-				if err == nil {
-					now = r.Responses
-				}
-				return err
-			})
-			if rerr != nil {
-				return change{}, s.fail(op, key, rerr)
-			}
-		case resp.Succeeded:
+		r, rev, terr := s.batch.do(clientv3.OpTxn(
+			[]clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)},
+			then,
+			[]clientv3.Op{clientv3.OpGet(k), clientv3.OpGet(tok)},
+		), size, writes...)
+		if terr != nil {
+			return change{}, s.fail(op, key, terr)
+		}
+		tx := r.GetResponseTxn()
+		if tx.Succeeded {
 			if err != nil {
 				return change{}, err
 			}
 			if ch.write {
-				guess = known{val: ch.result, modRev: resp.Header.Revision}
+				guess = known{val: ch.result, modRev: rev}
 			}
 			st.remember(k, guess)
 			return ch, nil
-		default:
-			now = resp.Responses
 		}
-		if kvs := now[1].GetResponseRange().Kvs; len(kvs) > 0 {
-			if c, ok := tried[string(kvs[0].Value)]; ok {
-				st.remember(k, known{}) // unknown revision: guess afresh
-				return c, nil
-			}
+		now := tx.Responses
+		if kvs := now[1].GetResponseRange().Kvs; len(then) > 0 && len(kvs) > 0 && string(kvs[0].Value) == id {
+			st.remember(k, known{}) // applied at a revision not known: guess afresh
+			return ch, nil
 		}
 		guess, verified = known{}, true
 		if kvs := now[0].GetResponseRange().Kvs; len(kvs) > 0 {
@@ -470,15 +464,9 @@ func (s *Storage) Keys() ([][]byte, error) {
 }
 
 func (s *Storage) QueuePush(key, value []byte) error {
-	ctx, cancel := s.opCtx()
-	defer cancel()
 	el := s.qdir(key) + s.id + strconv.FormatUint(s.seq.Add(1), 16)
 	// A retry puts the same element again: never a duplicate.
-	err := s.retry(ctx, func(ctx context.Context) error {
-		_, err := s.cli.Put(ctx, el, string(value))
-		return err
-	})
-	if err != nil {
+	if _, _, err := s.batch.do(clientv3.OpPut(el, string(value)), 0); err != nil {
 		return s.fail("queue_push", key, err)
 	}
 	return nil

@@ -5,12 +5,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/rendezvous"
@@ -308,5 +313,177 @@ func TestStorageLeaderLoss(t *testing.T) {
 	}
 	if n, err := ns[0].cli.Add(ctx, "n", 0); err != nil || n != 20 {
 		t.Fatalf("counter = %d, %v; want 20", n, err)
+	}
+}
+
+// TestStorageCloseDropsTokens: the tokens that make read-modify-writes
+// idempotent go with the Storage that wrote them, so that agents coming
+// and going do not leave keys behind; the data stays.
+func TestStorageCloseDropsTokens(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 20*time.Second)
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 10 {
+		if _, err := st.Add([]byte(fmt.Sprint("n", i)), 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	count := func(dir string) int64 {
+		r, err := cli.Get(ctx, prefix+dir, clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Count
+	}
+	if n := count("m/t/"); n == 0 {
+		t.Fatal("no token written: the test tests nothing")
+	}
+	if err := st.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := count("m/t/"); n != 0 {
+		t.Fatalf("%d tokens left after Close", n)
+	}
+	if n := count("k/"); n != 10 {
+		t.Fatalf("%d keys after Close; want the 10 counters", n)
+	}
+}
+
+// TestStorageLostReply: etcd applies a request but its answer is lost (as
+// when the leader dies right after committing). Every operation is sent
+// again, and none is applied twice: an increment counts once, a queue
+// element is pushed once, a compare-set whose write landed reports it.
+func TestStorageLostReply(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	var drop atomic.Int64 // replies still to lose
+	var dropped atomic.Int64
+	lose := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		if err == nil && strings.HasSuffix(method, "/Txn") && drop.Add(-1) >= 0 {
+			dropped.Add(1)
+			return status.Error(codes.Unavailable, "reply lost by the test")
+		}
+		return err
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(lose)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	ctx := testCtx(t, 20*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+
+	for i := 1; i <= 3; i++ {
+		drop.Store(1)
+		if n, err := st.Add([]byte("n"), 1); err != nil || n != int64(i) {
+			t.Fatalf("add %d after a lost reply = %d, %v; want %d", i, n, err, i)
+		}
+	}
+	drop.Store(1)
+	if v, err := st.CompareSet([]byte("k"), nil, []byte("first")); err != nil || string(v) != "first" {
+		t.Fatalf("compare_set after a lost reply = %q, %v; want first", v, err)
+	}
+	drop.Store(1)
+	if err := st.QueuePush([]byte("q"), []byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := st.QueueLen([]byte("q")); err != nil || n != 1 {
+		t.Fatalf("queue length after a push whose reply was lost = %d, %v; want 1", n, err)
+	}
+	if got := dropped.Load(); got != 5 {
+		t.Fatalf("%d replies lost; the test meant to lose 5", got)
+	}
+	if v, ok, err := st.Get([]byte("n")); err != nil || !ok || string(v) != "3" {
+		t.Fatalf("counter = %q, %v, %v; want 3", v, ok, err)
+	}
+}
+
+// TestStorageBatches: many callers at once share etcd requests (group
+// commit), including callers writing the same key, which etcd would refuse
+// in one transaction.
+func TestStorageBatches(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	var txns atomic.Int64
+	count := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if strings.HasSuffix(method, "/Txn") {
+			txns.Add(1)
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(count)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	ctx := testCtx(t, 20*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+
+	// run starts every op at once and returns how many etcd
+	// transactions they took.
+	run := func(n int, op func(i int) error) int64 {
+		start := make(chan struct{})
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Go(func() {
+				<-start
+				if err := op(i); err != nil {
+					t.Error(err)
+				}
+			})
+		}
+		txns.Store(0)
+		close(start)
+		wg.Wait()
+		return txns.Load()
+	}
+	const callers = 96
+	n := run(callers, func(i int) error {
+		if i%2 == 0 {
+			_, _, err := st.Get([]byte(fmt.Sprint("key", i-1)))
+			return err
+		}
+		return st.Set([]byte(fmt.Sprint("key", i)), []byte("v"))
+	})
+	t.Logf("%d sets and gets of distinct keys in %d etcd transactions", callers, n)
+	if n > callers/4 {
+		t.Fatalf("%d transactions for %d concurrent operations; want them batched", n, callers)
+	}
+	n = run(callers, func(i int) error {
+		_, err := st.Add([]byte(fmt.Sprint("ctr", i)), 1)
+		return err
+	})
+	t.Logf("%d adds of distinct counters in %d etcd transactions", callers, n)
+	if n > callers/4 {
+		t.Fatalf("%d transactions for %d concurrent adds; want them batched", n, callers)
+	}
+	// Writes of one key cannot share a transaction: they take turns.
+	run(callers, func(i int) error {
+		if i%2 == 0 {
+			_, err := st.Add([]byte("shared"), 1)
+			return err
+		}
+		return st.Set([]byte("same"), []byte(fmt.Sprint(i)))
+	})
+	if v, err := st.Add([]byte("shared"), 0); err != nil || v != callers/2 {
+		t.Fatalf("shared counter = %d, %v; want %d", v, err, callers/2)
 	}
 }

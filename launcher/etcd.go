@@ -1,0 +1,418 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/etcd"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// etcdNode is the membership of a multi-node job whose rendezvous runs in
+// etcd (--rdzv-backend etcd or etcd-v2). No agent hosts anything another
+// needs, so losing a node loses that node only. The job's keys are under
+// <prefix>/<run id>/:
+//
+//	rdzv/           the dynamic rendezvous's state and the job's counters
+//	alive/<node>    one key per agent, bound to the agent's lease
+//	store/<round>/  the round's worker store
+//
+// The dynamic rendezvous runs as with c10d, on an etcd.Store. Liveness is
+// the leases': a node whose lease expires is seen lost through a watch of
+// alive/ within about lease_ttl (etcd.Liveness), by etcd's clock, which a
+// leader change does not stop (the new leader extends every lease). Every
+// node that sees a lease go takes that node out of the rendezvous state, as
+// the node would have left itself, so that the survivors' next round does
+// not wait for its heartbeat there to lapse; those heartbeats
+// (keep_alive_interval × keep_alive_max_attempt, 15 s by default) remain as
+// a backstop.
+//
+// Every agent serves the worker store on its own node: a tcpstore server
+// whose keys live in etcd under the round's directory, so MASTER_ADDR is
+// the local node and every node's workers see one store. A new round
+// starts in a fresh directory; its group rank 0 deletes the older ones.
+type etcdNode struct {
+	*dynamicNode
+	settings etcdSettings
+	cli      *clientv3.Client
+	rdzv     *etcd.Storage // under the rendezvous store
+	live     *etcd.Liveness
+	// members names the current round's nodes, since is the liveness
+	// view's revision when the round began, and synced says whether the
+	// view has been read since the round completed: only then does a
+	// member absent from it count as lost (see watch).
+	members []string
+	since   int64
+	synced  bool
+	// dropBefore, when positive, is a round whose older worker stores
+	// this node (its group rank 0) is to delete.
+	dropBefore int
+	// worker is the storage of the current round's worker store (the
+	// plan holds its server).
+	worker *etcd.Storage
+	// lastStatus is when watch last read the rendezvous state.
+	lastStatus time.Time
+
+	// The reaper takes nodes whose leases went out of the rendezvous.
+	dcfg       rendezvous.DynamicConfig
+	gone       chan string // names of nodes whose presence keys went
+	stopReaper context.CancelFunc
+	reaperDone chan struct{}
+	// over: the job is over for this node; departures are no longer
+	// failures to act on.
+	over atomic.Bool
+}
+
+// statusTimeout bounds one read of the rendezvous state while workers run.
+const statusTimeout = 2 * time.Second
+
+func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*etcdNode, error) {
+	r := cfg.Rendezvous
+	s, err := r.etcdSettings(runID)
+	if err != nil {
+		return nil, err
+	}
+	if r.Backend == backendEtcdV2 {
+		log.Info("--rdzv-backend etcd-v2: gorun speaks etcd's v3 API (etcd 3.4 or later), not the v2 API")
+	}
+	if s.passwordOnCommandLine {
+		log.Warn("the etcd password is on the command line, where other users of this machine can read it; " +
+			"use --rdzv-conf password_env=VAR or $" + envEtcdPassword)
+	}
+	d, dcfg, err := newDynamicBase(cfg, log, runID)
+	if err != nil {
+		return nil, err
+	}
+	d.storeOutlivesHosts = true
+	e := &etcdNode{dynamicNode: d, settings: s, gone: make(chan string, 1024)}
+	e.dcfg = dcfg
+	e.dcfg.OnProgress = nil
+	if err := e.connect(ctx, dcfg.JoinTimeout); err != nil {
+		e.close()
+		return nil, err
+	}
+	if err := e.start(ctx, dcfg); err != nil {
+		e.close()
+		return nil, err
+	}
+	return e, nil
+}
+
+// connect reaches etcd (retrying until join_timeout), opens the
+// rendezvous store, takes this node's lease and starts the reaper.
+func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
+	ccfg := e.settings.client
+	ccfg.Logger = e.log
+	cctx, cancel := context.WithTimeout(ctx, joinTimeout)
+	cli, err := etcd.Connect(cctx, ccfg)
+	cancel()
+	switch {
+	case errors.Is(err, etcd.ErrUnreachable):
+		return fmt.Errorf("%w: join_timeout %v: %w", ErrRendezvousTimeout, joinTimeout, err)
+	case errors.Is(err, etcd.ErrTLS), errors.Is(err, etcd.ErrAuth):
+		// Not retried: the certificates or credentials must change.
+		return invalidf("%w", err)
+	case err != nil:
+		return fmt.Errorf("etcd: %w", err)
+	}
+	e.cli = cli
+
+	readTimeout, err := confSeconds(e.cfg.Rendezvous.Conf, "read_timeout", defaultC10dRead)
+	if err != nil {
+		return err
+	}
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
+		Prefix: e.settings.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
+	})
+	if err != nil {
+		return fmt.Errorf("etcd rendezvous store: %w", err)
+	}
+	e.rdzv, e.store = st, etcd.NewStore(st, readTimeout)
+
+	me := e.me.String()
+	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
+		Dir: e.settings.base + "alive/", Name: me, Value: []byte(e.addr),
+		TTL: e.settings.leaseTTL, Logger: e.log.Named("liveness"),
+		OnDelete: func(name string) {
+			if name == me || e.over.Load() {
+				return // this node's own loss ends its round (watch)
+			}
+			select {
+			case e.gone <- name:
+			default: // the state's heartbeats will drop it
+			}
+		},
+	})
+	if err != nil {
+		return err
+	}
+	ttl := e.live.TTL()
+	if ttl > e.settings.leaseTTL+time.Second {
+		e.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
+			zap.Duration("asked", e.settings.leaseTTL), zap.Duration("granted", ttl))
+	}
+	rctx, stop := context.WithCancel(context.Background())
+	e.stopReaper, e.reaperDone = stop, make(chan struct{})
+	go e.reap(rctx)
+	e.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
+		zap.String("keys", e.settings.base), zap.Duration("lease_ttl", ttl))
+	return nil
+}
+
+// reap takes each node whose presence key went out of the rendezvous
+// state, leaving on its behalf: its lease expired, so it is gone, and the
+// round it was in is over. Every node that sees the key go does it; the
+// first to write wins and the others find the node out already.
+func (e *etcdNode) reap(ctx context.Context) {
+	defer close(e.reaperDone)
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case name := <-e.gone:
+			if e.over.Load() {
+				continue
+			}
+			if err := e.expel(ctx, name); err != nil {
+				e.log.Warn("taking a node whose etcd lease expired out of the rendezvous",
+					zap.String("node", name), zap.Error(err))
+			}
+		}
+	}
+}
+
+// expel takes node name out of the rendezvous state.
+func (e *etcdNode) expel(ctx context.Context, name string) error {
+	node, ok := parseNodeDesc(name)
+	if !ok {
+		return fmt.Errorf("%q is not a node of the rendezvous", name)
+	}
+	h, err := rendezvous.NewDynamic(e.store, node, nil, e.dcfg)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	if err := h.Leave(ctx); err != nil {
+		return err
+	}
+	e.log.Debug("node's etcd lease expired: taken out of the rendezvous", zap.String("node", name))
+	return nil
+}
+
+// parseNodeDesc reads NodeDesc.String()'s "addr_pid_localid"; the address
+// may hold underscores, the last two fields are numbers.
+func parseNodeDesc(s string) (rendezvous.NodeDesc, bool) {
+	rest, local, ok := cutLast(s, "_")
+	if !ok {
+		return rendezvous.NodeDesc{}, false
+	}
+	addr, pid, ok := cutLast(rest, "_")
+	if !ok || addr == "" {
+		return rendezvous.NodeDesc{}, false
+	}
+	p, err1 := strconv.Atoi(pid)
+	l, err2 := strconv.Atoi(local)
+	if err1 != nil || err2 != nil {
+		return rendezvous.NodeDesc{}, false
+	}
+	return rendezvous.NodeDesc{Addr: addr, Pid: p, LocalID: l}, true
+}
+
+func cutLast(s, sep string) (before, after string, ok bool) {
+	i := strings.LastIndex(s, sep)
+	if i < 0 {
+		return s, "", false
+	}
+	return s[:i], s[i+len(sep):], true
+}
+
+func (e *etcdNode) next(ctx context.Context) (*plan, error) {
+	e.endRound()
+	since := e.live.Rev()
+	round, err := e.join(ctx)
+	if err != nil {
+		return nil, err
+	}
+	infos, ids, groupRank, _, err := e.order(round)
+	if err != nil {
+		return nil, err
+	}
+	// Between the round's completion and the workers' start every etcd
+	// request counts, each node making them at once: one here (the
+	// counter exists: start created it), the worker store's one, and the
+	// rest after the workers started (see watch).
+	v, ok, err := e.rdzv.Get([]byte(e.restartsKey()))
+	if err == nil && !ok {
+		err = errors.New("no restart counter")
+	}
+	if err != nil {
+		return nil, fmt.Errorf("reading the restart count: %w", err)
+	}
+	restarts, err := rendezvous.ParseCounter(v)
+	if err != nil {
+		return nil, fmt.Errorf("rendezvous store: restart count: %w", err)
+	}
+	srv, err := e.serveWorkerStore(ctx, round.Number)
+	if err != nil {
+		return nil, err
+	}
+	p := &plan{round: round.Number, store: srv}
+	layout(p, infos, ids, groupRank)
+	p.env = workerEnv(e.cfg, e.runID, e.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
+	e.members, e.since, e.synced = e.members[:0], since, false
+	for _, m := range round.Members {
+		e.members = append(e.members, m.Node.String())
+	}
+	if groupRank == 0 && round.Number > 0 {
+		e.dropBefore = round.Number
+	}
+	return p, nil
+}
+
+// storePrefix is the directory of a round's worker store. The round is
+// zero-padded so that the directories sort by round.
+func (e *etcdNode) storePrefix(round int) string {
+	return fmt.Sprintf("%sstore/%010d/", e.settings.base, round)
+}
+
+// serveWorkerStore starts this node's server of the round's worker store.
+func (e *etcdNode) serveWorkerStore(ctx context.Context, round int) (*tcpstore.Server, error) {
+	st, err := etcd.NewStorage(ctx, e.cli, etcd.StorageConfig{Prefix: e.storePrefix(round), Logger: e.log.Named("store")})
+	if err != nil {
+		return nil, fmt.Errorf("worker store: %w", err)
+	}
+	// Storage calls wait on etcd: a goroutine per connection, so that one
+	// worker's round trip holds up no other.
+	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.log.Named("store")})
+	if err != nil {
+		st.Close()
+		return nil, fmt.Errorf("worker store: %w", err)
+	}
+	e.worker = st
+	return srv, nil
+}
+
+// endRound closes the storage of the last round's worker store, whose
+// server the agent has stopped.
+func (e *etcdNode) endRound() {
+	if e.worker != nil {
+		e.worker.Close()
+		e.worker = nil
+	}
+}
+
+// dropStores deletes the worker stores of the rounds before round (all of
+// them for round -1). Once a round has completed, every member has left
+// the earlier rounds, and a node lost since has its workers dead or dying.
+func (e *etcdNode) dropStores(ctx context.Context, round int) {
+	dir := e.settings.base + "store/"
+	end := clientv3.GetPrefixRangeEnd(dir)
+	if round >= 0 {
+		end = e.storePrefix(round)
+	}
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if _, err := e.cli.Delete(ctx, dir, clientv3.WithRange(end)); err != nil {
+		e.log.Warn("deleting old worker stores from etcd", zap.String("dir", dir), zap.Error(err))
+	}
+}
+
+// watchEvery is the monitor interval itself: watch reads the liveness view
+// in memory, and the rendezvous state only as often as c10d's would.
+func (e *etcdNode) watchEvery(monitor time.Duration) time.Duration { return monitor }
+
+// watch reports a lost node as soon as the liveness watch has seen it
+// gone; the rest (nodes waiting, the job closed) comes from the
+// rendezvous state, read every fifth of a keep-alive interval.
+func (e *etcdNode) watch(ctx context.Context) (*change, error) {
+	if !e.synced {
+		// Every member put its presence key before it joined: read now,
+		// the view holds them all unless they are gone.
+		if _, err := e.live.Sync(ctx); err != nil {
+			e.log.Debug("reading the etcd presence keys", zap.Error(err))
+		} else {
+			e.synced = true
+		}
+	}
+	if lost := e.live.Lost(e.members, e.since, e.synced); len(lost) > 0 {
+		return &change{lost: lost}, nil
+	}
+	if e.dropBefore > 0 {
+		e.dropStores(ctx, e.dropBefore)
+		e.dropBefore = 0
+	}
+	if time.Since(e.lastStatus) < e.dynamicNode.watchEvery(e.cfg.MonitorInterval) {
+		return nil, nil
+	}
+	e.lastStatus = time.Now()
+	// The agent handles its workers' exits between two watches: do not
+	// hold it for the whole keep-alive window on a slow etcd.
+	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
+	defer cancel()
+	c, err := e.dynamicNode.watch(sctx)
+	if c != nil && c.storeLost {
+		// No host to lose: etcd is down or cut off. Keep watching; the
+		// workers fail if their store stays away, and leases tell who
+		// is gone once etcd is back.
+		return nil, fmt.Errorf("etcd has not answered for %v", time.Since(e.lastSeen).Round(time.Millisecond))
+	}
+	return c, err
+}
+
+func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
+	e.over.Store(true)
+	err := e.dynamicNode.finish(ctx, p, ok)
+	// The job is over: its worker stores go. The rendezvous state stays
+	// (a few KB), so that an agent arriving late learns the job ended.
+	if !ok || p.assignments[0].GroupRank == 0 {
+		e.dropStores(ctx, -1)
+	}
+	return err
+}
+
+func (e *etcdNode) closed(ctx context.Context) {
+	e.over.Store(true)
+	e.dynamicNode.closed(ctx)
+}
+
+func (e *etcdNode) leave(ctx context.Context) {
+	e.over.Store(true)
+	e.dynamicNode.leave(ctx)
+	e.closeLiveness()
+}
+
+// closeLiveness revokes this node's lease: the others see it gone now.
+func (e *etcdNode) closeLiveness() {
+	if e.live == nil {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+	defer cancel()
+	if err := e.live.Close(ctx); err != nil {
+		e.log.Debug("revoking the etcd lease", zap.Error(err))
+	}
+}
+
+func (e *etcdNode) close() {
+	e.over.Store(true)
+	if e.stopReaper != nil {
+		e.stopReaper()
+		<-e.reaperDone
+	}
+	e.dynamicNode.close()
+	e.endRound()
+	e.closeLiveness()
+	if e.cli != nil {
+		e.cli.Close()
+	}
+}

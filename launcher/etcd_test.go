@@ -1,0 +1,217 @@
+package launcher
+
+import (
+	"context"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap/zaptest"
+
+	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// etcdNodes makes the memberships of a job of len(addrs) nodes in cluster,
+// one per address (in one process, nodes differ by address), closed by the
+// test's cleanup.
+func etcdNodes(t *testing.T, cluster *etcdtest.Cluster, addrs ...string) []*etcdNode {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	var out []*etcdNode
+	for _, addr := range addrs {
+		cfg := DefaultConfig()
+		cfg.Entrypoint.Program = "true"
+		cfg.MinNodes, cfg.MaxNodes = len(addrs), len(addrs)
+		cfg.Rendezvous = RendezvousConfig{
+			Backend: backendEtcd, Endpoint: strings.Join(cluster.HostPorts(), ","), RunID: "job", LocalAddr: addr,
+			Conf: map[string]string{"last_call_timeout": "1", "join_timeout": "20", "lease_ttl": "2"},
+		}
+		if err := cfg.Validate(); err != nil {
+			t.Fatal(err)
+		}
+		m, err := newMembership(ctx, &cfg, zaptest.NewLogger(t).Named(addr), "job")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(m.close)
+		out = append(out, m.(*etcdNode))
+	}
+	return out
+}
+
+// nextAll runs a round on every node at once.
+func nextAll(t *testing.T, nodes []*etcdNode) []*plan {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	plans := make([]*plan, len(nodes))
+	var wg sync.WaitGroup
+	for i, n := range nodes {
+		wg.Go(func() {
+			p, err := n.next(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			plans[i] = p
+			t.Cleanup(p.release)
+		})
+	}
+	wg.Wait()
+	if t.Failed() {
+		t.FailNow()
+	}
+	return plans
+}
+
+// TestEtcdMembership runs two nodes' memberships in one process: a round
+// gives each node its own worker store, and the two stores are one; a new
+// round deletes the old round's store from etcd once its workers run; a
+// node whose lease goes
+// is reported lost by the other's watch; nothing outlives the memberships.
+func TestEtcdMembership(t *testing.T) {
+	noLeaks(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	nodes := etcdNodes(t, cluster, "127.0.0.1", "localhost")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+
+	plans := nextAll(t, nodes)
+	var groups []int
+	for i, p := range plans {
+		env, port := p.env, p.store.Addr().(*net.TCPAddr).Port
+		if env.MasterAddr != nodes[i].addr || env.MasterPort != port {
+			t.Fatalf("node %s: MASTER %s:%d; want its own store at %s:%d", nodes[i].addr, env.MasterAddr, env.MasterPort, nodes[i].addr, port)
+		}
+		groups = append(groups, p.assignments[0].GroupRank)
+	}
+	if slices.Sort(groups); !slices.Equal(groups, []int{0, 1}) {
+		t.Fatalf("group ranks %v", groups)
+	}
+	var clients []*tcpstore.Client
+	for _, p := range plans {
+		c, err := tcpstore.Dial(ctx, p.store.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		clients = append(clients, c)
+	}
+	if err := clients[0].Set(ctx, "k", []byte("from node 0")); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := clients[1].Get(ctx, "k"); err != nil || string(v) != "from node 0" {
+		t.Fatalf("node 1's store has k = %q, %v", v, err)
+	}
+	for _, n := range nodes {
+		if c, err := n.watch(ctx); c != nil || err != nil {
+			t.Fatalf("watch of a healthy round = %v, %v", c, err)
+		}
+	}
+
+	// A failed round: both count it and meet again in round 1, which
+	// starts with an empty store and deletes round 0's.
+	for i, n := range nodes {
+		if _, err := n.failed(ctx, plans[i], "test"); err != nil {
+			t.Fatal(err)
+		}
+		plans[i].release()
+	}
+	plans = nextAll(t, nodes)
+	if plans[0].round != 1 || plans[0].env.RestartCount != 1 {
+		t.Fatalf("round %d restarts %d; want round 1 after one restart", plans[0].round, plans[0].env.RestartCount)
+	}
+	for _, n := range nodes { // the workers run: the agents watch
+		if c, err := n.watch(ctx); c != nil || err != nil {
+			t.Fatalf("watch of round 1 = %v, %v", c, err)
+		}
+	}
+	cli := cluster.Client(t, nil)
+	for round, want := range map[string]int64{"0000000000": 0, "0000000001": 1} {
+		r, err := cli.Get(ctx, "/gorun/job/store/"+round+"/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if round == "0000000001" {
+			c, err := tcpstore.Dial(ctx, plans[1].store.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok, err := c.Check(ctx, "k"); err != nil || ok {
+				t.Fatalf("round 1's store has round 0's key: %v, %v", ok, err)
+			}
+			if _, err := c.Add(ctx, "k2", 1); err != nil { // answered, unlike a set
+				t.Fatal(err)
+			}
+			c.Close()
+			if r, err = cli.Get(ctx, "/gorun/job/store/"+round+"/k/", clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if r.Count != want {
+			t.Fatalf("%d keys in round %s's store; want %d", r.Count, round, want)
+		}
+	}
+
+	// Node 1 goes: its lease is revoked. Node 0 sees it lost at once.
+	start := time.Now()
+	nodes[1].closeLiveness()
+	for {
+		c, err := nodes[0].watch(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c != nil {
+			if !slices.Equal(c.lost, []string{nodes[1].me.String()}) {
+				t.Fatalf("change %v; want node 1 lost", c)
+			}
+			break
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Fatal("node 1's departure not seen")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("revoked lease seen after %v", time.Since(start))
+	// Node 0 took node 1 out of the rendezvous state, where its heartbeat
+	// would have kept it for keep_alive_interval × max_attempt (15 s).
+	for {
+		st, err := nodes[0].dyn.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.Contains(st.Lost, nodes[1].me) {
+			break
+		}
+		if time.Since(start) > 5*time.Second {
+			t.Fatalf("node 1 still in the rendezvous state: %+v", st)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("and out of the rendezvous state after %v", time.Since(start))
+}
+
+func TestParseNodeDesc(t *testing.T) {
+	for _, n := range []rendezvous.NodeDesc{
+		{Addr: "node0", Pid: 12, LocalID: 0},
+		{Addr: "my_host_name", Pid: 1, LocalID: 3},
+		{Addr: "fd00::1", Pid: 99999},
+	} {
+		got, ok := parseNodeDesc(n.String())
+		if !ok || got != n {
+			t.Errorf("parseNodeDesc(%q) = %+v, %v", n.String(), got, ok)
+		}
+	}
+	for _, bad := range []string{"", "node0", "node0_12", "_1_2", "node0_x_0", "node0_1_y"} {
+		if got, ok := parseNodeDesc(bad); ok {
+			t.Errorf("parseNodeDesc(%q) = %+v; want no node", bad, got)
+		}
+	}
+}

@@ -1,0 +1,177 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	clientv3 "go.etcd.io/etcd/client/v3"
+)
+
+// Group commit: the operations of concurrent callers go to etcd together,
+// as the Then branch of one transaction: plain puts and gets (Set, Get,
+// QueuePush) and the compare-and-swap transactions of read-modify-writes
+// (Add, CompareSet, Append, Barrier), nested, each deciding on its own
+// comparison. etcd's cost is per request (a gRPC call, a Raft proposal for
+// a write, a read index for a read), far more than per key, so a node whose
+// workers hammer the store sends one request where it would send dozens.
+//
+// A request goes out at once when fewer than maxInflight are in flight;
+// otherwise it waits for one to come back, and leaves with everything that
+// queued meanwhile. An idle store adds no latency; a busy one trades a
+// little of it for much more throughput. A transaction is atomic, so the
+// batch's operations take effect at one revision, in some order, which is
+// one the callers could have seen anyway: they were concurrent.
+
+const (
+	// maxBatchOps stays within etcd's --max-txn-ops (128 by default).
+	maxBatchOps = 128
+	// maxBatchBytes stays well within etcd's --max-request-bytes (1.5 MiB
+	// by default); a bigger value travels alone.
+	maxBatchBytes = 512 << 10
+)
+
+// batchCall is one caller's operation in a batch.
+type batchCall struct {
+	op     clientv3.Op
+	writes []string // the keys op may write
+	size   int
+	done   chan struct{}
+	resp   *etcdserverpb.ResponseOp
+	rev    int64 // the batch's revision
+	err    error
+}
+
+// batcher queues operations and sends them in transactions.
+type batcher struct {
+	s           *Storage
+	maxInflight int
+
+	wg sync.WaitGroup // batches in flight
+
+	mu       sync.Mutex
+	pending  []*batchCall
+	inflight int
+	closed   bool
+}
+
+// do runs op in the next batch and returns its response and the revision
+// of the batch (for a write, the mod revision of what it wrote). writes
+// names every key op may write; a plain put's own key need not be named.
+// size estimates op's bytes.
+//
+// A batch whose outcome is unknown (etcd lost its leader mid-request) is
+// sent again: a plain operation may be repeated, and a compare-and-swap
+// that was applied the first time fails its comparison the second (the
+// caller tells its own write from another's; see Storage.update).
+func (b *batcher) do(op clientv3.Op, size int, writes ...string) (*etcdserverpb.ResponseOp, int64, error) {
+	if op.IsPut() {
+		writes = append(writes, string(op.KeyBytes()))
+		size = len(op.KeyBytes()) + len(op.ValueBytes())
+	}
+	c := &batchCall{op: op, writes: writes, size: size, done: make(chan struct{})}
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil, 0, errStorageClosed
+	}
+	b.pending = append(b.pending, c)
+	b.startLocked()
+	b.mu.Unlock()
+	<-c.done
+	return c.resp, c.rev, c.err
+}
+
+// startLocked sends the queue's head as a batch if a slot is free; mu
+// held.
+func (b *batcher) startLocked() {
+	if b.inflight >= b.maxInflight || len(b.pending) == 0 {
+		return
+	}
+	batch := b.takeLocked()
+	b.inflight++
+	b.wg.Add(1)
+	go b.send(batch)
+}
+
+// takeLocked removes a batch from the queue: in arrival order, up to the
+// limits, leaving behind an operation that writes a key the batch already
+// writes (etcd refuses a transaction that writes a key twice, even in two
+// nested ones); mu held.
+func (b *batcher) takeLocked() []*batchCall {
+	var batch []*batchCall
+	var rest []*batchCall
+	written := make(map[string]bool)
+	bytes := 0
+	for i, c := range b.pending {
+		if len(batch) == maxBatchOps || (len(batch) > 0 && bytes+c.size > maxBatchBytes) {
+			rest = append(rest, b.pending[i:]...)
+			break
+		}
+		if slices.ContainsFunc(c.writes, func(k string) bool { return written[k] }) {
+			rest = append(rest, c)
+			continue
+		}
+		for _, k := range c.writes {
+			written[k] = true
+		}
+		batch = append(batch, c)
+		bytes += c.size
+	}
+	b.pending = rest
+	return batch
+}
+
+// send commits one batch, retrying across leader changes (every operation
+// in a batch may be repeated: puts of the same values, reads), and hands
+// each caller its response.
+func (b *batcher) send(batch []*batchCall) {
+	ops := make([]clientv3.Op, len(batch))
+	for i, c := range batch {
+		ops[i] = c.op
+	}
+	ctx, cancel := b.s.opCtx()
+	var resp *clientv3.TxnResponse
+	err := b.s.retry(ctx, func(ctx context.Context) (err error) {
+		resp, err = b.s.cli.Txn(ctx).Then(ops...).Commit()
+		return err
+	})
+	cancel()
+	if err == nil && len(resp.Responses) != len(batch) {
+		err = fmt.Errorf("etcd answered a batch of %d with %d responses", len(batch), len(resp.Responses))
+	}
+	for i, c := range batch {
+		if err != nil {
+			c.err = err
+		} else {
+			c.resp, c.rev = resp.Responses[i], resp.Header.Revision
+		}
+		close(c.done)
+	}
+	b.mu.Lock()
+	b.inflight--
+	if !b.closed {
+		b.startLocked()
+	}
+	b.mu.Unlock()
+	b.wg.Done()
+}
+
+// close fails what is queued, refuses what comes, and waits for the
+// batches in flight, which end with the Storage's context.
+func (b *batcher) close() {
+	b.mu.Lock()
+	b.closed = true
+	for _, c := range b.pending {
+		c.err = errStorageClosed
+		close(c.done)
+	}
+	b.pending = nil
+	b.mu.Unlock()
+	b.wg.Wait()
+}
+
+var errStorageClosed = errors.New("etcd storage closed")

@@ -1,0 +1,10 @@
+package etcd
+
+import clientv3 "go.etcd.io/etcd/client/v3"
+
+// LeaseID returns the lease the node's key is bound to now.
+func (l *Liveness) LeaseID() clientv3.LeaseID {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.lease
+}
