@@ -4,9 +4,11 @@ import (
 	"context"
 	"os/exec"
 	"regexp"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/netns"
 )
 
@@ -14,18 +16,39 @@ import (
 // with its own address, so ranks of different nodes talk over TCP through
 // a bridge, and a node can be cut off (a blackhole, not a closed socket).
 
-// onBed places node i on host i of a fresh bed of n hosts.
+// bedCommand starts node i's agent on host i of bed.
+func bedCommand(t *testing.T, bed *netns.Bed) func(int, string, []string) *exec.Cmd {
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	return func(i int, bin string, args []string) *exec.Cmd {
+		return bed.Hosts[i].Command(ctx, bin, args...)
+	}
+}
+
+// onBed places node i on host i of a fresh bed of n hosts, meeting through
+// a c10d rendezvous on host 0.
 func onBed(t *testing.T, n int) (placement, *netns.Bed) {
 	t.Helper()
 	bed := netns.New(t, n, netns.Options{})
-	ctx, cancel := context.WithCancel(context.Background())
-	t.Cleanup(cancel)
+	at := c10dAt(t, bed.Hosts[0].IP.String(), func(i int) string { return bed.Hosts[i].IP.String() })
+	at.command = bedCommand(t, bed)
+	return at, bed
+}
+
+// onBedEtcd places node i on host i of a fresh bed of n hosts, meeting
+// through etcd, which runs in the root namespace on the bed's gateway: no
+// host holds the stores.
+func onBedEtcd(t *testing.T, n int) (placement, *netns.Bed) {
+	t.Helper()
+	bed := netns.New(t, n, netns.Options{})
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{ListenIP: bed.Gateway.String()})
 	return placement{
-		endpoint: bed.Hosts[0].IP.String(),
-		addr:     func(i int) string { return bed.Hosts[i].IP.String() },
-		command: func(i int, bin string, args []string) *exec.Cmd {
-			return bed.Hosts[i].Command(ctx, bin, args...)
+		rdzv: func(i int, nnodes string) []string {
+			return []string{"--nnodes", nnodes, "--rdzv-backend", "etcd", "--rdzv-endpoint", strings.Join(cluster.HostPorts(), ","),
+				"--rdzv-id", "job", "--rdzv-conf", "last_call_timeout=1,join_timeout=30,lease_ttl=5,keep_alive_interval=1,keep_alive_max_attempt=5",
+				"--local-addr", bed.Hosts[i].IP.String(), "--monitor-interval", "0.1"}
 		},
+		command: bedCommand(t, bed),
 	}, bed
 }
 
@@ -80,5 +103,27 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 	// keep-alive, set to 5 s here, lapses.
 	if !regexp.MustCompile(`nodes lost; reporting their ranks.*node liveness: unreachable`).MatchString(j.agents[0].stderr.String()) {
 		t.Errorf("node liveness did not find the node lost:\n%s", j.agents[0].stderr)
+	}
+}
+
+// TestHostsShrinkLeaderLost: with the etcd backend every host serves the
+// worker store from etcd, so no host holds the agreement. The leading
+// agent's host (node 0) is killed outright, workers and all. The other
+// host's agent finds it lost (node liveness), takes the lead, decides the
+// epoch on the reports and publishes it; its four ranks finish alone.
+func TestHostsShrinkLeaderLost(t *testing.T) {
+	const nodes, nproc, steps = 2, 4, 600
+	at, bed := onBedEtcd(t, nodes)
+	j := startShrinkJobAt(t, at, nodes, nproc, steps)
+	time.Sleep(300 * time.Millisecond)
+	if err := bed.Hosts[0].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	j.expectSurvivors(t, j.agents[1:], nodes*nproc, []int{0, 1, 2, 3}, steps)
+	log := j.agents[1].stderr.String()
+	for _, want := range []string{"nodes lost; reporting their ranks", "this node leads the survivors' agreement", "published"} {
+		if !strings.Contains(log, want) {
+			t.Errorf("the surviving agent did not log %q:\n%s", want, log)
+		}
 	}
 }

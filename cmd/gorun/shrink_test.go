@@ -40,44 +40,58 @@ type shrinkJob struct {
 	done   chan struct{}
 }
 
-// placement says where a job's nodes run: on loopback, or as the hosts
-// of a network-namespace test bed.
+// placement says where a job's nodes run (loopback, or the hosts of a
+// network-namespace test bed) and how they meet.
 type placement struct {
-	endpoint string                                              // the rendezvous store's host (node 0)
-	addr     func(node int) string                               // node's --local-addr
-	command  func(node int, bin string, args []string) *exec.Cmd // how node's agent is started
+	// rdzv returns node's rendezvous flags for a job of nnodes nodes.
+	rdzv    func(node int, nnodes string) []string
+	command func(node int, bin string, args []string) *exec.Cmd // how node's agent is started
+	// hostLine, if set, is what node 0 logs once it serves the rendezvous
+	// store: the others start after it.
+	hostLine string
 }
 
-// loopback puts every node on 127.0.0.1.
-var loopback = placement{
-	endpoint: "127.0.0.1",
-	addr:     func(int) string { return "127.0.0.1" },
-	command: func(_ int, bin string, args []string) *exec.Cmd {
+// c10dAt is a c10d rendezvous hosted by node 0 at endpoint, each node
+// advertising addr(node).
+func c10dAt(t *testing.T, endpoint string, addr func(int) string) placement {
+	port := freePort(t)
+	return placement{
+		rdzv: func(node int, nnodes string) []string {
+			return c10dArgsAt(endpoint, addr(node), port, nnodes)
+		},
+		hostLine: "hosting the rendezvous store",
+	}
+}
+
+// loopback puts every node on 127.0.0.1, meeting through c10d.
+func loopback(t *testing.T) placement {
+	at := c10dAt(t, "127.0.0.1", func(int) string { return "127.0.0.1" })
+	at.command = func(_ int, bin string, args []string) *exec.Cmd {
 		cmd := exec.Command(bin, args...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		return cmd
-	},
+	}
+	return at
 }
 
 func startShrinkJob(t *testing.T, nodes, nproc, steps int, extra ...string) *shrinkJob {
 	t.Helper()
-	return startShrinkJobAt(t, loopback, nodes, nproc, steps, extra...)
+	return startShrinkJobAt(t, loopback(t), nodes, nproc, steps, extra...)
 }
 
 func startShrinkJobAt(t *testing.T, at placement, nodes, nproc, steps int, extra ...string) *shrinkJob {
 	t.Helper()
 	gorun, worker := testutil.BuildGorun(t), buildAllreduce(t)
-	port := freePort(t)
 	j := &shrinkJob{done: make(chan struct{})}
 	var readers sync.WaitGroup
 	for i := range nodes {
-		args := c10dArgsAt(at.endpoint, at.addr(i), port, strconv.Itoa(nodes), append([]string{"--nproc-per-node", strconv.Itoa(nproc),
-			"--on-failure", "shrink", "--log-dir", t.TempDir()}, extra...)...)
-		args = append(args, "--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
+		args := append(at.rdzv(i, strconv.Itoa(nodes)), "--nproc-per-node", strconv.Itoa(nproc),
+			"--on-failure", "shrink", "--log-dir", t.TempDir())
+		args = append(append(args, extra...), "--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
 		p := startAgentCmd(t, at.command(i, gorun, args))
 		j.agents = append(j.agents, p)
-		if i == 0 {
-			waitStderr(t, p, "hosting the rendezvous store")
+		if i == 0 && at.hostLine != "" {
+			waitStderr(t, p, at.hostLine)
 		}
 		readers.Add(1)
 		go func() {
