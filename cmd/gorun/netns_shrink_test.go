@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
+	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -10,6 +13,8 @@ import (
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/netns"
+	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
 )
 
 // Shrink mode on a multi-host test bed: each node is a network namespace
@@ -124,6 +129,70 @@ func TestHostsShrinkLeaderLost(t *testing.T) {
 	for _, want := range []string{"nodes lost; reporting their ranks", "this node leads the survivors' agreement", "published"} {
 		if !strings.Contains(log, want) {
 			t.Errorf("the surviving agent did not log %q:\n%s", want, log)
+		}
+	}
+}
+
+// TestHostsEtcdTorchGloo: a PyTorch 1.13 gloo job on two namespace hosts
+// with the etcd backend. Each host's workers use their own node's store
+// (MASTER_ADDR is their host), served from etcd, and all_reduce across
+// the hosts.
+func TestHostsEtcdTorchGloo(t *testing.T) {
+	py := torchtest.Python(t)
+	at, bed := onBedEtcd(t, 2)
+	bin := testutil.BuildGorun(t)
+	script, _ := filepath.Abs(filepath.Join("..", "..", "examples", "torch", "allreduce.py"))
+	var agents []*agentProc
+	for i := range 2 {
+		args := append(at.rdzv(i, "2"), "--nproc-per-node", "2", "--log-dir", t.TempDir(), script)
+		cmd := at.command(i, bin, args)
+		// Every host has this machine's host name, which resolves to
+		// loopback: gloo is told its interface, as on any multi-homed host.
+		cmd.Env = append(os.Environ(), "PYTHON_EXEC="+py, "GLOO_SOCKET_IFNAME=eth0")
+		agents = append(agents, startAgentCmd(t, cmd))
+	}
+	var lines []string
+	for i, p := range agents {
+		for range 2 {
+			l := p.expectLineOr(t, "all_reduce sum=", agents)
+			lines = append(lines, l)
+			if !strings.Contains(p.stderr.String(), "master\": \""+bed.Hosts[i].IP.String()+":") {
+				t.Errorf("host %d's workers were not given their own node's store:\n%s", i, p.stderr)
+			}
+		}
+	}
+	for _, p := range agents {
+		if code := p.exitCode(t, 90*time.Second); code != 0 {
+			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+	all := strings.Join(lines, "\n")
+	for r := range 4 {
+		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
+			t.Fatalf("no line %q in\n%s", want, all)
+		}
+	}
+}
+
+// expectLineOr is expectLine, failing with every agent's log.
+func (p *agentProc) expectLineOr(t *testing.T, want string, all []*agentProc) string {
+	t.Helper()
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case l, ok := <-p.lines:
+			if !ok {
+				var b strings.Builder
+				for i, a := range all {
+					fmt.Fprintf(&b, "--- agent %d:\n%s\n", i, a.stderr)
+				}
+				t.Fatalf("agent stdout ended before %q:\n%s", want, b.String())
+			}
+			if strings.Contains(l, want) {
+				return l
+			}
+		case <-timeout:
+			t.Fatalf("no %q within 60 s; stderr:\n%s", want, p.stderr)
 		}
 	}
 }
