@@ -87,12 +87,15 @@ type Storage struct {
 
 	ctx    context.Context
 	cancel context.CancelFunc
-	done   chan struct{}
+	loops  sync.WaitGroup // the watch loops
 
 	mu       sync.Mutex
 	waiters  map[string]map[*waiter]struct{} // by key
 	barriers map[string]map[*barrier]struct{}
 	watches  map[string]map[*watch]struct{}
+	// watchingOld: the second watch, with previous values, runs (see
+	// Watch).
+	watchingOld bool
 }
 
 var _ tcpstore.Storage = (*Storage)(nil)
@@ -136,7 +139,6 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		log:      cfg.Logger,
 		id:       hex.EncodeToString(id[:]),
 		seed:     maphash.MakeSeed(),
-		done:     make(chan struct{}),
 		waiters:  make(map[string]map[*waiter]struct{}),
 		barriers: make(map[string]map[*barrier]struct{}),
 		watches:  make(map[string]map[*watch]struct{}),
@@ -154,7 +156,8 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		return nil, fmt.Errorf("%w: etcd storage at %q: %w", rendezvous.ErrUnavailable, cfg.Prefix, err)
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	go s.watchLoop(resp.Header.Revision + 1)
+	s.loops.Add(1)
+	go s.watchLoop(resp.Header.Revision+1, false)
 	return s, nil
 }
 
@@ -164,7 +167,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 // in etcd (see Drop).
 func (s *Storage) Close() error {
 	s.cancel()
-	<-s.done
+	s.loops.Wait()
 	s.batch.close()
 	// Briefly: an agent leaving a broken etcd should not hang on this.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)

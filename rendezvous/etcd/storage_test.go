@@ -237,6 +237,50 @@ func TestStorageAcrossNodes(t *testing.T) {
 		}
 	})
 
+	t.Run("watch_key sees the other node's changes with old values", func(t *testing.T) {
+		ns := startNodes(t, cli, 2)
+		ctx := testCtx(t, 20*time.Second)
+		evs := make(chan tcpstore.WatchEvent, 10)
+		// The client sends keys with c10d's leading "/".
+		cancel, err := ns[0].st.Watch([]byte("/w"), func(ev tcpstore.WatchEvent) { evs <- ev })
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer cancel()
+		if err := ns[1].cli.Set(ctx, "w", []byte("a")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ns[1].cli.Add(ctx, "other", 1); err != nil { // not watched
+			t.Fatal(err)
+		}
+		if err := ns[1].cli.Set(ctx, "w", []byte("b")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ns[1].cli.Delete(ctx, "w"); err != nil {
+			t.Fatal(err)
+		}
+		want := []tcpstore.WatchEvent{
+			{Type: tcpstore.KeyCreated, Key: []byte("/w"), New: []byte("a")},
+			{Type: tcpstore.KeyUpdated, Key: []byte("/w"), Old: []byte("a"), New: []byte("b")},
+			{Type: tcpstore.KeyDeleted, Key: []byte("/w"), Old: []byte("b")},
+		}
+		for _, w := range want {
+			select {
+			case ev := <-evs:
+				if ev.Type != w.Type || string(ev.Key) != string(w.Key) || string(ev.Old) != string(w.Old) || string(ev.New) != string(w.New) {
+					t.Fatalf("event %+v; want %+v", ev, w)
+				}
+			case <-ctx.Done():
+				t.Fatalf("no event %+v", w)
+			}
+		}
+		select {
+		case ev := <-evs:
+			t.Fatalf("extra event %+v", ev)
+		case <-time.After(100 * time.Millisecond):
+		}
+	})
+
 	t.Run("keys, check, delete across nodes", func(t *testing.T) {
 		ns := startNodes(t, cli, 2)
 		ctx := testCtx(t, 20*time.Second)

@@ -116,17 +116,41 @@ func (s *Storage) Barrier(key []byte, worldSize int64, ready func()) (tcpstore.C
 	return cancel, false, nil
 }
 
+// Watch registers fn for the changes of key. WATCH_KEY's callbacks need
+// each change's old value, which costs etcd a read per event of the
+// prefix, so the Storage's own watch does without: the first Watch starts
+// a second watch of the prefix, with old values, which then serves every
+// registration until Close. Only a store whose clients use WATCH_KEY
+// (PyTorch 1.13's callbacks) pays for it.
 func (s *Storage) Watch(key []byte, fn func(tcpstore.WatchEvent)) (tcpstore.Cancel, error) {
 	w := &watch{fn: fn}
 	k := string(key)
 	s.mu.Lock()
 	addTo(s.watches, k, w)
+	start := !s.watchingOld
+	s.watchingOld = true
 	s.mu.Unlock()
-	return func() {
+	cancel := func() {
 		s.mu.Lock()
 		removeFrom(s.watches, k, w)
 		s.mu.Unlock()
-	}, nil
+	}
+	if start {
+		// From the revision read now: every change after this call.
+		ctx, done := s.opCtx()
+		resp, err := s.get(ctx, s.prefix+quietKey, clientv3.WithCountOnly())
+		done()
+		if err != nil {
+			cancel()
+			s.mu.Lock()
+			s.watchingOld = false
+			s.mu.Unlock()
+			return nil, s.fail("watch_key", key, err)
+		}
+		s.loops.Add(1)
+		go s.watchLoop(resp.Header.Revision+1, true)
+	}
+	return cancel, nil
 }
 
 func addTo[T comparable](m map[string]map[T]struct{}, key string, v T) {
@@ -147,27 +171,36 @@ func removeFrom[T comparable](m map[string]map[T]struct{}, key string, v T) {
 	}
 }
 
-// watchLoop follows every change under the prefix from rev on and releases
-// this node's registrations, until Close. A broken watch resumes where it
-// stopped; a compacted one rescans what the registrations wait for.
-func (s *Storage) watchLoop(rev int64) {
-	defer close(s.done)
+// watchLoop follows every change under the prefix from rev on, until
+// Close, and releases this node's waits, barriers and queue pops — or,
+// with old (the watch with old values), calls its WATCH_KEY registrations.
+// A broken watch resumes where it stopped; a compacted one rescans what the
+// registrations wait for (changes lost to compaction are not reported to
+// WATCH_KEY callbacks).
+func (s *Storage) watchLoop(rev int64, old bool) {
+	defer s.loops.Done()
+	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithRev(rev)}
+	if old {
+		opts = append(opts, clientv3.WithPrevKV())
+	}
 	for s.ctx.Err() == nil {
-		wch := s.cli.Watch(clientv3.WithRequireLeader(s.ctx), s.prefix,
-			clientv3.WithPrefix(), clientv3.WithRev(rev), clientv3.WithPrevKV())
+		opts[1] = clientv3.WithRev(rev)
+		wch := s.cli.Watch(clientv3.WithRequireLeader(s.ctx), s.prefix, opts...)
 		for resp := range wch {
 			if resp.CompactRevision != 0 {
 				s.log.Warn("etcd storage: watch compacted; rescanning waiters",
 					zap.String("prefix", s.prefix), zap.Int64("from", rev), zap.Int64("compacted", resp.CompactRevision))
 				rev = resp.CompactRevision
-				s.rescan()
+				if !old {
+					s.rescan()
+				}
 				break
 			}
 			if err := resp.Err(); err != nil {
 				s.log.Warn("etcd storage: watch interrupted; resuming", zap.String("prefix", s.prefix), zap.Error(err))
 				break
 			}
-			s.dispatch(resp.Events)
+			s.dispatch(resp.Events, old)
 			if n := len(resp.Events); n > 0 {
 				rev = resp.Events[n-1].Kv.ModRevision + 1
 			}
@@ -180,8 +213,8 @@ func (s *Storage) watchLoop(rev int64) {
 }
 
 // dispatch hands a watch response's events, in revision order, to the
-// registrations they concern.
-func (s *Storage) dispatch(evs []*clientv3.Event) {
+// registrations they concern: WATCH_KEY's alone with old.
+func (s *Storage) dispatch(evs []*clientv3.Event, old bool) {
 	kdir, qdir := s.prefix+keysDir, s.prefix+queuesDir
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -198,6 +231,9 @@ func (s *Storage) dispatch(evs []*clientv3.Event) {
 		for _, ev := range evs[i:j] {
 			full := string(ev.Kv.Key)
 			switch {
+			case old && strings.HasPrefix(full, kdir) && full != quiet:
+				s.watchEvent(ev, full[len(kdir):])
+			case old:
 			case strings.HasPrefix(full, kdir):
 				s.keyEvent(ev, full[len(kdir):], rev, full == quiet)
 			case strings.HasPrefix(full, qdir) && ev.Type == mvccpb.PUT:
@@ -211,11 +247,6 @@ func (s *Storage) dispatch(evs []*clientv3.Event) {
 // keyEvent releases what one change of key releases; mu held.
 func (s *Storage) keyEvent(ev *clientv3.Event, key string, rev int64, quiet bool) {
 	if ev.Type == mvccpb.DELETE {
-		var old []byte
-		if ev.PrevKv != nil {
-			old = ev.PrevKv.Value
-		}
-		s.notify(tcpstore.WatchEvent{Type: tcpstore.KeyDeleted, Key: []byte(key), Old: old})
 		return
 	}
 	if set := s.barriers[key]; len(set) > 0 {
@@ -239,10 +270,24 @@ func (s *Storage) keyEvent(ev *clientv3.Event, key string, rev int64, quiet bool
 	for w := range s.waiters[key] {
 		s.written(w, key, rev)
 	}
+}
+
+// watchEvent calls the WATCH_KEY registrations of key with one of its
+// changes, seen by the watch with old values; mu held.
+func (s *Storage) watchEvent(ev *clientv3.Event, key string) {
+	if len(s.watches[key]) == 0 {
+		return
+	}
 	we := tcpstore.WatchEvent{Type: tcpstore.KeyUpdated, Key: []byte(key), New: ev.Kv.Value}
-	if ev.IsCreate() || ev.PrevKv == nil {
+	switch {
+	case ev.Type == mvccpb.DELETE:
+		we = tcpstore.WatchEvent{Type: tcpstore.KeyDeleted, Key: []byte(key)}
+		if ev.PrevKv != nil {
+			we.Old = ev.PrevKv.Value
+		}
+	case ev.IsCreate() || ev.PrevKv == nil:
 		we.Type = tcpstore.KeyCreated
-	} else {
+	default:
 		we.Old = ev.PrevKv.Value
 	}
 	s.notify(we)
