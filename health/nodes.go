@@ -41,6 +41,9 @@ type Member struct {
 type Nodes struct {
 	ml  *memberlist.Memberlist
 	log *zap.Logger
+	// name and addr are this member's, read once at start: memberlist
+	// updates its own node record concurrently.
+	name, addr string
 
 	mu    sync.Mutex
 	core  *nodeTracker
@@ -91,6 +94,8 @@ func StartNodes(cfg NodeConfig) (*Nodes, error) {
 		return nil, fmt.Errorf("start gossip member %s: %w", cfg.Name, err)
 	}
 	n.ml = ml
+	local := ml.LocalNode()
+	n.name, n.addr = local.Name, local.Address()
 	logger.Debug("gossip member started", zap.String("addr", n.Addr()))
 	return n, nil
 }
@@ -132,10 +137,10 @@ func memberlistConfig(cfg NodeConfig, n *Nodes, logger *zap.Logger) *memberlist.
 }
 
 // Name is this member's name.
-func (n *Nodes) Name() string { return n.ml.LocalNode().Name }
+func (n *Nodes) Name() string { return n.name }
 
 // Addr is this member's gossip address (host:port), the seed peers Join.
-func (n *Nodes) Addr() string { return n.ml.LocalNode().Address() }
+func (n *Nodes) Addr() string { return n.addr }
 
 // Join connects to the given seeds (gossip addresses, host:port, as the
 // rendezvous published them; this member's own address is skipped), one
@@ -185,12 +190,21 @@ func (n *Nodes) Expect(names []string) {
 
 // Members returns the members this one believes alive (including those
 // suspected but not yet declared dead), itself included, sorted by name.
+//
+// It reads the tracker's view, fed by memberlist's callbacks, which run
+// under memberlist's own lock: memberlist's Members returns its live node
+// records, whose fields it updates concurrently, so reading them here
+// would race.
 func (n *Nodes) Members() []Member {
-	nodes := n.ml.Members()
-	out := make([]Member, 0, len(nodes))
-	for _, m := range nodes {
-		out = append(out, Member{Name: m.Name, Addr: m.Address()})
+	n.mu.Lock()
+	out := make([]Member, 0, len(n.core.peers)+1)
+	for name, p := range n.core.peers {
+		if p.state == nodeAlive {
+			out = append(out, Member{Name: name, Addr: p.addr})
+		}
 	}
+	n.mu.Unlock()
+	out = append(out, Member{Name: n.Name(), Addr: n.Addr()})
 	slices.SortFunc(out, func(a, b Member) int { return strings.Compare(a.Name, b.Name) })
 	return out
 }

@@ -24,6 +24,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/gorunhq/gorun/health"
 	"github.com/gorunhq/gorun/shrink"
 )
 
@@ -331,7 +332,8 @@ type Config struct {
 }
 
 // NodeLivenessConfig tunes node liveness (package health, on memberlist).
-// Zero values take health.DefaultNodeConfig's: a probe every 100 ms and a
+// DefaultConfig takes health.DefaultNodeConfig's values (zero values mean
+// the same): a probe every 100 ms and a
 // suspicion of 4 probe intervals (scaled by log10 of the node count), which
 // declares a silent node of 2–4 dead in about 0.6 s. A larger multiplier
 // tolerates longer CPU starvation of an agent before a false verdict, at
@@ -391,7 +393,15 @@ func DefaultConfig() Config {
 		MinWorldSize:       shrink.DefaultMinWorldSize,
 		SettleWindow:       shrink.DefaultSettleWindow,
 		AgreementTimeout:   shrink.DefaultAgreementTimeout,
+		NodeLiveness:       defaultNodeLiveness(),
 	}
+}
+
+// defaultNodeLiveness is health.DefaultNodeConfig's probe interval and
+// suspicion multiplier.
+func defaultNodeLiveness() NodeLivenessConfig {
+	d := health.DefaultNodeConfig()
+	return NodeLivenessConfig{ProbeInterval: d.ProbeInterval, SuspicionMult: d.SuspicionMult}
 }
 
 // ParseNNodes reads --nnodes: "N" means N:N, "MIN:MAX" an elastic range,
