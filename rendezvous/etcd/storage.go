@@ -162,7 +162,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	for i := range s.stripes {
 		s.stripes[i].cache = make(map[string]known)
 	}
-	s.batch = batcher{s: s, maxInflight: cfg.BatchInflight}
+	s.batch = batcher{s: s, maxInflight: cfg.BatchInflight, maxOps: maxBatchOps}
 	if len(cfg.Unwatched) > 0 {
 		s.unwatched = make(map[string]bool, len(cfg.Unwatched))
 		for _, k := range cfg.Unwatched {

@@ -638,3 +638,33 @@ func TestStorageStartRevision(t *testing.T) {
 		t.Fatal("wait not released")
 	}
 }
+
+// TestStorageSmallTxnLimit: a member run with a lower --max-txn-ops than
+// etcd's default refuses big batches; they are split, and every operation
+// still lands.
+func TestStorageSmallTxnLimit(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{Args: []string{"--max-txn-ops", "8"}})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	const n = 100
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			if err := st.Set([]byte(fmt.Sprint("k", i)), []byte("v")); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if got, err := st.NumKeys(); err != nil || got != n {
+		t.Fatalf("num_keys = %d, %v; want %d", got, err, n)
+	}
+}
