@@ -133,6 +133,10 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	}
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
 		Prefix: e.settings.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
+		// The rendezvous state (its key: rendezvous.Dynamic's doc) is
+		// only read and compare-set, by every node at every join and
+		// heartbeat: no node's watch need carry it to every other.
+		Unwatched: []string{"gorun.rendezvous." + e.runID},
 	})
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)
@@ -249,8 +253,8 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	}
 	// Between the round's completion and the workers' start every etcd
 	// request counts, each node making them at once: one here (the
-	// counter exists: start created it), the worker store's one, and the
-	// rest after the workers started (see watch).
+	// counter exists: start created it), and the rest after the workers
+	// started (see watch).
 	v, ok, err := e.rdzv.Get([]byte(e.restartsKey()))
 	if err == nil && !ok {
 		err = errors.New("no restart counter")
@@ -262,7 +266,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, fmt.Errorf("rendezvous store: restart count: %w", err)
 	}
-	srv, err := e.serveWorkerStore(ctx, round.Number)
+	srv, err := e.serveWorkerStore(ctx, round.Number, since)
 	if err != nil {
 		return nil, err
 	}
@@ -286,8 +290,13 @@ func (e *etcdNode) storePrefix(round int) string {
 }
 
 // serveWorkerStore starts this node's server of the round's worker store.
-func (e *etcdNode) serveWorkerStore(ctx context.Context, round int) (*tcpstore.Server, error) {
-	st, err := etcd.NewStorage(ctx, e.cli, etcd.StorageConfig{Prefix: e.storePrefix(round), Logger: e.log.Named("store")})
+// rev is a revision of etcd's from before the round began.
+func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (*tcpstore.Server, error) {
+	st, err := etcd.NewStorage(ctx, e.cli, etcd.StorageConfig{
+		Prefix: e.storePrefix(round), Logger: e.log.Named("store"),
+		// No request on the way to the workers' start.
+		StartRevision: rev,
+	})
 	if err != nil {
 		return nil, fmt.Errorf("worker store: %w", err)
 	}

@@ -8,6 +8,7 @@ import (
 	"sync"
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 )
 
@@ -56,6 +57,7 @@ type batcher struct {
 	pending  []*batchCall
 	inflight int
 	closed   bool
+	maxOps   int // operations per batch: maxBatchOps, or less once etcd refused that many
 }
 
 // do runs op in the next batch and returns its response and the revision
@@ -107,7 +109,7 @@ func (b *batcher) takeLocked() []*batchCall {
 	written := make(map[string]bool)
 	bytes := 0
 	for i, c := range b.pending {
-		if len(batch) == maxBatchOps || (len(batch) > 0 && bytes+c.size > maxBatchBytes) {
+		if len(batch) == b.maxOps || (len(batch) > 0 && bytes+c.size > maxBatchBytes) {
 			rest = append(rest, b.pending[i:]...)
 			break
 		}
@@ -129,6 +131,21 @@ func (b *batcher) takeLocked() []*batchCall {
 // in a batch may be repeated: puts of the same values, reads), and hands
 // each caller its response.
 func (b *batcher) send(batch []*batchCall) {
+	b.commit(batch)
+	b.mu.Lock()
+	b.inflight--
+	if !b.closed {
+		b.startLocked()
+	}
+	b.mu.Unlock()
+	b.wg.Done()
+}
+
+// commit sends one batch and hands each caller its response. A batch that
+// etcd finds too big (a member run with a lower --max-txn-ops or
+// --max-request-bytes than its defaults) is split in two, and later
+// batches are kept as small.
+func (b *batcher) commit(batch []*batchCall) {
 	ops := make([]clientv3.Op, len(batch))
 	for i, c := range batch {
 		ops[i] = c.op
@@ -140,6 +157,15 @@ func (b *batcher) send(batch []*batchCall) {
 		return err
 	})
 	cancel()
+	if len(batch) > 1 && (errors.Is(err, rpctypes.ErrTooManyOps) || errors.Is(err, rpctypes.ErrRequestTooLarge)) {
+		half := len(batch) / 2
+		b.mu.Lock()
+		b.maxOps = max(1, min(b.maxOps, half))
+		b.mu.Unlock()
+		b.commit(batch[:half])
+		b.commit(batch[half:])
+		return
+	}
 	if err == nil && len(resp.Responses) != len(batch) {
 		err = fmt.Errorf("etcd answered a batch of %d with %d responses", len(batch), len(resp.Responses))
 	}
@@ -151,13 +177,6 @@ func (b *batcher) send(batch []*batchCall) {
 		}
 		close(c.done)
 	}
-	b.mu.Lock()
-	b.inflight--
-	if !b.closed {
-		b.startLocked()
-	}
-	b.mu.Unlock()
-	b.wg.Done()
 }
 
 // close fails what is queued, refuses what comes, and waits for the

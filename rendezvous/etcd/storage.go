@@ -34,24 +34,38 @@ type StorageConfig struct {
 	OpTimeout time.Duration
 	// Logger receives watch interruptions. Default: none.
 	Logger *zap.Logger
-	// BatchInflight is how many transactions of batched plain operations
-	// (Set, Get, QueuePush) may be in flight at once; operations that
-	// arrive meanwhile wait and leave together (see batch.go). Default 2.
+	// BatchInflight is how many etcd requests of batched operations may
+	// be in flight at once; operations that arrive meanwhile wait and
+	// leave together (see batch.go). Default 2.
 	BatchInflight int
+	// StartRevision, when positive, is a revision of etcd's that the
+	// caller has seen: the watch starts after it, and NewStorage makes no
+	// request. An older one only makes the watch replay the prefix's
+	// changes since (none, for a fresh prefix). Default: read etcd's
+	// current revision.
+	StartRevision int64
+	// Unwatched are keys that nobody waits on (Wait, Barrier and Watch
+	// refuse them), kept where the Storage's watch does not look: every
+	// node's watch would otherwise carry each of their changes. The
+	// dynamic rendezvous's state is one: kilobytes, rewritten by every
+	// node's join and heartbeat, and only ever read.
+	Unwatched []string
 }
 
-// Layout under Prefix:
+// Layout under Prefix (the watch covers k/ to m/quiet, and q/):
 //
 //	k/<key>                 a key's value
-//	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
 //	m/quiet                 written in a barrier arrival's transaction: the
 //	                        key it names changed quietly in that revision
 //	m/t/<node>/<stripe>     the last read-modify-write attempt applied
+//	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
+//	u/<key>                 an unwatched key's value
 const (
-	keysDir   = "k/"
-	queuesDir = "q/"
-	quietKey  = "m/quiet"
-	tokenDir  = "m/t/" // m/t/<node>/<stripe>: see update
+	keysDir      = "k/"
+	queuesDir    = "q/"
+	quietKey     = "m/quiet"
+	tokenDir     = "m/t/" // m/t/<node>/<stripe>: see update
+	unwatchedDir = "u/"
 )
 
 // numStripes spreads read-modify-write operations of one node over this
@@ -93,6 +107,8 @@ type Storage struct {
 	waiters  map[string]map[*waiter]struct{} // by key
 	barriers map[string]map[*barrier]struct{}
 	watches  map[string]map[*watch]struct{}
+	// unwatched are StorageConfig.Unwatched; read-only after NewStorage.
+	unwatched map[string]bool
 	// watchingOld: the second watch, with previous values, runs (see
 	// Watch).
 	watchingOld bool
@@ -146,18 +162,29 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	for i := range s.stripes {
 		s.stripes[i].cache = make(map[string]known)
 	}
-	s.batch = batcher{s: s, maxInflight: cfg.BatchInflight}
-	// The watch starts after the revision read here; every operation
-	// after NewStorage reads a later one.
-	rctx, cancel := context.WithTimeout(ctx, cfg.OpTimeout)
-	resp, err := cli.Get(rctx, s.prefix+quietKey, clientv3.WithCountOnly())
-	cancel()
-	if err != nil {
-		return nil, fmt.Errorf("%w: etcd storage at %q: %w", rendezvous.ErrUnavailable, cfg.Prefix, err)
+	s.batch = batcher{s: s, maxInflight: cfg.BatchInflight, maxOps: maxBatchOps}
+	if len(cfg.Unwatched) > 0 {
+		s.unwatched = make(map[string]bool, len(cfg.Unwatched))
+		for _, k := range cfg.Unwatched {
+			s.unwatched[k] = true
+		}
+	}
+	// The watch starts after a revision no later than any that an
+	// operation after NewStorage reads.
+	rev := cfg.StartRevision
+	if rev <= 0 {
+		rctx, cancel := context.WithTimeout(ctx, cfg.OpTimeout)
+		resp, err := cli.Get(rctx, s.prefix+quietKey, clientv3.WithCountOnly())
+		cancel()
+		if err != nil {
+			return nil, fmt.Errorf("%w: etcd storage at %q: %w", rendezvous.ErrUnavailable, cfg.Prefix, err)
+		}
+		rev = resp.Header.Revision
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.loops.Add(1)
-	go s.watchLoop(resp.Header.Revision+1, false)
+	s.loops.Add(2)
+	go s.watchLoop(rev+1, watchKeys)
+	go s.watchLoop(rev+1, watchQueues)
 	return s, nil
 }
 
@@ -185,7 +212,23 @@ func (s *Storage) Drop(ctx context.Context) error {
 // Prefix returns where the store lives in etcd.
 func (s *Storage) Prefix() string { return s.prefix }
 
-func (s *Storage) kkey(key []byte) string { return s.prefix + keysDir + string(key) }
+func (s *Storage) kkey(key []byte) string {
+	if s.unwatched[string(key)] {
+		return s.prefix + unwatchedDir + string(key)
+	}
+	return s.prefix + keysDir + string(key)
+}
+
+// refuseUnwatched fails an operation that would wait on one of keys when
+// it is unwatched: nothing would ever release it.
+func (s *Storage) refuseUnwatched(op string, keys ...[]byte) error {
+	for _, k := range keys {
+		if s.unwatched[string(k)] {
+			return fmt.Errorf("%w: etcd storage %s %q: the key is unwatched", rendezvous.ErrInvalidArgument, op, k)
+		}
+	}
+	return nil
+}
 
 func (s *Storage) qdir(name []byte) string {
 	return s.prefix + queuesDir + hex.EncodeToString(name) + "/"
@@ -441,27 +484,48 @@ func (s *Storage) Check(keys [][]byte) (bool, error) {
 	return true, nil
 }
 
-func (s *Storage) NumKeys() (int64, error) {
+// keyRanges reads the watched and the unwatched keys at one revision.
+func (s *Storage) keyRanges(op string, opts ...clientv3.OpOption) ([]*clientv3.GetResponse, error) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
-	resp, err := s.get(ctx, s.prefix+keysDir, clientv3.WithPrefix(), clientv3.WithCountOnly())
+	opts = append(opts, clientv3.WithPrefix())
+	var resp *clientv3.TxnResponse
+	err := s.retry(ctx, func(ctx context.Context) (err error) {
+		resp, err = s.cli.Txn(ctx).Then(
+			clientv3.OpGet(s.prefix+keysDir, opts...),
+			clientv3.OpGet(s.prefix+unwatchedDir, opts...),
+		).Commit()
+		return err
+	})
 	if err != nil {
-		return 0, s.fail("num_keys", nil, err)
+		return nil, s.fail(op, nil, err)
 	}
-	return resp.Count, nil
+	out := make([]*clientv3.GetResponse, len(resp.Responses))
+	for i, r := range resp.Responses {
+		out[i] = (*clientv3.GetResponse)(r.GetResponseRange())
+	}
+	return out, nil
+}
+
+func (s *Storage) NumKeys() (int64, error) {
+	rs, err := s.keyRanges("num_keys", clientv3.WithCountOnly())
+	if err != nil {
+		return 0, err
+	}
+	return rs[0].Count + rs[1].Count, nil
 }
 
 func (s *Storage) Keys() ([][]byte, error) {
-	ctx, cancel := s.opCtx()
-	defer cancel()
-	resp, err := s.get(ctx, s.prefix+keysDir, clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	rs, err := s.keyRanges("list_keys", clientv3.WithKeysOnly())
 	if err != nil {
-		return nil, s.fail("list_keys", nil, err)
+		return nil, err
 	}
-	out := make([][]byte, len(resp.Kvs))
-	n := len(s.prefix + keysDir)
-	for i, kv := range resp.Kvs {
-		out[i] = kv.Key[n:]
+	var out [][]byte
+	n := len(s.prefix + keysDir) // as long as unwatchedDir
+	for _, r := range rs {
+		for _, kv := range r.Kvs {
+			out = append(out, kv.Key[n:])
+		}
 	}
 	return out, nil
 }

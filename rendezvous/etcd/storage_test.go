@@ -531,3 +531,140 @@ func TestStorageBatches(t *testing.T) {
 		t.Fatalf("shared counter = %d, %v; want %d", v, err, callers/2)
 	}
 }
+
+// TestStorageUnwatched: an unwatched key reads and writes like any other,
+// on every node, and is listed; nothing may wait on it.
+func TestStorageUnwatched(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 20*time.Second)
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	var sts []*etcd.Storage
+	for range 2 {
+		st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix, Unwatched: []string{"state"}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { st.Close() })
+		sts = append(sts, st)
+	}
+	if v, err := sts[0].CompareSet([]byte("state"), nil, []byte("v1")); err != nil || string(v) != "v1" {
+		t.Fatalf("compare_set = %q, %v", v, err)
+	}
+	if err := sts[0].Set([]byte("plain"), []byte("p")); err != nil {
+		t.Fatal(err)
+	}
+	if v, ok, err := sts[1].Get([]byte("state")); err != nil || !ok || string(v) != "v1" {
+		t.Fatalf("get through the other node = %q, %v, %v", v, ok, err)
+	}
+	if v, err := sts[1].CompareSet([]byte("state"), []byte("v1"), []byte("v2")); err != nil || string(v) != "v2" {
+		t.Fatalf("compare_set through the other node = %q, %v", v, err)
+	}
+	keys, err := sts[0].Keys()
+	if err != nil || len(keys) != 2 {
+		t.Fatalf("keys = %q, %v; want plain and state", keys, err)
+	}
+	if n, err := sts[0].NumKeys(); err != nil || n != 2 {
+		t.Fatalf("num_keys = %d, %v", n, err)
+	}
+	r, err := cli.Get(ctx, prefix+"k/state")
+	if err != nil || r.Count != 0 {
+		t.Fatalf("the unwatched key is among the watched: %v, %v", r, err)
+	}
+	if _, _, err := sts[0].Wait([][]byte{[]byte("plain"), []byte("state")}, func() {}); !errors.Is(err, rendezvous.ErrInvalidArgument) {
+		t.Fatalf("wait on an unwatched key: %v", err)
+	}
+	if _, _, err := sts[0].Barrier([]byte("state"), 2, func() {}); !errors.Is(err, rendezvous.ErrInvalidArgument) {
+		t.Fatalf("barrier on an unwatched key: %v", err)
+	}
+	if _, err := sts[0].Watch([]byte("state"), func(tcpstore.WatchEvent) {}); !errors.Is(err, rendezvous.ErrInvalidArgument) {
+		t.Fatalf("watch_key on an unwatched key: %v", err)
+	}
+}
+
+// TestStorageStartRevision: given a revision the caller has seen, a new
+// Storage makes no request, and its watch, replaying from there, releases
+// waits as one that read the revision itself.
+func TestStorageStartRevision(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	var calls atomic.Int64
+	count := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		calls.Add(1)
+		return invoker(ctx, method, req, reply, cc, opts...)
+	}
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(count)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	ctx := testCtx(t, 20*time.Second)
+	r, err := cli.Get(ctx, "any")
+	if err != nil {
+		t.Fatal(err)
+	}
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	writer, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { writer.Close() })
+	if err := writer.Set([]byte("before"), []byte("1")); err != nil {
+		t.Fatal(err)
+	}
+	calls.Store(0)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix, StartRevision: r.Header.Revision})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	if n := calls.Load(); n != 0 {
+		t.Fatalf("NewStorage with a start revision made %d requests", n)
+	}
+	released := make(chan struct{})
+	cancel, done, err := st.Wait([][]byte{[]byte("before"), []byte("after")}, func() { close(released) })
+	if err != nil || done {
+		t.Fatalf("wait = %v, %v; want it registered", done, err)
+	}
+	defer cancel()
+	if err := writer.Set([]byte("after"), []byte("2")); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-released:
+	case <-ctx.Done():
+		t.Fatal("wait not released")
+	}
+}
+
+// TestStorageSmallTxnLimit: a member run with a lower --max-txn-ops than
+// etcd's default refuses big batches; they are split, and every operation
+// still lands.
+func TestStorageSmallTxnLimit(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{Args: []string{"--max-txn-ops", "8"}})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	const n = 100
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			if err := st.Set([]byte(fmt.Sprint("k", i)), []byte("v")); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	if got, err := st.NumKeys(); err != nil || got != n {
+		t.Fatalf("num_keys = %d, %v; want %d", got, err, n)
+	}
+}

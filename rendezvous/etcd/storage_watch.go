@@ -38,6 +38,9 @@ type barrier struct {
 type watch struct{ fn func(tcpstore.WatchEvent) }
 
 func (s *Storage) Wait(keys [][]byte, ready func()) (tcpstore.Cancel, bool, error) {
+	if err := s.refuseUnwatched("wait", keys...); err != nil {
+		return nil, false, err
+	}
 	w := &waiter{ready: ready, missing: make(map[string]int64, len(keys))}
 	s.mu.Lock()
 	for _, k := range keys {
@@ -84,6 +87,9 @@ func (s *Storage) dropWaiter(w *waiter) {
 }
 
 func (s *Storage) Barrier(key []byte, worldSize int64, ready func()) (tcpstore.Cancel, bool, error) {
+	if err := s.refuseUnwatched("barrier", key); err != nil {
+		return nil, false, err
+	}
 	b := &barrier{ready: ready, worldSize: worldSize}
 	k := string(key)
 	s.mu.Lock()
@@ -123,6 +129,9 @@ func (s *Storage) Barrier(key []byte, worldSize int64, ready func()) (tcpstore.C
 // registration until Close. Only a store whose clients use WATCH_KEY
 // (PyTorch 1.13's callbacks) pays for it.
 func (s *Storage) Watch(key []byte, fn func(tcpstore.WatchEvent)) (tcpstore.Cancel, error) {
+	if err := s.refuseUnwatched("watch_key", key); err != nil {
+		return nil, err
+	}
 	w := &watch{fn: fn}
 	k := string(key)
 	s.mu.Lock()
@@ -148,7 +157,7 @@ func (s *Storage) Watch(key []byte, fn func(tcpstore.WatchEvent)) (tcpstore.Canc
 			return nil, s.fail("watch_key", key, err)
 		}
 		s.loops.Add(1)
-		go s.watchLoop(resp.Header.Revision+1, true)
+		go s.watchLoop(resp.Header.Revision+1, watchOld)
 	}
 	return cancel, nil
 }
@@ -171,21 +180,39 @@ func removeFrom[T comparable](m map[string]map[T]struct{}, key string, v T) {
 	}
 }
 
-// watchLoop follows every change under the prefix from rev on, until
-// Close, and releases this node's waits, barriers and queue pops — or,
-// with old (the watch with old values), calls its WATCH_KEY registrations.
-// A broken watch resumes where it stopped; a compacted one rescans what the
-// registrations wait for (changes lost to compaction are not reported to
-// WATCH_KEY callbacks).
-func (s *Storage) watchLoop(rev int64, old bool) {
+// The Storage's watches.
+type watchKind int
+
+const (
+	watchKeys   watchKind = iota // k/ and m/quiet: waits and barriers
+	watchQueues                  // q/: queue pops
+	watchOld                     // k/ and m/quiet with old values: WATCH_KEY
+)
+
+// watchLoop follows the changes of its kind's keys from rev on, until
+// Close, and releases this node's waits, barriers or queue pops, or calls
+// its WATCH_KEY registrations. A broken watch resumes where it stopped; a
+// compacted one rescans what the registrations wait for (changes lost to
+// compaction are not reported to WATCH_KEY callbacks).
+//
+// A barrier arrival's counter and its quiet marker must arrive in one
+// response, so one watch covers both: the range from k/ to m/t/, which
+// leaves out the tokens (a write with every read-modify-write, of interest
+// to nobody) and the unwatched keys.
+func (s *Storage) watchLoop(rev int64, kind watchKind) {
 	defer s.loops.Done()
-	opts := []clientv3.OpOption{clientv3.WithPrefix(), clientv3.WithRev(rev)}
-	if old {
+	key := s.prefix + keysDir
+	opts := []clientv3.OpOption{clientv3.WithRev(rev), clientv3.WithRange(s.prefix + tokenDir)}
+	switch kind {
+	case watchQueues:
+		key, opts[1] = s.prefix+queuesDir, clientv3.WithPrefix()
+	case watchOld:
 		opts = append(opts, clientv3.WithPrevKV())
 	}
+	old := kind == watchOld
 	for s.ctx.Err() == nil {
-		opts[1] = clientv3.WithRev(rev)
-		wch := s.cli.Watch(clientv3.WithRequireLeader(s.ctx), s.prefix, opts...)
+		opts[0] = clientv3.WithRev(rev)
+		wch := s.cli.Watch(clientv3.WithRequireLeader(s.ctx), key, opts...)
 		for resp := range wch {
 			if resp.CompactRevision != 0 {
 				s.log.Warn("etcd storage: watch compacted; rescanning waiters",
