@@ -9,7 +9,7 @@
 // Worker liveness beyond exits (which the launcher's reaper reports):
 // heartbeats for hang detection. A worker refreshes its heartbeat by
 // sending a datagram to the unix socket named in GORUN_HEARTBEAT (Beat,
-// StartBeating, or three lines of Python); a worker whose heartbeats stop
+// Beat, or three lines of Python); a worker whose heartbeats stop
 // for longer than the timeout — hung in a collective, deadlocked, or
 // SIGSTOPped — is reported as hung.
 package health

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
-	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -24,16 +23,13 @@ import (
 	"github.com/gorunhq/gorun/shrink"
 )
 
-// ErrNotImplemented marks configurations this version of the agent cannot
-// run yet (the etcd backends). The CLI reports it as bad input.
-var ErrNotImplemented = errors.New("not implemented yet")
-
 // Run runs one agent until its job ends: nil when every worker succeeded,
 // *WorkersFailedError when they failed with no restart left (exit code 1),
 // *JobFailedError when the job failed elsewhere or lost a node with no
 // restart left (1), *SignalError when a signal stopped it (128+N), errors
 // wrapping ErrRendezvousTimeout or ErrRendezvousClosed when it could not
-// join, and ErrInvalidConfig or ErrNotImplemented for what it cannot run.
+// join, and ErrInvalidConfig for what it cannot run (bad settings, and etcd
+// certificates or credentials that etcd refuses).
 // Workers' output goes to the agent's stdout and stderr.
 func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 	return run(ctx, cfg, log, os.Stdout, os.Stderr)

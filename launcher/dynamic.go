@@ -53,7 +53,8 @@ func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID stri
 		}
 		return e, nil
 	}
-	return nil, fmt.Errorf("--rdzv-backend %s: %w; use c10d or etcd", cfg.Rendezvous.Backend, ErrNotImplemented)
+	// Validate refuses other backends; this is for a Config it did not see.
+	return nil, invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", cfg.Rendezvous.Backend)
 }
 
 // dynamicNode is the membership of a multi-node job, run by gorun's

@@ -20,8 +20,8 @@ const (
 	// test do.
 	ExitFalse = 1
 	// ExitUsage: bad flags, arguments, URLs or values (for the launcher:
-	// any launcher.ErrInvalidConfig, and configurations the agent cannot
-	// run yet, launcher.ErrNotImplemented).
+	// any launcher.ErrInvalidConfig, etcd certificates or credentials that
+	// etcd refuses included).
 	ExitUsage = 2
 	// ExitTimeout: a store operation or a connection attempt timed out.
 	ExitTimeout = 3
@@ -74,7 +74,7 @@ func exitCode(err error) int {
 	case errors.As(err, &sig):
 		return ExitSignalBase + int(sig.Signal)
 	case errors.Is(err, rendezvous.ErrInvalidArgument),
-		errors.Is(err, launcher.ErrInvalidConfig), errors.Is(err, launcher.ErrNotImplemented):
+		errors.Is(err, launcher.ErrInvalidConfig):
 		return ExitUsage
 	case errors.Is(err, rendezvous.ErrTimeout):
 		return ExitTimeout

@@ -482,7 +482,6 @@ func TestExitCodeForLauncherErrors(t *testing.T) {
 	for _, err := range []error{
 		launcher.DefaultConfig().Validate(), // no program
 		func() error { _, err := launcher.ParseStd("9"); return err }(),
-		launcher.ErrNotImplemented,
 	} {
 		if got := exitCode(err); got != ExitUsage {
 			t.Errorf("exitCode(%v) = %d, want %d", err, got, ExitUsage)

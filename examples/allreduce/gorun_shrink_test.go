@@ -2,12 +2,10 @@ package main
 
 import (
 	"context"
-	"os/exec"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -24,48 +22,13 @@ func TestUnderGorunShrink(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const world, victim, steps = 8, 3, 400
-	cmd := exec.CommandContext(ctx, gorun, "--standalone", "--nproc-per-node", strconv.Itoa(world),
+	g := testutil.StartGorun(t, gorun, nil, "--standalone", "--nproc-per-node", strconv.Itoa(world),
 		"--on-failure", "shrink", "--no-python", bin, "--steps", strconv.Itoa(steps), "--step-ms", "5")
-	var out testutil.SyncBuffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	exited := make(chan struct{})
-	var waitErr error
-	go func() { waitErr = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		<-exited
-	})
-	for strings.Count(out.String(), "start rank=") < world {
-		select {
-		case <-exited:
-			t.Fatalf("gorun exited before the ranks started: %v\n%s", waitErr, out.String())
-		case <-ctx.Done():
-			t.Fatalf("ranks did not start\n%s", out.String())
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	g.AwaitLines(ctx, t, "start rank=", world)
 	time.Sleep(300 * time.Millisecond) // some steps in
-	pid, err := testutil.ChildWithEnv(cmd.Process.Pid, "RANK", strconv.Itoa(victim))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-	select {
-	case <-exited:
-	case <-ctx.Done():
-		t.Fatalf("gorun did not finish\n%s", out.String())
-	}
-	text := out.String()
-	if waitErr != nil {
-		t.Fatalf("gorun: %v\n%s", waitErr, text)
-	}
+	g.KillRank(t, victim)
+	g.Wait(ctx, t)
+	text := g.Stdout.String() + g.Stderr.String()
 	if n := strings.Count(text, "]:shrink epoch=1 world=7 excluded=[3]"); n != world-1 {
 		t.Errorf("%d survivors printed the shrink line, want %d\n%s", n, world-1, text)
 	}

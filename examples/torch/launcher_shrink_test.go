@@ -2,13 +2,10 @@ package torch_test
 
 import (
 	"context"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -30,71 +27,30 @@ func TestGorunShrinksTorchGloo(t *testing.T) {
 	defer cancel()
 
 	const steps = 150
-	cmd := exec.CommandContext(ctx, gorun, "--standalone", "--nproc-per-node", "4", "--on-failure", "shrink",
-		"--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
-	cmd.Env = append(os.Environ(), "PYTHON_EXEC="+py)
-	var stdout, stderr testutil.SyncBuffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	// exited is closed once gorun has been waited for; waitErr is valid
-	// then. (A channel of the error could be drained only once, and the
-	// cleanup must not block on a drained one.)
-	exited := make(chan struct{})
-	var waitErr error
-	go func() { waitErr = cmd.Wait(); close(exited) }()
-	t.Cleanup(func() {
-		syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
-		<-exited
-	})
-
-	for strings.Count(stdout.String(), ": training, world 4") < 4 {
-		select {
-		case <-exited:
-			t.Fatalf("gorun exited before training: %v\n%s\n%s", waitErr, stdout.String(), stderr.String())
-		case <-ctx.Done():
-			t.Fatalf("workers never started training\n%s\n%s", stdout.String(), stderr.String())
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
+	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
+		"--on-failure", "shrink", "--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	g.AwaitLines(ctx, t, ": training, world 4", 4)
 	time.Sleep(300 * time.Millisecond) // some steps in
-	pid, err := testutil.ChildWithEnv(cmd.Process.Pid, "RANK", "2")
-	if err != nil {
-		t.Fatal(err)
-	}
 	killed := time.Now()
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
-		t.Fatal(err)
-	}
-
-	select {
-	case <-exited:
-		if waitErr != nil {
-			t.Fatalf("gorun: %v\nstdout:\n%s\nstderr:\n%s", waitErr, stdout.String(), stderr.String())
-		}
-	case <-ctx.Done():
-		t.Fatalf("gorun did not finish\nstdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
-	}
+	g.KillRank(t, 2)
+	g.Wait(ctx, t)
 	if took := time.Since(killed); took > 60*time.Second {
 		t.Errorf("the job ended %v after the kill: recovery waited out a timeout", took.Round(time.Millisecond))
 	}
-	out := stdout.String()
+	out := g.Stdout.String()
 	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
 		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, out)
 	}
 	dones := doneLine.FindAllStringSubmatch(out, -1)
 	if len(dones) != 3 {
-		t.Fatalf("%d done lines, want 3:\n%s\nstderr:\n%s", len(dones), out, stderr.String())
+		t.Fatalf("%d done lines, want 3:\n%s", len(dones), g.Output())
 	}
 	for _, m := range dones {
 		if m[2] != "3" || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
 			t.Errorf("%s: want world=3 steps=%d and the same loss as %s", m[0], steps, dones[0][0])
 		}
 	}
-	if errs := stderr.String(); !strings.Contains(errs, "lost ranks [2] in 1 epoch(s), world 4 -> 3") {
+	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 1 epoch(s), world 4 -> 3") {
 		t.Errorf("gorun's log does not sum up the loss:\n%s", errs)
 	}
 }
