@@ -83,7 +83,10 @@ type DynamicConfig struct {
 	RunID string
 	// MinNodes and MaxNodes bound a round (--nnodes MIN:MAX). A round
 	// completes at once when MaxNodes nodes have joined, or LastCallTimeout
-	// after the latest joiner once at least MinNodes have.
+	// after the latest joiner once at least MinNodes have. A round that
+	// follows a complete one also completes at once, with at least
+	// MinNodes, when every member of the previous round that left it to
+	// rejoin has rejoined and none of them is dead (see dynState.Rejoin).
 	MinNodes, MaxNodes int
 	// JoinTimeout bounds Next as a whole: leaving the previous round and
 	// completing the next. Default 600 s.
@@ -251,6 +254,23 @@ type dynState struct {
 	// Nodes are the participants and the waiting nodes, sorted by
 	// compareNodes.
 	Nodes []nodeState `json:"nodes,omitempty"`
+	// Rejoin lists the members of the last complete round that left it to
+	// join the next (a restart, a lost member), sorted by compareNodes,
+	// until that round completes. They are the nodes the next round is
+	// known to expect: once every one of them is a participant again (or
+	// has died meanwhile) and MinNodes are in, nobody is left for the last
+	// call to wait for, and the round completes at once. Nodes that arrive
+	// while a round runs are in the wait list, and admitted with the next
+	// round. torchrun waits the whole last call after every restart.
+	Rejoin []rejoiner `json:"rejoin,omitempty"`
+}
+
+// rejoiner is a member of the last complete round on its way to the next.
+type rejoiner struct {
+	NodeDesc
+	// Left is when it left the round. A rejoiner that is in neither list
+	// a heartbeat's TTL after that has died between leaving and joining.
+	Left time.Time `json:"left"`
 }
 
 // nodeState is one node of the state.
@@ -270,6 +290,7 @@ type nodeState struct {
 func (s *dynState) clone() *dynState {
 	c := *s
 	c.Nodes = slices.Clone(s.Nodes)
+	c.Rejoin = slices.Clone(s.Rejoin)
 	return &c
 }
 
@@ -309,7 +330,9 @@ const (
 	actAddToParticipants                    // join the round
 	actAddToWaitList                        // wait for the next round
 	actRemoveFromParticipants               // leave the round
+	actRemoveToRejoin                       // leave the round, to join the next
 	actRemoveFromWaitList                   // stop waiting
+	actForgetRejoin                         // a rejoiner that will not join
 	actMarkComplete                         // close the round, assign ranks
 	actMarkClosed                           // close the run
 )
@@ -323,7 +346,9 @@ var actionNames = [...]string{
 	actAddToParticipants:      "add-to-participants",
 	actAddToWaitList:          "add-to-wait-list",
 	actRemoveFromParticipants: "remove-from-participants",
+	actRemoveToRejoin:         "remove-to-rejoin",
 	actRemoveFromWaitList:     "remove-from-wait-list",
+	actForgetRejoin:           "forget-rejoin",
 	actMarkComplete:           "mark-complete",
 	actMarkClosed:             "mark-closed",
 }
@@ -395,7 +420,7 @@ func nextJoinAction(s *dynState, me NodeDesc, now, deadline time.Time, cfg Dynam
 	}
 	switch {
 	case s.Complete && participant: // a member is gone: this round is over
-		return actRemoveFromParticipants
+		return actRemoveToRejoin
 	case s.Complete:
 		// Not mine: wait for the next one if there will be room.
 		if !waiting && s.participants() < cfg.MaxNodes {
@@ -403,7 +428,7 @@ func nextJoinAction(s *dynState, me NodeDesc, now, deadline time.Time, cfg Dynam
 		}
 	case participant:
 		n := s.participants()
-		if n >= cfg.MinNodes && n <= cfg.MaxNodes && !s.Deadline.IsZero() && s.Deadline.Before(now) {
+		if n >= cfg.MinNodes && n <= cfg.MaxNodes && (!s.Deadline.IsZero() && s.Deadline.Before(now) || s.rejoined()) {
 			return actMarkComplete
 		}
 	default:
@@ -416,7 +441,7 @@ func nextJoinAction(s *dynState, me NodeDesc, now, deadline time.Time, cfg Dynam
 }
 
 // nextExitAction is torchrun's exit operation, run before every join: leave
-// the round I took part in.
+// the round I took part in, to join the next.
 func nextExitAction(s *dynState, me NodeDesc, now, deadline time.Time) action {
 	if participant, _ := s.role(me); !participant {
 		return actFinish
@@ -424,22 +449,26 @@ func nextExitAction(s *dynState, me NodeDesc, now, deadline time.Time) action {
 	if now.After(deadline) {
 		return actErrTimeout
 	}
-	return actRemoveFromParticipants
+	return actRemoveToRejoin
 }
 
-// nextLeaveAction is the exit operation for a node that shuts down: it
-// also leaves the wait list, where a cancelled Next may have left it.
+// nextLeaveAction is the exit operation for a node that shuts down (or one
+// that another node takes out, found dead): it also leaves the wait list,
+// where a cancelled Next may have left it, and the rejoiners, where a
+// Next that died between its exit and its join left it.
 func nextLeaveAction(s *dynState, me NodeDesc, now, deadline time.Time) action {
 	participant, waiting := s.role(me)
 	switch {
-	case !participant && !waiting:
+	case !participant && !waiting && !s.rejoining(me):
 		return actFinish
 	case now.After(deadline):
 		return actErrTimeout
 	case participant:
 		return actRemoveFromParticipants
-	default:
+	case waiting:
 		return actRemoveFromWaitList
+	default:
+		return actForgetRejoin
 	}
 }
 
@@ -491,25 +520,38 @@ func (s *dynState) apply(a action, me NodeDesc, data []byte, now time.Time, cfg 
 		if a == actAddToWaitList {
 			break
 		}
-		// Full: complete at once. Enough: (re)start the last call, so each
-		// new joiner buys the stragglers another LastCallTimeout.
+		// Full, or every rejoiner back: complete at once. Enough:
+		// (re)start the last call, so each new joiner buys the stragglers
+		// another LastCallTimeout.
 		switch n := s.participants(); {
-		case n == cfg.MaxNodes:
+		case n == cfg.MaxNodes, n >= cfg.MinNodes && s.rejoined():
 			s.markComplete()
 		case n >= cfg.MinNodes:
 			s.Deadline = now.Add(cfg.LastCallTimeout)
 		}
-	case actRemoveFromParticipants:
+	case actRemoveFromParticipants, actRemoveToRejoin:
 		if !in || s.Nodes[i].Waiting {
 			return false
 		}
 		s.Nodes = slices.Delete(s.Nodes, i, i+1)
+		s.forgetRejoin(me)
+		if a == actRemoveToRejoin && s.Complete {
+			j, _ := s.findRejoin(me)
+			s.Rejoin = slices.Insert(s.Rejoin, j, rejoiner{NodeDesc: me, Left: now})
+		}
 		s.removeEpilogue(now, cfg)
 	case actRemoveFromWaitList:
 		if !in || !s.Nodes[i].Waiting {
 			return false
 		}
 		s.Nodes = slices.Delete(s.Nodes, i, i+1)
+		s.forgetRejoin(me)
+		s.completeIfRejoined(cfg)
+	case actForgetRejoin:
+		if !s.forgetRejoin(me) {
+			return false
+		}
+		s.completeIfRejoined(cfg)
 	case actMarkComplete:
 		if s.Complete {
 			return false
@@ -531,6 +573,7 @@ func (s *dynState) apply(a action, me NodeDesc, data []byte, now time.Time, cfg 
 func (s *dynState) markComplete() {
 	s.Complete = true
 	s.Deadline = time.Time{}
+	s.Rejoin = nil
 	rank := 0
 	for i := range s.Nodes {
 		if !s.Nodes[i].Waiting {
@@ -561,6 +604,10 @@ func (s *dynState) removeEpilogue(now time.Time, cfg DynamicConfig) {
 		s.admitWaiting(now, cfg)
 	case !s.Complete && n < cfg.MinNodes:
 		s.Deadline = time.Time{}
+	default:
+		// A gathering round that lost a rejoiner may now hold every
+		// other one.
+		s.completeIfRejoined(cfg)
 	}
 }
 
@@ -583,10 +630,55 @@ func (s *dynState) admitWaiting(now time.Time, cfg DynamicConfig) {
 	}
 	switch {
 	case !admitted:
-	case n == cfg.MaxNodes:
+	case n == cfg.MaxNodes, n >= cfg.MinNodes && s.rejoined():
 		s.markComplete()
 	case n >= cfg.MinNodes:
 		s.Deadline = now.UTC().Add(cfg.LastCallTimeout)
+	}
+}
+
+// findRejoin returns n's index in Rejoin, or where it would go.
+func (s *dynState) findRejoin(n NodeDesc) (int, bool) {
+	return slices.BinarySearchFunc(s.Rejoin, n, func(e rejoiner, n NodeDesc) int { return compareNodes(e.NodeDesc, n) })
+}
+
+// rejoining reports whether n is a rejoiner.
+func (s *dynState) rejoining(n NodeDesc) bool {
+	_, ok := s.findRejoin(n)
+	return ok
+}
+
+// forgetRejoin takes n out of Rejoin and reports whether it was there.
+func (s *dynState) forgetRejoin(n NodeDesc) bool {
+	i, ok := s.findRejoin(n)
+	if ok {
+		s.Rejoin = slices.Delete(s.Rejoin, i, i+1)
+	}
+	return ok
+}
+
+// rejoined reports whether this round follows a complete one whose members
+// that left to rejoin it are all participants again (those that died on
+// the way are forgotten): the round expects nobody else.
+func (s *dynState) rejoined() bool {
+	if len(s.Rejoin) == 0 {
+		return false
+	}
+	for _, r := range s.Rejoin {
+		if participant, _ := s.role(r.NodeDesc); !participant {
+			return false
+		}
+	}
+	return true
+}
+
+// completeIfRejoined completes a gathering round that has MinNodes and
+// every rejoiner: the change that made it so (a rejoiner forgotten, a
+// waiting one gone) is then the write that completes it, and wakes the
+// participants, who would otherwise sleep until the last call's end.
+func (s *dynState) completeIfRejoined(cfg DynamicConfig) {
+	if n := s.participants(); !s.Complete && n >= cfg.MinNodes && n <= cfg.MaxNodes && s.rejoined() {
+		s.markComplete()
 	}
 }
 
@@ -605,17 +697,29 @@ func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
 		participant = participant || !e.Waiting
 		return true
 	})
-	if participant {
+	// A rejoiner is dead when it is out of both lists, whether it never
+	// came back or came back and died.
+	rejoiners := len(s.Rejoin)
+	s.Rejoin = slices.DeleteFunc(s.Rejoin, func(r rejoiner) bool {
+		_, in := s.find(r.NodeDesc)
+		return !in && r.Left.Before(expire)
+	})
+	forgot := len(s.Rejoin) < rejoiners
+	switch {
+	case participant:
 		s.removeEpilogue(now, cfg)
+	case forgot:
+		s.completeIfRejoined(cfg)
 	}
-	return dropped
+	return dropped || forgot
 }
 
 // wakeAt is when a join that decided to sync should look again even if
 // nobody writes: the earliest of my deadline passing, the last call ending,
-// my heartbeat falling due and another node's heartbeat expiring — the
-// instants at which nextJoinAction or sanitize can decide differently on
-// the same state. It is never later than one keep-alive interval from now.
+// my heartbeat falling due, and another node's heartbeat (or a rejoiner's
+// time to come back) expiring — the instants at which nextJoinAction or
+// sanitize can decide differently on the same state. It is never later
+// than one keep-alive interval from now.
 func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfig) time.Time {
 	at := now.Add(cfg.KeepAliveInterval)
 	consider := func(t time.Time) {
@@ -633,6 +737,11 @@ func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfi
 			consider(e.Heartbeat.Add(cfg.KeepAliveInterval))
 		} else {
 			consider(e.Heartbeat.Add(cfg.ttl() + time.Nanosecond))
+		}
+	}
+	for _, r := range s.Rejoin {
+		if _, in := s.find(r.NodeDesc); !in {
+			consider(r.Left.Add(cfg.ttl() + time.Nanosecond))
 		}
 	}
 	return at

@@ -147,13 +147,14 @@ func (d *Dynamic) Node() NodeDesc { return d.me }
 func (d *Dynamic) Config() DynamicConfig { return d.cfg }
 
 // Next leaves the round this node was in, if any, and joins the next one,
-// returning when it completes: at once when MaxNodes nodes are in,
-// LastCallTimeout after the latest joiner once MinNodes are. A node that
-// finds the round complete without it waits for the one after. It fails
-// with an error wrapping ErrRendezvousClosed when the run is closed, and
-// with one wrapping ErrRendezvousTimeout (and ErrTimeout) after
-// JoinTimeout. While the node is in no Next, a goroutine keeps its
-// heartbeat, so that the others do not count it as dead.
+// returning when it completes: at once when MaxNodes nodes are in, or when
+// every member of the previous round that left it to rejoin is back and
+// MinNodes are; otherwise LastCallTimeout after the latest joiner once
+// MinNodes are. A node that finds the round complete without it waits for
+// the one after. It fails with an error wrapping ErrRendezvousClosed when
+// the run is closed, and with one wrapping ErrRendezvousTimeout (and
+// ErrTimeout) after JoinTimeout. While the node is in no Next, a goroutine
+// keeps its heartbeat, so that the others do not count it as dead.
 //
 // Next, Leave and SetClosed run one at a time: to stop a Next in flight,
 // cancel its context (or Close the handle).

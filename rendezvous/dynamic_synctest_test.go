@@ -215,10 +215,53 @@ func TestBubbleDeadNode(t *testing.T) {
 			}
 			time.Sleep(100 * time.Millisecond)
 		}
+		// Both survivors leave the holed round to rejoin: round 1 expects
+		// nobody else, so it completes as the second rejoins, without the
+		// 30 s last call.
 		start = time.Now()
 		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
 			x := <-ch
-			if x.err != nil || x.r.Number != 1 || len(x.r.Members) != 2 || x.r.Rank != i || x.at != 30*time.Second+time.Nanosecond {
+			if x.err != nil || x.r.Number != 1 || len(x.r.Members) != 2 || x.r.Rank != i || x.at != 0 {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+	})
+}
+
+// TestBubbleRejoinerDies: of round 0's three members, all leave it to
+// rejoin (a restart), and one dies before it joins again. The other two
+// do not wait for it past its heartbeat's TTL (15 s after it left), nor
+// for the last call they started (30 s): round 1 completes when the dead
+// rejoiner is forgotten.
+func TestBubbleRejoinerDies(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newMemStore()
+		cfg := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 3}
+		ds := bubbleNodes(t, m, 3, cfg)
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
+			if x := <-ch; x.err != nil || x.at != 0 {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		// Node 2 leaves round 0 to rejoin (Next's exit), and dies before
+		// its join: its exit is played on the core, as Next would run it.
+		ds[2].Close()
+		snap, err := ds[0].read(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		st := snap.st.clone()
+		if !st.apply(nextExitAction(st, nd(2), time.Now(), time.Now().Add(time.Hour)), nd(2), nil, time.Now(), cfg.withDefaults()) {
+			t.Fatal("exit changed nothing")
+		}
+		if ok, err := ds[0].commit(context.Background(), snap, st); err != nil || !ok {
+			t.Fatalf("commit: %v %v", ok, err)
+		}
+		start = time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+			x := <-ch
+			if x.err != nil || x.r.Number != 1 || len(x.r.Members) != 2 || x.r.Rank != i || x.at != 15*time.Second+time.Nanosecond {
 				t.Fatalf("node %d: %+v", i, x)
 			}
 		}

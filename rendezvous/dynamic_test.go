@@ -145,7 +145,7 @@ func TestJoinAction(t *testing.T) {
 		{"closed beats complete", mkState(dynState{Closed: true, Complete: true, Size: 2}, part(1, fresh), part(2, fresh)), 12 * time.Second, actErrClosed},
 		{"complete, mine", mkState(dynState{Complete: true, Size: 2}, part(1, fresh), part(2, fresh)), 12 * time.Second, actFinish},
 		{"complete, mine, even past the deadline", mkState(dynState{Complete: true, Size: 2}, part(1, fresh), part(2, fresh)), 700 * time.Second, actFinish},
-		{"complete, mine, but a member is gone", mkState(dynState{Complete: true, Size: 3}, part(1, fresh), part(2, fresh)), 12 * time.Second, actRemoveFromParticipants},
+		{"complete, mine, but a member is gone", mkState(dynState{Complete: true, Size: 3}, part(1, fresh), part(2, fresh)), 12 * time.Second, actRemoveToRejoin},
 		{"past deadline, participant: roll back", mkState(dynState{}, part(1, fresh)), 601 * time.Second, actRemoveFromParticipants},
 		{"past deadline, waiting: roll back", mkState(dynState{Complete: true, Size: 2}, part(2, fresh), part(3, fresh), wl(1, fresh)), 601 * time.Second, actRemoveFromWaitList},
 		{"past deadline, nowhere", mkState(dynState{}, part(2, fresh)), 601 * time.Second, actErrTimeout},
@@ -160,6 +160,9 @@ func TestJoinAction(t *testing.T) {
 		{"gathering, last call ends now: not yet", mkState(dynState{Deadline: at(12 * time.Second)}, part(1, fresh), part(2, fresh)), 12 * time.Second, actSync},
 		{"gathering, last call running", mkState(dynState{Deadline: at(30 * time.Second)}, part(1, fresh), part(2, fresh)), 12 * time.Second, actSync},
 		{"gathering, below min", mkState(dynState{}, part(1, fresh)), 12 * time.Second, actSync},
+		{"gathering, every rejoiner back", mkState(dynState{Deadline: at(30 * time.Second), Rejoin: []rejoiner{{NodeDesc: nd(1)}, {NodeDesc: nd(2)}}}, part(1, fresh), part(2, fresh)), 12 * time.Second, actMarkComplete},
+		{"gathering, a rejoiner missing", mkState(dynState{Deadline: at(30 * time.Second), Rejoin: []rejoiner{{NodeDesc: nd(1)}, {NodeDesc: nd(3)}}}, part(1, fresh), part(2, fresh)), 12 * time.Second, actSync},
+		{"gathering, every rejoiner back but below min", mkState(dynState{Rejoin: []rejoiner{{NodeDesc: nd(1)}}}, part(1, fresh)), 12 * time.Second, actSync},
 		{"gathering, below min with a stray deadline", mkState(dynState{Deadline: at(time.Second)}, part(1, fresh)), 12 * time.Second, actSync},
 		{"gathering, heartbeat due", mkState(dynState{Deadline: at(30 * time.Second)}, part(1, fresh), part(2, fresh)), 15 * time.Second, actKeepAlive},
 		{"gathering, not in it", mkState(dynState{}, part(2, fresh)), 12 * time.Second, actAddToParticipants},
@@ -189,7 +192,7 @@ func TestExitLeaveCloseKeepAliveActions(t *testing.T) {
 		got  action
 		want action
 	}{
-		{"exit: participant", nextExitAction(mine, me, early, deadline), actRemoveFromParticipants},
+		{"exit: participant, to rejoin", nextExitAction(mine, me, early, deadline), actRemoveToRejoin},
 		{"exit: participant, late", nextExitAction(mine, me, late, deadline), actErrTimeout},
 		{"exit: waiting is not torchrun's business", nextExitAction(waiting, me, early, deadline), actFinish},
 		{"exit: nowhere", nextExitAction(other, me, late, deadline), actFinish},
@@ -197,6 +200,7 @@ func TestExitLeaveCloseKeepAliveActions(t *testing.T) {
 		{"leave: waiting", nextLeaveAction(waiting, me, early, deadline), actRemoveFromWaitList},
 		{"leave: late", nextLeaveAction(waiting, me, late, deadline), actErrTimeout},
 		{"leave: nowhere", nextLeaveAction(other, me, late, deadline), actFinish},
+		{"leave: a rejoiner on its way", nextLeaveAction(mkState(dynState{Rejoin: []rejoiner{{NodeDesc: me}}}, part(2, 0)), me, early, deadline), actForgetRejoin},
 		{"close: open", nextCloseAction(other, early, deadline), actMarkClosed},
 		{"close: late", nextCloseAction(other, late, deadline), actErrTimeout},
 		{"close: closed", nextCloseAction(closed, late, deadline), actFinish},
@@ -491,6 +495,122 @@ func TestSanitize(t *testing.T) {
 	}
 }
 
+// TestRejoin: members that leave a complete round to rejoin are the next
+// round's known arrivals; once all of them are in again (or known dead) and
+// MinNodes are, the round completes without the last call.
+func TestRejoin(t *testing.T) {
+	cfg := coreCfg() // 2:4, last call 30s, ttl 15s
+	now := at(time.Minute)
+	// round0 is a complete round of nodes 0..n-1, plus waiting nodes.
+	round0 := func(n int, waiting ...int) *dynState {
+		var nodes []nodeState
+		for i := range n {
+			nodes = append(nodes, part(i, 50*time.Second))
+		}
+		for _, i := range waiting {
+			nodes = append(nodes, wl(i, 50*time.Second))
+		}
+		s := mkState(dynState{Complete: true, Size: n}, nodes...)
+		for i := range s.Nodes {
+			if !s.Nodes[i].Waiting {
+				s.Nodes[i].Rank = i
+			}
+		}
+		return s
+	}
+	type step struct {
+		a    action
+		node int
+	}
+	tests := []struct {
+		name         string
+		s            *dynState
+		steps        []step
+		wantComplete bool
+		wantLastCall bool
+		wantIn       []int
+	}{
+		{"all three rejoin: complete as the last is in", round0(3), []step{
+			{actRemoveToRejoin, 0}, {actRemoveToRejoin, 1}, {actRemoveToRejoin, 2},
+			{actAddToParticipants, 2}, {actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, true, false, []int{0, 1, 2}},
+		{"one of three not back yet: last call", round0(3), []step{
+			{actRemoveToRejoin, 0}, {actRemoveToRejoin, 1}, {actRemoveToRejoin, 2},
+			{actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, false, true, []int{0, 1}},
+		{"the missing one shuts down: complete", round0(3), []step{
+			{actRemoveToRejoin, 0}, {actRemoveToRejoin, 1}, {actRemoveToRejoin, 2},
+			{actAddToParticipants, 0}, {actAddToParticipants, 1}, {actForgetRejoin, 2},
+		}, true, false, []int{0, 1}},
+		{"a member left for good, the others rejoin", round0(3), []step{
+			{actRemoveFromParticipants, 2}, {actRemoveToRejoin, 0}, {actRemoveToRejoin, 1},
+			{actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, true, false, []int{0, 1}},
+		{"rejoiners wait in the round still running, admitted at once", round0(2), []step{
+			{actRemoveToRejoin, 0}, {actAddToWaitList, 0}, {actRemoveToRejoin, 1}, {actAddToParticipants, 1},
+		}, true, false, []int{0, 1}},
+		{"a newcomer waiting is admitted, not awaited", round0(2, 7), []step{
+			{actRemoveToRejoin, 0}, {actRemoveToRejoin, 1}, {actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, true, false, []int{0, 1, 7}},
+		{"rejoiners below min: nothing to complete", round0(2), []step{
+			{actRemoveFromParticipants, 1}, {actRemoveToRejoin, 0}, {actAddToParticipants, 0},
+		}, false, false, []int{0}},
+		{"a first round has no rejoiners: last call", &dynState{}, []step{
+			{actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, false, true, []int{0, 1}},
+		{"leaving a round still gathering is not rejoining", &dynState{}, []step{
+			{actAddToParticipants, 0}, {actRemoveToRejoin, 0}, {actAddToParticipants, 0}, {actAddToParticipants, 1},
+		}, false, true, []int{0, 1}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := tt.s
+			for _, st := range tt.steps {
+				if !s.apply(st.a, nd(st.node), nil, now, cfg) {
+					t.Fatalf("%v of node %d changed nothing", st.a, st.node)
+				}
+			}
+			var in []int
+			for _, e := range s.Nodes {
+				if !e.Waiting {
+					in = append(in, e.Pid-1000)
+				}
+			}
+			if s.Complete != tt.wantComplete || !s.Deadline.IsZero() != tt.wantLastCall || !slices.Equal(in, tt.wantIn) {
+				t.Fatalf("complete %v deadline %v participants %v rejoin %v", s.Complete, s.Deadline, in, s.Rejoin)
+			}
+			if s.Complete && (s.Rejoin != nil || s.Size != len(in)) {
+				t.Errorf("complete with rejoiners %v, size %d", s.Rejoin, s.Size)
+			}
+		})
+	}
+
+	// A rejoiner that dies on its way (out of both lists a TTL after it
+	// left) is forgotten by sanitize, which completes the round if the
+	// others are in; one still alive in the wait list is not.
+	s := round0(3)
+	for _, i := range []int{0, 1, 2} {
+		s.apply(actRemoveToRejoin, nd(i), nil, now, cfg)
+	}
+	s.apply(actAddToParticipants, nd(0), nil, now, cfg)
+	s.apply(actAddToParticipants, nd(1), nil, now, cfg)
+	if s.sanitize(now.Add(cfg.ttl()), cfg) || s.Complete {
+		t.Fatal("a rejoiner forgotten at exactly its TTL")
+	}
+	s.Nodes[0].Heartbeat, s.Nodes[1].Heartbeat = now.Add(cfg.ttl()), now.Add(cfg.ttl())
+	if !s.sanitize(now.Add(cfg.ttl()+1), cfg) || !s.Complete || s.Size != 2 {
+		t.Fatalf("dead rejoiner: changed, complete %v size %d rejoin %v", s.Complete, s.Size, s.Rejoin)
+	}
+	if got := s.wakeAt(nd(0), now, at(time.Hour), cfg); !got.Equal(now.Add(cfg.KeepAliveInterval)) {
+		t.Errorf("wake at %v with no rejoiner out", got.Sub(t0))
+	}
+	s = round0(2)
+	s.apply(actRemoveToRejoin, nd(1), nil, now, cfg)
+	if got, want := s.wakeAt(nd(0), now.Add(14*time.Second), at(time.Hour), cfg), now.Add(cfg.ttl()+1); !got.Equal(want) {
+		t.Errorf("wake at %v, want the rejoiner's TTL %v", got.Sub(t0), want.Sub(t0))
+	}
+}
+
 func TestWakeAt(t *testing.T) {
 	cfg := coreCfg() // interval 5s, ttl 15s
 	me := nd(1)
@@ -551,6 +671,18 @@ func TestStateJSON(t *testing.T) {
 	var back dynState
 	if err := json.Unmarshal(b, &back); err != nil || !reflect.DeepEqual(&back, s) {
 		t.Errorf("round trip: %+v, %v", back, err)
+	}
+	s.Rejoin = []rejoiner{{NodeDesc: NodeDesc{Addr: "h_z", Pid: 5}, Left: t0}}
+	b, err = json.Marshal(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := `,"rejoin":[{"addr":"h_z","pid":5,"local_id":0,"left":"2026-03-01T12:00:00Z"}]}`; !strings.HasSuffix(string(b), want) {
+		t.Errorf("rejoiners' layout: %s, want it to end %s", b, want)
+	}
+	back = dynState{}
+	if err := json.Unmarshal(b, &back); err != nil || !reflect.DeepEqual(&back, s) {
+		t.Errorf("round trip with rejoiners: %+v, %v", back, err)
 	}
 	if string(emptyState) != `{"round":0,"complete":false,"wake":0}` {
 		t.Errorf("empty state %s", emptyState)
@@ -697,8 +829,8 @@ func TestScenarioDeadNode(t *testing.T) {
 		t.Fatalf("lost %v", st.Lost)
 	}
 	// Node 1 had not returned from Next yet: it must not take the holed
-	// round but leave it.
-	if got := nextJoinAction(m.s, nd(1), at(16*time.Second), at(time.Hour), cfg); got != actRemoveFromParticipants {
+	// round but leave it, to rejoin.
+	if got := nextJoinAction(m.s, nd(1), at(16*time.Second), at(time.Hour), cfg); got != actRemoveToRejoin {
 		t.Fatalf("holed round: %v", got)
 	}
 	now := at(16 * time.Second)
@@ -706,12 +838,12 @@ func TestScenarioDeadNode(t *testing.T) {
 		m.exit(i, now)
 		m.join(i, now)
 	}
-	m.join(0, now) // it waited while node 1 was still in round 0
-	// 2 of 2:3 joined: last call until 46s.
-	if !m.s.Deadline.Equal(at(46*time.Second)) || m.s.Round != 1 {
-		t.Fatalf("round %d deadline %v", m.s.Round, m.s.Deadline)
+	// Both survivors left round 0 to rejoin, and both are in round 1:
+	// nobody else is expected, so it completed without the 30 s last call.
+	if !m.s.Complete || m.s.Round != 1 || m.s.Rejoin != nil {
+		t.Fatalf("round %d complete %v rejoin %v", m.s.Round, m.s.Complete, m.s.Rejoin)
 	}
-	if !m.join(1, at(46*time.Second+1)) || !m.join(0, at(47*time.Second)) {
+	if !m.join(1, now) || !m.join(0, now) {
 		t.Fatal("round 1 not complete")
 	}
 	r, _ := m.s.round(nd(1))

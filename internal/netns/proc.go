@@ -57,28 +57,57 @@ func pidsInAny(paths []string) ([]int, error) {
 }
 
 // killAll sends SIGKILL to every process in the namespaces at paths until
-// none is left, or returns ErrStillRunning after timeout.
+// none is left and every one it killed has exited (a zombie at most), or
+// returns ErrStillRunning after timeout. A dying process leaves its
+// namespace before it becomes a zombie, so an empty namespace alone does
+// not mean its processes are done.
 func killAll(paths []string, timeout time.Duration) error {
 	if len(paths) == 0 {
 		return nil
 	}
 	deadline := time.Now().Add(timeout)
+	killed := map[int]uint64{} // pid → start time, which tells a reused pid
 	for {
 		pids, err := pidsInAny(paths)
-		if err != nil || len(pids) == 0 {
+		if err != nil {
 			return err
 		}
+		for pid, start := range killed {
+			if exited(pid, start) {
+				delete(killed, pid)
+			}
+		}
+		if len(pids) == 0 && len(killed) == 0 {
+			return nil
+		}
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%w after %v: pids %v in %s", ErrStillRunning, timeout, pids, strings.Join(paths, ", "))
+			return fmt.Errorf("%w after %v: pids %v in %s, %d more exiting", ErrStillRunning, timeout, pids, strings.Join(paths, ", "), len(killed))
 		}
 		for _, pid := range pids {
+			start, err := procStart(pid)
+			if err != nil {
+				continue // gone meanwhile
+			}
 			if err := syscall.Kill(pid, syscall.SIGKILL); err != nil && !errors.Is(err, syscall.ESRCH) {
 				return fmt.Errorf("netns: kill %d: %w", pid, err)
 			}
+			killed[pid] = start
 		}
 		// SIGKILL is delivered at once but the exit takes a moment.
 		time.Sleep(2 * time.Millisecond)
 	}
+}
+
+// exited reports whether the process pid that started at start has
+// exited: it is gone, its pid belongs to another process now, or it is a
+// zombie.
+func exited(pid int, start uint64) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	st, ok := parseStat(string(b))
+	return !ok || st.start != start || st.state == "Z" || st.state == "X"
 }
 
 // procStart returns the start time of process pid (field 22 of
@@ -89,17 +118,34 @@ func procStart(pid int) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
+	st, ok := parseStat(string(b))
+	if !ok {
+		return 0, fmt.Errorf("netns: malformed /proc/%d/stat", pid)
+	}
+	return st.start, nil
+}
+
+// procStat is what this package reads of /proc/PID/stat.
+type procStat struct {
+	state string // field 3: R, S, D, Z, …
+	start uint64 // field 22
+}
+
+func parseStat(s string) (procStat, bool) {
 	// The command name, field 2, is in parentheses and may hold anything;
 	// the fields after the last ')' start at field 3.
-	s := string(b)
 	i := strings.LastIndexByte(s, ')')
 	if i < 0 {
-		return 0, fmt.Errorf("netns: malformed /proc/%d/stat", pid)
+		return procStat{}, false
 	}
 	f := strings.Fields(s[i+1:])
 	const startField = 22 - 3
 	if len(f) <= startField {
-		return 0, fmt.Errorf("netns: short /proc/%d/stat", pid)
+		return procStat{}, false
 	}
-	return strconv.ParseUint(f[startField], 10, 64)
+	start, err := strconv.ParseUint(f[startField], 10, 64)
+	if err != nil {
+		return procStat{}, false
+	}
+	return procStat{state: f[0], start: start}, true
 }
