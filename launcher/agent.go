@@ -54,7 +54,7 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
 	a.multiNode = cfg.MaxNodes > 1
-	if a.multiNode && cfg.OnFailure == OnFailureShrink {
+	if a.multiNode {
 		// Before the rendezvous: this node's record carries its address.
 		addr := cfg.Rendezvous.LocalAddr
 		if addr == "" {
@@ -92,7 +92,7 @@ type agent struct {
 	health *Health // nil without --health-addr; its methods accept nil
 	// multiNode: the job has other nodes to watch while workers run.
 	multiNode bool
-	// gossip finds lost nodes in multi-node shrink mode; nil otherwise.
+	// gossip finds lost nodes in a multi-node job; nil otherwise.
 	gossip *gossip
 	// heartbeats receives workers' heartbeats (--heartbeat-timeout); nil
 	// when they are off. hung carries its reports to the monitor loop.
@@ -266,9 +266,9 @@ func (a *agent) run(ctx context.Context) error {
 				a.health.SetPhase(PhaseFailed)
 				return err
 			}
-			if a.gossip != nil {
-				a.gossip.join(ctx, p.gossip)
-			}
+		}
+		if a.gossip != nil {
+			a.gossip.join(ctx, p.gossip)
 		}
 		out, err := a.runRound(ctx, p, sigs, sv)
 		if err != nil {
@@ -417,7 +417,7 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
 	a.health.WorkersStarted(len(p.assignments))
 	a.health.SetPhase(PhaseRunning)
-	out := a.monitor(ctx, g, sigs, sv)
+	out := a.monitor(ctx, p, g, sigs, sv)
 	return out, nil
 }
 
@@ -426,8 +426,9 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 // group at once; in shrink mode (sv non-nil) it is reported to the
 // survivors' agreement and the others run on. The job is polled every
 // MonitorInterval for changes that end the round (nodes waiting, nodes
-// lost, the job closed).
-func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal, sv *survivors) outcome {
+// lost, the job closed); node liveness reports a dead node of the round
+// (p) as soon as it declares it.
+func (a *agent) monitor(ctx context.Context, p *plan, g *group, sigs <-chan os.Signal, sv *survivors) outcome {
 	forward := func(s os.Signal) {
 		a.log.Info("forwarding signal to workers", zap.Stringer("signal", s))
 		g.signal(s.(syscall.Signal))
@@ -506,15 +507,27 @@ func (a *agent) monitor(ctx context.Context, g *group, sigs <-chan os.Signal, sv
 		case ev := <-a.hung:
 			a.stopHung(g, ev)
 		case ev := <-a.gossip.eventsOrNil():
-			if ev.Kind != health.NodeDead || sv == nil {
+			id, member := p.nodeOfGossip(ev.Node)
+			if ev.Kind != health.NodeDead || !member {
 				a.log.Debug("node liveness", zap.Stringer("event", ev))
 				continue
 			}
-			n, err := sv.gossipLost(ctx, ev.Node, ev.Reason)
-			a.health.FailureReported(ReportNode, n)
-			if err != nil {
-				return fallBack(err.Error())
+			if sv != nil {
+				n, err := sv.nodesLost(ctx, []string{id}, "node liveness: "+ev.Reason)
+				a.health.FailureReported(ReportNode, n)
+				if err != nil {
+					return fallBack(err.Error())
+				}
+				continue
 			}
+			// Restart mode: the survivors re-rendezvous without it now,
+			// rather than when its rendezvous keep-alive lapses.
+			a.log.Warn("stopping workers: node liveness declared a node dead", zap.String("node", id), zap.String("why", ev.Reason))
+			if err := a.m.expel(ctx, id); err != nil {
+				a.log.Warn("taking the dead node out of the rendezvous; the next round waits for its keep-alive to lapse", zap.String("node", id), zap.Error(err))
+			}
+			stop(syscall.SIGTERM)
+			return outcome{change: &change{lost: []string{id}}, lost: out.lost, failures: out.failures}
 		case <-poll:
 			c, err := a.m.watch(ctx)
 			if err != nil {

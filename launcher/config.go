@@ -323,7 +323,7 @@ type Config struct {
 	// leaves heartbeats off. --heartbeat-timeout.
 	HeartbeatTimeout time.Duration
 	// NodeLiveness tunes the gossip among agents that finds a lost node in
-	// multi-node shrink mode.
+	// a multi-node job.
 	NodeLiveness NodeLivenessConfig
 
 	// gossip is this agent's gossip identity, set by the agent before the

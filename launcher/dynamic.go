@@ -92,7 +92,7 @@ type nodeInfo struct {
 	NProc    int    `json:"nproc"`
 	Addr     string `json:"addr"`
 	NodeRank int    `json:"node_rank"` // static only
-	// Gossip is the agent's node-liveness member, in shrink mode.
+	// Gossip is the agent's node-liveness member.
 	Gossip gossipPeer `json:"gossip"`
 }
 
@@ -606,6 +606,13 @@ func (d *dynamicNode) leave(ctx context.Context) {
 	if err := d.dyn.Leave(ctx); err != nil {
 		d.log.Debug("leaving the rendezvous", zap.Error(err))
 	}
+}
+
+// expel takes a node found dead out of the rendezvous (see expelNode).
+func (d *dynamicNode) expel(ctx context.Context, node string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return expelNode(ctx, d.store, d.dyn.Config(), node)
 }
 
 func (d *dynamicNode) close() {

@@ -195,22 +195,33 @@ func (e *etcdNode) reap(ctx context.Context) {
 	}
 }
 
-// expel takes node name out of the rendezvous state.
+// expel takes node name out of the rendezvous state. The reaper runs
+// before the first round, when the embedded dynamicNode has no handle yet,
+// hence the configuration of its own.
 func (e *etcdNode) expel(ctx context.Context, name string) error {
-	node, ok := parseNodeDesc(name)
-	if !ok {
-		return fmt.Errorf("%q is not a node of the rendezvous", name)
-	}
-	h, err := rendezvous.NewDynamic(e.store, node, nil, e.dcfg)
-	if err != nil {
-		return err
-	}
-	defer h.Close()
-	if err := h.Leave(ctx); err != nil {
+	if err := expelNode(ctx, e.store, e.dcfg, name); err != nil {
 		return err
 	}
 	e.log.Debug("node's etcd lease expired: taken out of the rendezvous", zap.String("node", name))
 	return nil
+}
+
+// expelNode takes the node named name (NodeDesc.String) out of the
+// dynamic rendezvous on st, leaving on its behalf: it was found dead, and
+// the round it was in is over. Every node that finds it dead may do it;
+// the first to write wins and the others find it out already.
+func expelNode(ctx context.Context, st rendezvous.Store, cfg rendezvous.DynamicConfig, name string) error {
+	node, ok := parseNodeDesc(name)
+	if !ok {
+		return fmt.Errorf("%q is not a node of the rendezvous", name)
+	}
+	cfg.OnProgress = nil
+	h, err := rendezvous.NewDynamic(st, node, nil, cfg)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	return h.Leave(ctx)
 }
 
 // parseNodeDesc reads NodeDesc.String()'s "addr_pid_localid"; the address

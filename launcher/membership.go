@@ -37,6 +37,10 @@ type membership interface {
 	finish(ctx context.Context, p *plan, ok bool) error
 	// leave takes this node out of the job (stopped by a signal).
 	leave(ctx context.Context)
+	// expel takes the node named node (a plan's nodeIDs entry) out of the
+	// rendezvous on its behalf: it was found dead, and the survivors'
+	// next round need not wait for its keep-alive to lapse.
+	expel(ctx context.Context, node string) error
 	// closed tells the job that this node has seen it closed by another.
 	closed(ctx context.Context)
 	close()
@@ -59,11 +63,22 @@ type plan struct {
 	// ranks each node runs.
 	nodes nodeRanks
 	// gossip are the members' node-liveness identities, by group rank
-	// (empty names outside multi-node shrink mode).
+	// (empty names on a single node).
 	gossip []gossipPeer
 	// barrierNodes is how many nodes meet at the exit barrier: the members
 	// less those lost in shrink mode. 0 means all members.
 	barrierNodes int
+}
+
+// nodeOfGossip returns the rendezvous identity of the member whose
+// node-liveness name is name, if it is one of the round's.
+func (p *plan) nodeOfGossip(name string) (string, bool) {
+	for g, peer := range p.gossip {
+		if peer.Name != "" && peer.Name == name && g < len(p.nodeIDs) {
+			return p.nodeIDs[g], true
+		}
+	}
+	return "", false
 }
 
 // atBarrier is the number of nodes the exit barrier waits for.
@@ -181,6 +196,7 @@ func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) 
 
 func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
 func (s *singleNode) leave(context.Context)                     {}
+func (s *singleNode) expel(context.Context, string) error       { return nil }
 func (s *singleNode) closed(context.Context)                    {}
 func (s *singleNode) close()                                    {}
 

@@ -32,7 +32,6 @@ type survivors struct {
 	me      int      // this node's group rank
 	nodeIDs []string // the round's nodes, by group rank
 	nodes   nodeRanks
-	gossip  []gossipPeer // the nodes' node-liveness identities
 	lost    map[int]bool // group ranks of nodes known lost
 	leading bool
 
@@ -50,7 +49,7 @@ type survivors struct {
 func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) (*survivors, error) {
 	me := p.assignments[0].GroupRank
 	s := &survivors{
-		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes, gossip: p.gossip,
+		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
 		lost: map[int]bool{}, pending: map[int]string{},
 		epoch: shrink.Initial(p.nodes.world()),
 	}
@@ -148,17 +147,6 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 		return len(names), nil
 	}
 	return len(names), s.file(ctx, ranks, fmt.Sprintf("node %s lost: %s", strings.Join(names, ", "), why), time.Now())
-}
-
-// gossipLost files the ranks of the node whose gossip member name was
-// declared dead.
-func (s *survivors) gossipLost(ctx context.Context, name, why string) (int, error) {
-	for g, p := range s.gossip {
-		if p.Name == name {
-			return s.nodesLost(ctx, []string{s.nodeIDs[g]}, "node liveness: "+why)
-		}
-	}
-	return 0, nil
 }
 
 func (s *survivors) file(ctx context.Context, ranks []int, reason string, seen time.Time) error {

@@ -111,6 +111,55 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 	}
 }
 
+// TestHostsRestartBlackhole: restart mode (torchrun's), the second host's
+// link cut mid-run. Node liveness runs in restart mode too: the first
+// host's agent finds the node dead in about a second, takes it out of the
+// rendezvous, stops its worker and re-rendezvouses alone (--nnodes 1:2),
+// long before the rendezvous keep-alive (5 s here; torchrun's default is
+// 15 s) would have noticed.
+func TestHostsRestartBlackhole(t *testing.T) {
+	at, bed := onBed(t, 2)
+	bin := testutil.BuildGorun(t)
+	var agents []*agentProc
+	for i := range 2 {
+		args := append(at.rdzv(i, "1:2"), "--rdzv-conf", slowKeepAlive, "--max-restarts", "1",
+			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worldWorker(1))
+		p := startAgentCmd(t, at.command(i, bin, args))
+		agents = append(agents, p)
+		if i == 0 {
+			waitStderr(t, p, at.hostLine)
+		}
+	}
+	for i, p := range agents {
+		if world, _ := p.expectRound(t, 0); world != 2 {
+			t.Fatalf("agent %d: round 0 world %d\n%s", i, world, p.stderr)
+		}
+	}
+	cut := time.Now()
+	if err := bed.Hosts[1].Blackhole(); err != nil {
+		t.Fatal(err)
+	}
+	world, restarts := agents[0].expectRound(t, 1)
+	took := time.Since(cut)
+	t.Logf("link cut to the survivor's round 1: %v", took.Round(time.Millisecond))
+	if world != 1 || restarts != 1 {
+		t.Fatalf("round 1: world %d restarts %d\n%s", world, restarts, agents[0].stderr)
+	}
+	if code := agents[0].exitCode(t, 30*time.Second); code != 0 {
+		t.Fatalf("the first host's agent exited %d\n%s", code, agents[0].stderr)
+	}
+	if err := bed.Hosts[1].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	log := agents[0].stderr.String()
+	if !strings.Contains(log, "node liveness declared a node dead") {
+		t.Errorf("node liveness did not find the node dead:\n%s", log)
+	}
+	if keepAlive := 5 * time.Second; took >= keepAlive {
+		t.Errorf("round 1 came %v after the cut: no sooner than the keep-alive (%v)", took, keepAlive)
+	}
+}
+
 // TestHostsShrinkLeaderLost: with the etcd backend every host serves the
 // worker store from etcd, so no host holds the agreement. The leading
 // agent's host (node 0) is killed outright, workers and all. The other

@@ -146,7 +146,7 @@ func launchFlags() []cli.Flag {
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
 		&cli.Float64Flag{Name: "node-probe-interval", Value: def.NodeLiveness.ProbeInterval.Seconds(),
-			Usage:   "shrink mode on several nodes: `SECONDS` between an agent's liveness probes of another (memberlist); a silent node is declared dead after about 6 of them",
+			Usage:   "several nodes: `SECONDS` between an agent's liveness probes of another (memberlist); a silent node is declared dead after about 6 of them",
 			EnvVars: []string{"GORUN_NODE_PROBE_INTERVAL"}, Category: catFT},
 		&cli.IntFlag{Name: "node-suspicion-mult", Value: def.NodeLiveness.SuspicionMult,
 			Usage:   "probe intervals a suspected node has to answer before it is declared dead; raise it on overloaded machines to avoid false verdicts",
