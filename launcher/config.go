@@ -184,6 +184,14 @@ const (
 	backendEtcdV2 = "etcd-v2"
 )
 
+// ErrEtcdNotLinked: the etcd backends are not in this build (see
+// EtcdBackendLinked).
+var ErrEtcdNotLinked = errors.New("this gorun is built without the etcd backends (tag gorun_noetcd)")
+
+// IsEtcdBackend reports whether --rdzv-backend name is one of the etcd
+// backends.
+func IsEtcdBackend(name string) bool { return name == backendEtcd || name == backendEtcdV2 }
+
 // defaultC10dPort is the port of a c10d endpoint given without one
 // (torchrun's); etcd's is etcd.DefaultPort, 2379.
 const defaultC10dPort = 29400
@@ -677,8 +685,7 @@ func (r RendezvousConfig) validate(minNodes, maxNodes int) error {
 		}
 		return validateEndpoint(r.Endpoint, defaultC10dPort)
 	case backendEtcd, backendEtcdV2:
-		_, err := r.etcdSettings(r.RunID)
-		return err
+		return r.validateEtcd()
 	}
 	return invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", r.Backend)
 }

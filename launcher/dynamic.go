@@ -47,11 +47,7 @@ func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID stri
 		}
 		return d, nil
 	case backendEtcd, backendEtcdV2:
-		e, err := newEtcdNode(ctx, cfg, log, runID)
-		if err != nil {
-			return nil, err
-		}
-		return e, nil
+		return newEtcdMembership(ctx, cfg, log, runID)
 	}
 	// Validate refuses other backends; this is for a Config it did not see.
 	return nil, invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", cfg.Rendezvous.Backend)
@@ -606,6 +602,51 @@ func (d *dynamicNode) leave(ctx context.Context) {
 	if err := d.dyn.Leave(ctx); err != nil {
 		d.log.Debug("leaving the rendezvous", zap.Error(err))
 	}
+}
+
+// expelNode takes the node named name (NodeDesc.String) out of the
+// dynamic rendezvous on st, leaving on its behalf: it was found dead, and
+// the round it was in is over. Every node that finds it dead may do it;
+// the first to write wins and the others find it out already.
+func expelNode(ctx context.Context, st rendezvous.Store, cfg rendezvous.DynamicConfig, name string) error {
+	node, ok := parseNodeDesc(name)
+	if !ok {
+		return fmt.Errorf("%q is not a node of the rendezvous", name)
+	}
+	cfg.OnProgress = nil
+	h, err := rendezvous.NewDynamic(st, node, nil, cfg)
+	if err != nil {
+		return err
+	}
+	defer h.Close()
+	return h.Leave(ctx)
+}
+
+// parseNodeDesc reads NodeDesc.String()'s "addr_pid_localid"; the address
+// may hold underscores, the last two fields are numbers.
+func parseNodeDesc(s string) (rendezvous.NodeDesc, bool) {
+	rest, local, ok := cutLast(s, "_")
+	if !ok {
+		return rendezvous.NodeDesc{}, false
+	}
+	addr, pid, ok := cutLast(rest, "_")
+	if !ok || addr == "" {
+		return rendezvous.NodeDesc{}, false
+	}
+	p, err1 := strconv.Atoi(pid)
+	l, err2 := strconv.Atoi(local)
+	if err1 != nil || err2 != nil {
+		return rendezvous.NodeDesc{}, false
+	}
+	return rendezvous.NodeDesc{Addr: addr, Pid: p, LocalID: l}, true
+}
+
+func cutLast(s, sep string) (before, after string, ok bool) {
+	i := strings.LastIndex(s, sep)
+	if i < 0 {
+		return s, "", false
+	}
+	return s[:i], s[i+len(sep):], true
 }
 
 // expel takes a node found dead out of the rendezvous (see expelNode).

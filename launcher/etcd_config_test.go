@@ -1,3 +1,5 @@
+//go:build !gorun_noetcd
+
 package launcher
 
 import (

@@ -183,6 +183,10 @@ var numaModes = []string{"node", "socket", "exclusive", "core-complex"}
 // runLaunch is the root command's action: build the Config, then run the
 // agent until the job ends.
 func runLaunch(c *cli.Context) error {
+	if launcher.IsEtcdBackend(c.String("rdzv-backend")) && !launcher.EtcdBackendLinked {
+		argv, _ := c.App.Metadata[argvKey].([]string)
+		return handOverToEtcdBuild(argv) // returns only if it could not
+	}
 	log, err := newLogger(c)
 	if err != nil {
 		return err

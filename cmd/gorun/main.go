@@ -15,12 +15,17 @@ import (
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
+
+	"github.com/gorunhq/gorun/launcher"
 )
 
 // version is set at build time with -ldflags "-X main.version=…".
 var version = "dev"
 
 func main() {
+	if launcher.EtcdBackendLinked {
+		os.Unsetenv(handOverEnv) // for the workers: see handOverToEtcdBuild
+	}
 	os.Exit(run(context.Background(), os.Args, os.Stdin, os.Stdout, os.Stderr))
 }
 
@@ -36,6 +41,7 @@ func runApp(ctx context.Context, app *cli.App, args []string) int {
 		// `gorun -- store …` runs a program named store.
 		app.Commands, app.HideHelpCommand = nil, true
 	}
+	app.Metadata = map[string]any{argvKey: args}
 	err := app.RunContext(ctx, args)
 	if err == nil {
 		return ExitOK
