@@ -93,3 +93,28 @@ echo
 echo "## Fault recovery: gorun vs torchrun 1.13 ($(nproc) cores, $(date -u +%F))"
 bin/ftbench -trials "${FT_TRIALS:-10}" -gorun bin/gorun -worker bin/allreduce -python "${PYTHON:-/usr/bin/python3}" \
   -out bench/results/ft.jsonl | tee bench/results/ft.md
+
+# Fault recovery on several hosts: 2 network-namespace hosts × 4 ranks
+# (internal/netns; needs root and iproute2), a crashed rank (c10d), then the
+# link of the host that runs rank 5 cut (blackhole) with the c10d store on
+# host 0 and with etcd in the root namespace (lease_ttl=1). Knob (env):
+# FT_HOSTS_TRIALS (default FT_TRIALS).
+ft_hosts() { # NAME, then ftbench's flags
+  local name=$1
+  shift
+  echo
+  echo "## Fault recovery, 2 hosts: $name ($(nproc) cores, $(date -u +%F))"
+  bin/ftbench -hosts 2 -nproc 4 -trials "${FT_HOSTS_TRIALS:-${FT_TRIALS:-10}}" -gorun bin/gorun -worker bin/allreduce \
+    -python "${PYTHON:-/usr/bin/python3}" -out "bench/results/ft-hosts-$name.jsonl" "$@" | tee "bench/results/ft-hosts-$name.md"
+}
+if [ "$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1 && command -v bridge >/dev/null 2>&1; then
+  ft_hosts kill-c10d -fault kill -backend c10d -rows 1,2,3
+  ft_hosts blackhole-c10d -fault blackhole -backend c10d -victim 5 -rows 1,2
+  if command -v etcd >/dev/null 2>&1; then
+    ft_hosts blackhole-etcd -fault blackhole -backend etcd -victim 5 -rows 1,2
+  else
+    echo "## Fault recovery, 2 hosts, etcd: skipped (no etcd binary; install etcd-server)"
+  fi
+else
+  echo "## Fault recovery, 2 hosts: skipped (network namespaces need root and iproute2's ip and bridge)"
+fi

@@ -1,8 +1,9 @@
-// Command ftbench measures how long a job takes to recover from a crashed
-// rank: from the SIGKILL of one worker to the survivors' first successful
-// collective, under gorun's two failure modes and under torchrun 1.13. It
-// prints a markdown table (median and p90 over -trials) for BENCHMARKS.md
-// and, with -out, every trial as a JSON line.
+// Command ftbench measures how long a job takes to recover from a fault —
+// a crashed rank (SIGKILL) or, on several hosts, a host cut off the network
+// (blackhole) — to the survivors' first successful collective, under
+// gorun's two failure modes and under torchrun 1.13. It prints a markdown
+// table (median and p90 over -trials) for BENCHMARKS.md and, with -out,
+// every trial as a JSON line.
 //
 // Rows (all in the same run, interleaved within each trial, the order
 // rotated from trial to trial, so that the machine's noise hits all alike):
@@ -23,20 +24,35 @@
 //
 // Every worker prints `first-collective attempt=A epoch=E unix_ns=T` after
 // its first successful collective of each attempt (TORCHELASTIC_RESTART_
-// COUNT) and shrink epoch. A trial starts the job (-hosts × -nproc ranks,
-// only -hosts 1 yet: one agent, --standalone), waits until every rank has
-// stamped attempt 0 epoch 0, lets it run -warmup more, reads the clock and
-// SIGKILLs rank -victim, then waits until every rank of the recovery — the
-// survivors at attempt 0 epoch 1 (shrink) or all ranks at attempt 1 epoch 0
-// (restart) — has stamped. The trial's value is the last of those stamps
-// minus the kill time (the group works again when every member does); the
-// first is recorded too. Stamps and kill time are the same machine's
-// CLOCK_REALTIME. Each trial is bounded by -trial-timeout. At its end the
-// launcher gets SIGTERM (and its process group SIGKILL if it has not
-// stopped within 10 s), and the benchmark — a child subreaper — kills and
-// reaps whatever it left, and counts that.
+// COUNT) and shrink epoch. A trial starts the job (-hosts × -nproc ranks),
+// waits until every rank has stamped attempt 0 epoch 0, lets it run -warmup
+// more, reads the clock and brings the fault, then waits until every rank
+// of the recovery has stamped: the survivors at attempt 0 epoch 1 (shrink),
+// or the group at attempt 1 epoch 0 (restart) — every rank after a SIGKILL,
+// the other hosts' after a cut. The trial's value is the last of those
+// stamps minus the fault's time (the group works again when every member
+// does); the first is recorded too. Stamps and fault time are the same
+// machine's CLOCK_REALTIME. Each trial is bounded by -trial-timeout. At its
+// end the launchers get SIGTERM (and their process groups SIGKILL if they
+// have not stopped within 10 s), and the benchmark — a child subreaper —
+// kills and reaps whatever they left, and counts that.
+//
+// With -hosts 1 there is one agent, started with --standalone. With -hosts
+// H ≥ 2 (root, iproute2) the benchmark builds a network-namespace bed of H
+// hosts (internal/netns) and runs agent i in host i with --nnodes H (1:H
+// for a restart after a cut, so that the others carry on), its host's
+// --local-addr, a fresh --rdzv-id per trial and -backend's rendezvous:
+// c10d, the store hosted by host 0's agent, or etcd, one member that the
+// benchmark starts in the root namespace on the bed's gateway (data under
+// its temporary directory, stopped and removed at the end). -fault
+// blackhole cuts the link of the host that runs rank -victim (its frames
+// are dropped: no reset, no error); at the trial's end that host's
+// processes are killed (they cannot learn that the job ended) and its link
+// restored. PyTorch workers on the bed get GLOO_SOCKET_IFNAME=eth0. The bed
+// and etcd go at the end, on SIGINT too.
 //
 //	go run ./bench/ftbench -trials 10 -out bench/results/ft.jsonl
+//	go run ./bench/ftbench -hosts 2 -nproc 4 -fault blackhole -backend etcd -victim 5 -rows 2
 //
 // gorun and the Go worker are built from this repository into a temporary
 // directory unless -gorun and -worker name binaries.
@@ -64,35 +80,59 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/gorunhq/gorun/bench/internal/stats"
+	"github.com/gorunhq/gorun/internal/netns"
 )
 
 // config is the benchmark's settings, from the flags.
 type config struct {
 	trials       int
 	hosts, nproc int
-	victim       int           // the global rank killed
-	warmup       time.Duration // run time between every rank's first collective and the kill
+	victim       int           // the global rank killed, or whose host is cut off
+	fault        string        // faultKill or faultBlackhole
+	backend      string        // the rendezvous of several hosts: backendC10d or backendEtcd
+	warmup       time.Duration // run time between every rank's first collective and the fault
 	stepMs       int           // the workers' pause between steps
 	trialTimeout time.Duration
 	rows         string // which rows, by number; "" for all
 	settleWindow string // gorun --settle-window in shrink rows; "" for its default
+	// rdzvConf is every multi-host agent's --rdzv-conf; c10dConf and
+	// etcdConf are added to gorun's for its backend.
+	rdzvConf, c10dConf, etcdConf string
 
 	gorun, worker string // binaries; built when empty
 	python        string // Python with torch 1.13, for torchrun and the Python workers
+	etcd          string // the etcd binary, for -backend etcd
 	root          string // the repository: bench/gloo_resume.py, examples/torch/…
 	out, logs     string // JSON lines; a directory for every trial's console output
 
 	tmp          string // removed at the end
 	torchVersion string // "" when -python cannot import torch
+
+	// The multi-host mode's bed (nil with -hosts 1), and what the
+	// agents' command lines need of it.
+	bed          *netns.Bed
+	hostIPs      []string // by host
+	hostNames    []string // by host: its namespace's name, its host name for torchrun
+	hostsFile    string   // an /etc/hosts that names every host
+	etcdEndpoint string   // host:port of the etcd member, with -backend etcd
+	// spare are children of the benchmark that outlive trials (etcd):
+	// not a launcher's leftovers.
+	spare []int
 }
 
 func main() {
 	var c config
 	flag.IntVar(&c.trials, "trials", 10, "trials per row")
-	flag.IntVar(&c.hosts, "hosts", 1, "hosts the ranks are spread over (only 1 yet)")
+	flag.IntVar(&c.hosts, "hosts", 1, "hosts the ranks are spread over: 1 (--standalone), or 2 or more network-namespace hosts (needs root and iproute2)")
 	flag.IntVar(&c.nproc, "nproc", 8, "ranks per host")
-	flag.IntVar(&c.victim, "victim", 3, "the global rank SIGKILLed in every trial")
-	flag.DurationVar(&c.warmup, "warmup", 500*time.Millisecond, "run time after every rank's first collective before the kill")
+	flag.IntVar(&c.victim, "victim", 3, "the global rank SIGKILLed (-fault kill), or whose host is cut off (-fault blackhole), in every trial")
+	flag.StringVar(&c.fault, "fault", faultKill, "kill: SIGKILL rank -victim; blackhole: cut the link of the host that runs it (-hosts 2 or more)")
+	flag.StringVar(&c.backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member started in the root namespace)")
+	flag.StringVar(&c.rdzvConf, "rdzv-conf", "join_timeout=30,last_call_timeout=1", "every multi-host agent's --rdzv-conf (gorun's and torchrun's)")
+	flag.StringVar(&c.c10dConf, "c10d-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2", "added to gorun's --rdzv-conf with -backend c10d: a node silent for 1 s is lost, as with -etcd-conf's lease (torchrun 1.13 has no such keys)")
+	flag.StringVar(&c.etcdConf, "etcd-conf", "lease_ttl=1", "added to gorun's --rdzv-conf with -backend etcd")
+	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
+	flag.DurationVar(&c.warmup, "warmup", 500*time.Millisecond, "run time after every rank's first collective before the fault")
 	flag.IntVar(&c.stepMs, "step-ms", 5, "the workers' pause between collectives, in milliseconds")
 	flag.DurationVar(&c.trialTimeout, "trial-timeout", 3*time.Minute, "bound on one trial, start to recovery")
 	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
@@ -112,18 +152,13 @@ func main() {
 	}
 }
 
-func run(ctx context.Context, c *config, stdout io.Writer) error {
+func run(ctx context.Context, c *config, stdout io.Writer) (err error) {
 	selected, err := c.selectRows()
 	if err != nil {
 		return err
 	}
-	switch {
-	case c.trials < 1 || c.nproc < 2:
-		return errors.New("-trials must be at least 1 and -nproc at least 2")
-	case c.victim < 0 || c.victim >= c.hosts*c.nproc:
-		return fmt.Errorf("-victim %d is not a rank of %d", c.victim, c.hosts*c.nproc)
-	case c.hosts != 1:
-		return fmt.Errorf("-hosts %d: only 1 is supported yet (several hosts need network namespaces)", c.hosts)
+	if err := c.validate(); err != nil {
+		return err
 	}
 	// Orphans of a launcher are reparented to us, so none escapes.
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
@@ -135,6 +170,13 @@ func run(ctx context.Context, c *config, stdout io.Writer) error {
 	defer os.RemoveAll(c.tmp)
 	if err := c.build(ctx); err != nil {
 		return err
+	}
+	if c.hosts > 1 {
+		tearDown, err := c.setUpHosts(ctx)
+		if err != nil {
+			return err
+		}
+		defer func() { err = errors.Join(err, tearDown()) }()
 	}
 	if c.logs != "" {
 		if err := os.MkdirAll(c.logs, 0o755); err != nil {
@@ -155,11 +197,19 @@ func run(ctx context.Context, c *config, stdout io.Writer) error {
 	}
 
 	c.torchVersion = torchVersion(ctx, c.python)
-	var skipped string
-	if c.torchVersion == "" && slices.ContainsFunc(selected, row.torch) {
-		skipped = fmt.Sprintf("PyTorch rows skipped: %s cannot import torch.", c.python)
-		fmt.Fprintln(os.Stderr, "ftbench:", skipped)
-		selected = slices.DeleteFunc(selected, row.torch)
+	var skipped []string
+	skip := func(drop func(row) bool, why string) {
+		if slices.ContainsFunc(selected, drop) {
+			skipped = append(skipped, why)
+			fmt.Fprintln(os.Stderr, "ftbench:", why)
+			selected = slices.DeleteFunc(selected, drop)
+		}
+	}
+	if c.torchVersion == "" {
+		skip(row.torch, fmt.Sprintf("PyTorch rows skipped: %s cannot import torch.", c.python))
+	}
+	if why := c.torchrunMissing(); why != "" {
+		skip(func(r row) bool { return r.launcher == torchrunLauncher }, "torchrun row skipped: "+why+".")
 	}
 
 	var all []result
@@ -179,6 +229,49 @@ func run(ctx context.Context, c *config, stdout io.Writer) error {
 	}
 	printTable(stdout, c, selected, all, skipped)
 	return ctx.Err()
+}
+
+// validate checks the flags that do not depend on each other's rows.
+func (c *config) validate() error {
+	switch {
+	case c.trials < 1 || c.nproc < 2:
+		return errors.New("-trials must be at least 1 and -nproc at least 2")
+	case c.hosts < 1 || c.hosts > netns.MaxHosts:
+		return fmt.Errorf("-hosts %d: want 1 to %d", c.hosts, netns.MaxHosts)
+	case c.victim < 0 || c.victim >= c.hosts*c.nproc:
+		return fmt.Errorf("-victim %d is not a rank of %d", c.victim, c.hosts*c.nproc)
+	case c.fault != faultKill && c.fault != faultBlackhole:
+		return fmt.Errorf("-fault %q: want %s or %s", c.fault, faultKill, faultBlackhole)
+	case c.backend != backendC10d && c.backend != backendEtcd:
+		return fmt.Errorf("-backend %q: want %s or %s", c.backend, backendC10d, backendEtcd)
+	case c.hosts == 1 && c.fault == faultBlackhole:
+		return errors.New("-fault blackhole cuts a host off the others: it needs -hosts 2 or more")
+	case c.hosts == 1 && c.backend != backendC10d:
+		return fmt.Errorf("-backend %s needs -hosts 2 or more (-hosts 1 runs --standalone)", c.backend)
+	case c.fault == faultBlackhole && c.backend == backendC10d && c.victim < c.nproc:
+		// Ranks follow the hosts' addresses: host 0 runs the first
+		// -nproc. (runTrial checks where the rank really runs.)
+		return fmt.Errorf("-fault blackhole -backend c10d: rank %d runs on host 0, which holds the c10d rendezvous store: "+
+			"cutting it off ends the job rather than a part of it; choose a rank of another host (-victim %d or more) or -backend etcd",
+			c.victim, c.nproc)
+	}
+	return nil
+}
+
+// torchrunMissing says why the torchrun row cannot run here, or "".
+func (c *config) torchrunMissing() string {
+	if c.hosts == 1 {
+		return ""
+	}
+	if c.backend != backendC10d {
+		return torchrunEtcd
+	}
+	for _, tool := range []string{"unshare", "mount", "hostname"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return fmt.Sprintf("no %s binary (util-linux), which gives each host's torchrun its own host name", tool)
+		}
+	}
+	return ""
 }
 
 // selectRows returns the rows -rows names (all by default), in table order.
@@ -263,20 +356,11 @@ func quantile(v []float64, q float64) float64 {
 	return s[max(i, 0)]
 }
 
-func printTable(w io.Writer, c *config, selected []row, all []result, skipped string) {
+func printTable(w io.Writer, c *config, selected []row, all []result, skipped []string) {
 	fmt.Fprintf(w, "Command: `%s`\n\n", strings.Join(os.Args, " "))
-	fmt.Fprintf(w, "%d host × %d ranks on %d CPUs; rank %d SIGKILLed %v after every rank's first collective; workers pause %d ms between collectives. ",
-		c.hosts, c.nproc, runtime.NumCPU(), c.victim, c.warmup, c.stepMs)
-	fmt.Fprintf(w, "Kill → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", c.trials)
-	if c.settleWindow != "" {
-		fmt.Fprintf(w, " gorun's shrink rows: --settle-window %s.", c.settleWindow)
-	}
-	if c.torchVersion != "" {
-		fmt.Fprintf(w, " torchrun: `%s -m torch.distributed.run --redirects 1 --tee 1` (%s), its default --monitor-interval (5 s).", c.python, c.torchVersion)
-	}
-	fmt.Fprintln(w)
-	if skipped != "" {
-		fmt.Fprintf(w, "\n%s\n", skipped)
+	fmt.Fprintln(w, header(c))
+	for _, s := range skipped {
+		fmt.Fprintf(w, "\n%s\n", s)
 	}
 	fmt.Fprintf(w, "\n| # | launcher, mode, worker | trials ok | median (ms) | p90 (ms) | min (ms) | max (ms) | first survivor, median (ms) |\n")
 	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|\n")
@@ -306,7 +390,61 @@ func printTable(w io.Writer, c *config, selected []row, all []result, skipped st
 			stats.Median(last), quantile(last, 0.9), slices.Min(last), slices.Max(last), stats.Median(first))
 	}
 	fmt.Fprintf(w, "\nProcesses left behind by the launchers once they had stopped on SIGTERM (killed and reaped by the benchmark), all trials: %d.\n", left)
+	printCommands(w, selected, all)
 	for _, f := range failures {
 		fmt.Fprintf(w, "\nfailure: %s\n", f)
+	}
+}
+
+// header is the line under the command that says what was measured.
+func header(c *config) string {
+	var b strings.Builder
+	if c.hosts == 1 {
+		fmt.Fprintf(&b, "%d host × %d ranks on %d CPUs; rank %d SIGKILLed %v after every rank's first collective; workers pause %d ms between collectives. ",
+			c.hosts, c.nproc, runtime.NumCPU(), c.victim, c.warmup, c.stepMs)
+		fmt.Fprintf(&b, "Kill → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", c.trials)
+	} else {
+		fmt.Fprintf(&b, "%d hosts (network namespaces on one bridge, one machine) × %d ranks on %d CPUs; ", c.hosts, c.nproc, runtime.NumCPU())
+		switch c.backend {
+		case backendC10d:
+			fmt.Fprintf(&b, "backend c10d, the store on host 0 (%s); ", c.c10dEndpoint())
+		case backendEtcd:
+			fmt.Fprintf(&b, "backend etcd, one member in the root namespace on the bed's gateway (%s); ", c.etcdEndpoint)
+		}
+		fault := "SIGKILL"
+		switch c.fault {
+		case faultKill:
+			fmt.Fprintf(&b, "fault: rank %d SIGKILLed", c.victim)
+		case faultBlackhole:
+			fault = "cut"
+			fmt.Fprintf(&b, "fault: blackhole, the link of the host that runs rank %d cut (the bridge drops its frames)", c.victim)
+		}
+		fmt.Fprintf(&b, " %v after every rank's first collective; workers pause %d ms between collectives. ", c.warmup, c.stepMs)
+		fmt.Fprintf(&b, "%s → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", fault, c.trials)
+	}
+	if c.settleWindow != "" {
+		fmt.Fprintf(&b, " gorun's shrink rows: --settle-window %s.", c.settleWindow)
+	}
+	if c.torchVersion != "" {
+		fmt.Fprintf(&b, " torchrun: `%s -m torch.distributed.run --redirects 1 --tee 1` (%s), its default --monitor-interval (5 s).", c.python, c.torchVersion)
+	}
+	return b.String()
+}
+
+// printCommands prints each row's agents' command lines, as its first
+// trial ran them.
+func printCommands(w io.Writer, selected []row, all []result) {
+	fmt.Fprintf(w, "\nCommands (each row's first trial; paths are the run's own):\n")
+	for _, r := range selected {
+		for _, res := range all {
+			if res.Row != r.name || len(res.Commands) == 0 {
+				continue
+			}
+			fmt.Fprintf(w, "\n%d. %s:\n", slices.Index(rows, r)+1, r.name)
+			for _, cmd := range res.Commands {
+				fmt.Fprintf(w, "   `%s`\n", cmd)
+			}
+			break
+		}
 	}
 }

@@ -2,10 +2,11 @@ package main
 
 import (
 	"fmt"
-	"os/exec"
+	"net"
 	"path/filepath"
+	"slices"
 	"strconv"
-	"syscall"
+	"strings"
 )
 
 // launcherKind is the program that runs the job.
@@ -57,71 +58,175 @@ var rows = []row{
 func (r row) torch() bool { return r.worker != goWorker }
 
 // recovery is the (attempt, epoch) whose first successful collective marks
-// the group as working again after one rank is killed, and how many ranks
-// must reach it: in shrink mode the survivors move to epoch 1 of the same
-// attempt; in restart mode every rank starts attempt 1.
-func (r row) recovery(world int) (attempt, epoch, ranks int) {
-	if r.mode == modeShrink {
-		return 0, 1, world - 1
+// the group as working again after the fault, and how many ranks must
+// reach it. In shrink mode the survivors move to epoch 1 of the same
+// attempt; in restart mode the group starts attempt 1. The survivors are
+// every rank but the killed one, or every rank of the hosts that were not
+// cut off; a restart after a SIGKILL brings the killed rank back, one
+// after a cut does not (its host cannot rejoin).
+func (r row) recovery(fault string, hosts, nproc int) (attempt, epoch, ranks int) {
+	world, lost := hosts*nproc, 1
+	if fault == faultBlackhole {
+		lost = nproc
+	}
+	switch {
+	case r.mode == modeShrink:
+		return 0, 1, world - lost
+	case fault == faultBlackhole:
+		return 1, 0, world - lost
 	}
 	return 1, 0, world
 }
 
 // torchrunPort is where torchrun 1.13 --standalone always hosts its
-// rendezvous store (run.py: "localhost:29400").
+// rendezvous store (run.py: "localhost:29400"). The multi-host mode hosts
+// the c10d store on host 0 at the same port (its own network namespace).
 const torchrunPort = 29400
 
-// agentCommands builds the command of every agent of one run of r — the
-// one place that knows launchers' and workers' command lines. dir is the
-// run's own directory (for the launchers' logs). With -hosts 1 there is
-// one agent, started with --standalone. A multi-host mode would return one
-// agent per host here (--nnodes H, a shared --rdzv-endpoint, each started
-// in its host's network namespace), and the rest of the benchmark would
-// carry on unchanged: it already counts first-collective lines across all
-// agents' output.
-func (c *config) agentCommands(r row, dir string) ([]*exec.Cmd, error) {
-	if c.hosts != 1 {
-		return nil, fmt.Errorf("-hosts %d: only 1 is supported yet", c.hosts)
+// agentSpec is how one agent of a run is started.
+type agentSpec struct {
+	host int      // the bed's host it runs in; -1: the root namespace (-hosts 1)
+	argv []string // the program and its arguments
+	env  []string // added to the benchmark's environment
+}
+
+// agents builds the command of every agent of one run of r — the one
+// place that knows launchers' and workers' command lines. dir is the run's
+// own directory (for the launchers' logs), runID its --rdzv-id (a fresh
+// one per run: etcd keeps a finished run's state). With -hosts 1 there is
+// one agent, started with --standalone; with several, agent i runs in host
+// i and the agents meet through the -backend rendezvous.
+func (c *config) agents(r row, dir, runID string) ([]agentSpec, error) {
+	if r.launcher == torchrunLauncher && r.mode != modeRestart {
+		return nil, fmt.Errorf("torchrun has no %s mode", r.mode)
 	}
+	var specs []agentSpec
+	for host := range c.hosts {
+		var (
+			argv []string
+			err  error
+		)
+		switch r.launcher {
+		case gorunLauncher:
+			argv = c.gorunArgs(r, host, dir, runID)
+		case torchrunLauncher:
+			argv, err = c.torchrunArgs(host, dir, runID)
+		default:
+			err = fmt.Errorf("unknown launcher %q", r.launcher)
+		}
+		if err != nil {
+			return nil, err
+		}
+		// PYTHON_EXEC: the python gorun runs a script with.
+		spec := agentSpec{host: host, argv: append(argv, c.workerArgs(r.worker)...), env: []string{"PYTHON_EXEC=" + c.python}}
+		if c.hosts == 1 {
+			spec.host = -1
+		} else if r.torch() {
+			// Every host has the machine's host name, which resolves to
+			// loopback: gloo is told its interface, as on any
+			// multi-homed host.
+			spec.env = append(spec.env, "GLOO_SOCKET_IFNAME=eth0")
+		}
+		specs = append(specs, spec)
+	}
+	return specs, nil
+}
+
+// gorunArgs is gorun's command line for host's agent, up to the worker.
+func (c *config) gorunArgs(r row, host int, dir, runID string) []string {
 	nproc := strconv.Itoa(c.nproc)
-	logDir := filepath.Join(dir, "logs")
-	var argv []string
-	switch r.launcher {
-	case gorunLauncher:
-		argv = []string{c.gorun, "--standalone", "--nproc-per-node", nproc, "--log-dir", logDir,
-			"--on-failure", r.mode}
-		if r.mode == modeRestart {
-			argv = append(argv, "--max-restarts", "1")
-		}
-		if r.mode == modeShrink && c.settleWindow != "" {
-			argv = append(argv, "--settle-window", c.settleWindow)
-		}
-		if r.worker == goWorker {
-			argv = append(argv, "--no-python")
-		}
-	case torchrunLauncher:
-		if r.mode != modeRestart {
-			return nil, fmt.Errorf("torchrun has no %s mode", r.mode)
-		}
-		// --redirects 1 --tee 1: torchrun 1.13 crashes on Python 3.11
-		// without them.
-		argv = []string{c.python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1",
-			"--standalone", "--nproc_per_node", nproc, "--max_restarts", "1", "--log_dir", logDir}
-		if r.worker == goWorker {
-			argv = append(argv, "--no_python")
-		}
-	default:
-		return nil, fmt.Errorf("unknown launcher %q", r.launcher)
+	argv := []string{c.gorun}
+	if c.hosts == 1 {
+		argv = append(argv, "--standalone")
+	} else {
+		backend, endpoint, conf := c.rendezvous()
+		argv = append(argv, "--nnodes", c.nnodes(r), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
+			"--rdzv-id", runID, "--rdzv-conf", conf, "--local-addr", c.hostIPs[host])
 	}
-	argv = append(argv, c.workerArgs(r.worker)...)
-	cmd := exec.Command(argv[0], argv[1:]...)
-	// PYTHON_EXEC: the python gorun runs a script with.
-	cmd.Env = append(cmd.Environ(), "PYTHON_EXEC="+c.python)
-	// Its own process group, so that the whole tree can be killed at once
-	// (torchrun's workers share it; gorun's have groups of their own and
-	// die with gorun by Pdeathsig); and it dies with us.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
-	return []*exec.Cmd{cmd}, nil
+	argv = append(argv, "--nproc-per-node", nproc, "--log-dir", c.logDir(dir, host), "--on-failure", r.mode)
+	if r.mode == modeRestart {
+		argv = append(argv, "--max-restarts", "1")
+	}
+	if r.mode == modeShrink && c.settleWindow != "" {
+		argv = append(argv, "--settle-window", c.settleWindow)
+	}
+	if r.worker == goWorker {
+		argv = append(argv, "--no-python")
+	}
+	return argv
+}
+
+// torchrunArgs is torchrun's command line for host's agent, up to the
+// worker.
+//
+// torchrun 1.13 has no --local_addr: it tells the workers to meet at
+// MASTER_ADDR = the fully qualified host name of group rank 0's agent, and
+// decides which agent hosts the c10d store by comparing the endpoint with
+// its own host name. The bed's hosts share the machine's host name, which
+// resolves to loopback, so on several hosts every agent runs in a UTS
+// namespace of its own with its host's name (the namespace's), and sees an
+// /etc/hosts (bind-mounted in the mount namespace that `ip netns exec`
+// makes) that names every host of the bed — as real hosts are named.
+func (c *config) torchrunArgs(host int, dir, runID string) ([]string, error) {
+	// --redirects 1 --tee 1: torchrun 1.13 crashes on Python 3.11
+	// without them.
+	run := []string{c.python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"}
+	if c.hosts == 1 {
+		run = append(run, "--standalone")
+	} else {
+		if c.backend != backendC10d {
+			return nil, fmt.Errorf("torchrun: -backend %s: %s", c.backend, torchrunEtcd)
+		}
+		run = append(run, "--nnodes", c.nnodes(row{mode: modeRestart}), "--rdzv_backend", backendC10d,
+			"--rdzv_endpoint", c.c10dEndpoint(), "--rdzv_id", runID, "--rdzv_conf", c.rdzvConf)
+		run = append([]string{"unshare", "--uts", "sh", "-c", asHost, "sh", c.hostsFile, c.hostNames[host]}, run...)
+	}
+	return append(run, "--nproc_per_node", strconv.Itoa(c.nproc), "--max_restarts", "1", "--log_dir", c.logDir(dir, host)), nil
+}
+
+// asHost takes a hosts file and a host name, installs them (in the
+// agent's own mount and UTS namespaces) and runs the rest of its
+// arguments.
+const asHost = `mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"`
+
+// torchrunEtcd says why the torchrun row runs with the c10d backend only.
+const torchrunEtcd = "torchrun 1.13's etcd rendezvous speaks etcd's v2 API through the python-etcd package; it runs with -backend c10d only"
+
+// nnodes is --nnodes for a multi-host run of r: every host, except that a
+// restart after a cut-off host needs a range that lets the others carry on.
+func (c *config) nnodes(r row) string {
+	if r.mode == modeRestart && c.fault == faultBlackhole {
+		return "1:" + strconv.Itoa(c.hosts)
+	}
+	return strconv.Itoa(c.hosts)
+}
+
+// rendezvous returns gorun's --rdzv-backend, --rdzv-endpoint and
+// --rdzv-conf for -backend.
+func (c *config) rendezvous() (backend, endpoint, conf string) {
+	if c.backend == backendEtcd {
+		return backendEtcd, c.etcdEndpoint, joinConf(c.rdzvConf, c.etcdConf)
+	}
+	return backendC10d, c.c10dEndpoint(), joinConf(c.rdzvConf, c.c10dConf)
+}
+
+// c10dEndpoint is the c10d rendezvous store, hosted by host 0's agent.
+func (c *config) c10dEndpoint() string {
+	return net.JoinHostPort(c.hostIPs[0], strconv.Itoa(torchrunPort))
+}
+
+// joinConf joins --rdzv-conf lists, leaving out empty ones.
+func joinConf(confs ...string) string {
+	return strings.Join(slices.DeleteFunc(confs, func(s string) bool { return s == "" }), ",")
+}
+
+// logDir is the launcher's log directory: one per host, which share the
+// file system.
+func (c *config) logDir(dir string, host int) string {
+	if c.hosts == 1 {
+		return filepath.Join(dir, "logs")
+	}
+	return filepath.Join(dir, "logs", "h"+strconv.Itoa(host))
 }
 
 // workerArgs is the worker's program and arguments, as the launcher takes

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -17,24 +18,36 @@ import (
 	"sync"
 	"syscall"
 	"time"
+
+	"github.com/gorunhq/gorun/internal/netns"
 )
 
 // result is one trial of one row: a JSON line of -out.
 type result struct {
-	Row        string `json:"row"`
-	Trial      int    `json:"trial"`
-	Hosts      int    `json:"hosts"`
-	World      int    `json:"world"`
-	Victim     int    `json:"victim"`
-	KillUnixNs int64  `json:"kill_unix_ns,omitempty"`
-	// LastMs: kill → the last survivor's first successful collective (the
+	Row     string `json:"row"`
+	Trial   int    `json:"trial"`
+	Hosts   int    `json:"hosts"`
+	Backend string `json:"backend,omitempty"` // with several hosts
+	World   int    `json:"world"`
+	Fault   string `json:"fault"`
+	Victim  int    `json:"victim"`
+	// CutHost is the host cut off (-fault blackhole): the one that ran
+	// the victim.
+	CutHost string `json:"cut_host,omitempty"`
+	// Commands are the agents' command lines, as run.
+	Commands []string `json:"commands,omitempty"`
+	// KillUnixNs is the fault's time: just before the SIGKILL, or the
+	// link cut.
+	KillUnixNs int64 `json:"kill_unix_ns,omitempty"`
+	// LastMs: fault → the last survivor's first successful collective (the
 	// group has recovered when every survivor has); FirstMs: → the first
 	// survivor's. SurvivorsMs: every survivor's, sorted.
 	LastMs      float64   `json:"last_ms,omitempty"`
 	FirstMs     float64   `json:"first_ms,omitempty"`
 	SurvivorsMs []float64 `json:"survivors_ms,omitempty"`
 	// LeftBehind counts the processes still there (alive, or unreaped)
-	// after the launcher stopped, which the benchmark killed and reaped.
+	// after the launchers stopped, which the benchmark killed and reaped
+	// (the cut-off host's, killed on purpose, are not counted).
 	LeftBehind int    `json:"left_behind,omitempty"`
 	Error      string `json:"error,omitempty"`
 }
@@ -69,16 +82,19 @@ func parseStamp(agent int, line string) (stamp, bool) {
 type tally struct {
 	attempt, epoch int
 	ns             map[string]int64 // by agent and prefix
+	// skip is an agent whose ranks do not count (the cut-off host's),
+	// or -1.
+	skip int
 }
 
 func newTally(attempt, epoch int) *tally {
-	return &tally{attempt: attempt, epoch: epoch, ns: map[string]int64{}}
+	return &tally{attempt: attempt, epoch: epoch, ns: map[string]int64{}, skip: -1}
 }
 
 // add counts s if it is of the tally's attempt and epoch; a rank's repeated
 // line keeps its first time.
 func (t *tally) add(s stamp) {
-	if s.attempt != t.attempt || s.epoch != t.epoch {
+	if s.attempt != t.attempt || s.epoch != t.epoch || s.agent == t.skip {
 		return
 	}
 	k := strconv.Itoa(s.agent) + s.prefix
@@ -98,12 +114,15 @@ func (t *tally) since(t0 int64) []float64 {
 }
 
 // runTrial runs one row once: it starts the job, waits until every rank
-// has run a collective, lets it run -warmup more, SIGKILLs the victim rank
-// and waits until the ranks of the recovery attempt and epoch have each
-// run their first collective. Everything it started is killed and reaped
-// before it returns.
+// has run a collective, lets it run -warmup more, brings the fault (SIGKILL
+// of the victim rank, or its host's link cut) and waits until the ranks of
+// the recovery attempt and epoch have each run their first collective.
+// Everything it started is killed and reaped before it returns.
 func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
-	res = result{Row: r.name, Trial: trial, Hosts: c.hosts, World: c.nproc, Victim: c.victim}
+	res = result{Row: r.name, Trial: trial, Hosts: c.hosts, World: c.hosts * c.nproc, Fault: c.fault, Victim: c.victim}
+	if c.hosts > 1 {
+		res.Backend = c.backend
+	}
 	dir, err := os.MkdirTemp(c.tmp, "trial-")
 	if err != nil {
 		res.Error = err.Error()
@@ -119,25 +138,27 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 
 	ctx, cancel := context.WithTimeout(ctx, c.trialTimeout)
 	defer cancel()
-	if r.launcher == torchrunLauncher {
+	if r.launcher == torchrunLauncher && c.hosts == 1 {
 		if err := waitPortFree(ctx, torchrunPort); err != nil {
 			res.Error = err.Error()
 			return res
 		}
 	}
-	j, err := startJob(c, r, dir, console)
+	runID := fmt.Sprintf("ftbench-%d-%d-%d", os.Getpid(), trial, slices.Index(rows, r)+1)
+	j, err := startJob(c, r, dir, runID, console)
 	if err != nil {
 		res.Error = err.Error()
 		return res
 	}
-	defer func() { res.LeftBehind = j.stop() }()
+	res.Commands = j.commands
+	defer func() { res.LeftBehind = j.stop(c) }()
 
 	fail := func(err error) result {
 		res.Error = fmt.Sprintf("%v; console tail: %s", err, tailOf(console.Name(), 600))
 		return res
 	}
 	started := newTally(0, 0)
-	if err := j.await(ctx, started, c.nproc); err != nil {
+	if err := j.await(ctx, started, res.World); err != nil {
 		return fail(fmt.Errorf("waiting for every rank's first collective: %w", err))
 	}
 	select {
@@ -145,24 +166,44 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 	case <-ctx.Done():
 		return fail(ctx.Err())
 	}
-	pid, err := j.rankPID(c.victim)
+	pid, agent, err := j.rankPID(c.victim)
 	if err != nil {
 		return fail(err)
 	}
-	attempt, epoch, ranks := r.recovery(c.nproc)
+	attempt, epoch, ranks := r.recovery(c.fault, c.hosts, c.nproc)
 	recovered := newTally(attempt, epoch)
-	kill := time.Now().UnixNano() // the same clock as the workers' unix_ns
-	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
-		return fail(fmt.Errorf("kill rank %d (pid %d): %w", c.victim, pid, err))
+	switch c.fault {
+	case faultKill:
+		res.KillUnixNs = time.Now().UnixNano() // the same clock as the workers' unix_ns
+		if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+			return fail(fmt.Errorf("kill rank %d (pid %d): %w", c.victim, pid, err))
+		}
+	case faultBlackhole:
+		if c.backend == backendC10d && agent == 0 {
+			return fail(fmt.Errorf("rank %d runs on host 0, which holds the c10d rendezvous store: cutting it off ends the job", c.victim))
+		}
+		host := c.bed.Hosts[agent]
+		res.CutHost = host.Name
+		// The cut-off agent may give up on its own (its rendezvous store
+		// is gone), and its ranks are not in the recovery.
+		j.cut, recovered.skip = agent, agent
+		defer func() {
+			if err := j.killCut(c, host); err != nil && res.Error == "" {
+				res.Error = err.Error()
+			}
+		}()
+		res.KillUnixNs = time.Now().UnixNano()
+		if err := host.Blackhole(); err != nil {
+			return fail(fmt.Errorf("cut %s off: %w", host.Name, err))
+		}
 	}
-	res.KillUnixNs = kill
 	if err := j.await(ctx, recovered, ranks); err != nil {
-		return fail(fmt.Errorf("waiting for the first collective of attempt %d epoch %d after the kill: %w", attempt, epoch, err))
+		return fail(fmt.Errorf("waiting for the first collective of attempt %d epoch %d after the %s: %w", attempt, epoch, c.fault, err))
 	}
-	res.SurvivorsMs = recovered.since(kill)
+	res.SurvivorsMs = recovered.since(res.KillUnixNs)
 	res.FirstMs, res.LastMs = res.SurvivorsMs[0], res.SurvivorsMs[len(res.SurvivorsMs)-1]
 	if res.FirstMs < 0 {
-		return fail(fmt.Errorf("a rank stamped attempt %d epoch %d %.1f ms before the kill", attempt, epoch, -res.FirstMs))
+		return fail(fmt.Errorf("a rank stamped attempt %d epoch %d %.1f ms before the %s", attempt, epoch, -res.FirstMs, c.fault))
 	}
 	return res
 }
@@ -185,10 +226,13 @@ func (c *config) consoleFile(r row, trial int, dir string) (*os.File, error) {
 
 // job is one run's agents and the reading of their output.
 type job struct {
-	agents  []*exec.Cmd
-	done    []chan struct{} // closed when agents[i] has been waited for
-	ended   chan struct{}   // closed when the first agent has
-	endOnce sync.Once
+	agents   []*exec.Cmd
+	commands []string        // the agents' command lines, for the record
+	done     []chan struct{} // closed when agents[i] has been waited for
+	exited   chan int        // each agent's index, once it has been waited for
+	// cut is the agent of the cut-off host, or -1: its exit is no
+	// failure of the job.
+	cut     int
 	stamps  chan stamp
 	readers sync.WaitGroup
 	pipes   []*os.File // read ends of the agents' output
@@ -197,20 +241,22 @@ type job struct {
 // startJob starts the agents of one run of r, their output (stdout and
 // stderr together) copied to console and scanned for first-collective
 // lines.
-func startJob(c *config, r row, dir string, console io.Writer) (*job, error) {
-	cmds, err := c.agentCommands(r, dir)
+func startJob(c *config, r row, dir, runID string, console io.Writer) (*job, error) {
+	specs, err := c.agents(r, dir, runID)
 	if err != nil {
 		return nil, err
 	}
 	// Room for far more lines than a run prints (one per rank, attempt
 	// and epoch), so that a reader never blocks — a blocked reader would
 	// stall the workers writing to its pipe.
-	j := &job{stamps: make(chan stamp, 4096), ended: make(chan struct{})}
+	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1}
 	out := &lockedWriter{w: console}
-	for i, cmd := range cmds {
+	for i, spec := range specs {
+		cmd := c.command(spec)
+		j.commands = append(j.commands, commandLine(spec, cmd))
 		pr, pw, err := os.Pipe()
 		if err != nil {
-			j.stop()
+			j.stop(c)
 			return nil, err
 		}
 		cmd.Stdout, cmd.Stderr = pw, pw
@@ -218,30 +264,71 @@ func startJob(c *config, r row, dir string, console io.Writer) (*job, error) {
 		pw.Close() // the agent and its workers hold it now
 		if err != nil {
 			pr.Close()
-			j.stop()
+			j.stop(c)
 			return nil, fmt.Errorf("start %s: %w", cmd.Path, err)
 		}
 		done := make(chan struct{})
 		j.agents, j.done, j.pipes = append(j.agents, cmd), append(j.done, done), append(j.pipes, pr)
+		// On several hosts, each console line says whose it is.
+		label := ""
+		if spec.host >= 0 {
+			label = fmt.Sprintf("[h%d] ", spec.host)
+		}
 		j.readers.Add(1)
-		go j.read(i, pr, out)
+		go j.read(i, pr, out, label)
 		go func() {
 			cmd.Wait()
 			close(done)
-			j.endOnce.Do(func() { close(j.ended) })
+			j.exited <- i
 		}()
 	}
 	return j, nil
 }
 
-// read scans agent i's output until every process holding the pipe is gone.
-func (j *job) read(i int, pr io.Reader, out io.Writer) {
+// command is the process of spec: in its host's network namespace, or in
+// ours with -hosts 1.
+func (c *config) command(spec agentSpec) *exec.Cmd {
+	var cmd *exec.Cmd
+	if spec.host < 0 {
+		cmd = exec.Command(spec.argv[0], spec.argv[1:]...)
+	} else {
+		cmd = c.bed.Hosts[spec.host].Command(context.Background(), spec.argv[0], spec.argv[1:]...)
+	}
+	cmd.Env = append(cmd.Environ(), spec.env...)
+	// Its own process group, so that the whole tree can be killed at once
+	// (torchrun's workers share it; gorun's have groups of their own and
+	// die with gorun by Pdeathsig); and it dies with us.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	return cmd
+}
+
+// commandLine is how an agent was started, as a shell would say it: its
+// own environment variables, then its arguments.
+func commandLine(spec agentSpec, cmd *exec.Cmd) string {
+	var words []string
+	for _, w := range append(slices.Clone(spec.env), cmd.Args...) {
+		words = append(words, shellQuote(w))
+	}
+	return strings.Join(words, " ")
+}
+
+// shellQuote quotes s for a POSIX shell, where it needs quotes.
+func shellQuote(s string) string {
+	if s != "" && strings.Trim(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-+=./:,@%") == "" {
+		return s
+	}
+	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
+}
+
+// read scans agent i's output until every process holding the pipe is
+// gone, and copies it to out, every line after label.
+func (j *job) read(i int, pr io.Reader, out io.Writer, label string) {
 	defer j.readers.Done()
 	sc := bufio.NewScanner(pr)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	for sc.Scan() {
 		line := sc.Text()
-		fmt.Fprintln(out, line)
+		fmt.Fprintln(out, label+line)
 		if s, ok := parseStamp(i, line); ok {
 			j.stamps <- s
 		}
@@ -249,20 +336,18 @@ func (j *job) read(i int, pr io.Reader, out io.Writer) {
 }
 
 // await counts stamps into t until it holds n ranks. An agent exiting
-// first is an error: the job ended, or gave up, before it recovered.
+// first is an error (the job ended, or gave up, before it recovered),
+// unless it is the cut-off host's.
 func (j *job) await(ctx context.Context, t *tally, n int) error {
 	for len(t.ns) < n {
 		select {
 		case s := <-j.stamps:
 			t.add(s)
-		case <-j.ended:
-			for i, d := range j.done {
-				select {
-				case <-d:
-					return fmt.Errorf("agent %d exited (%v) with %d of %d ranks there", i, j.agents[i].ProcessState, len(t.ns), n)
-				default:
-				}
+		case i := <-j.exited:
+			if i == j.cut {
+				continue
 			}
+			return fmt.Errorf("agent %d exited (%v) with %d of %d ranks there", i, j.agents[i].ProcessState, len(t.ns), n)
 		case <-ctx.Done():
 			return fmt.Errorf("%w with %d of %d ranks there", context.Cause(ctx), len(t.ns), n)
 		}
@@ -271,21 +356,46 @@ func (j *job) await(ctx context.Context, t *tally, n int) error {
 }
 
 // rankPID finds the worker process of a global rank among the agents'
-// descendants, by the RANK in its environment.
-func (j *job) rankPID(rank int) (int, error) {
+// descendants, by the RANK in its environment, and the agent it runs
+// under (agent i runs in host i).
+func (j *job) rankPID(rank int) (pid, agent int, err error) {
 	want := []byte("RANK=" + strconv.Itoa(rank) + "\x00")
-	for _, a := range j.agents {
+	for i, a := range j.agents {
 		for _, pid := range descendants(a.Process.Pid) {
 			env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
 			if err != nil {
 				continue
 			}
 			if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...)) {
-				return pid, nil
+				return pid, i, nil
 			}
 		}
 	}
-	return 0, fmt.Errorf("no worker with RANK=%d among the agents' processes", rank)
+	return 0, 0, fmt.Errorf("no worker with RANK=%d among the agents' processes", rank)
+}
+
+// killCut ends the cut-off host at the trial's end: every process in it is
+// killed (it cannot learn that the job ended), its agent waited for and
+// the rest reaped, not counted as leftovers; then its link is restored for
+// the next trial.
+func (j *job) killCut(c *config, host *netns.Host) error {
+	err := host.Kill()
+	select {
+	case <-j.done[j.cut]:
+	case <-time.After(stopGrace):
+		err = errors.Join(err, fmt.Errorf("the agent of %s has not exited %v after SIGKILL", host.Name, stopGrace))
+	}
+	// The others' agents are running and stay; their workers are theirs.
+	spare := slices.Clone(c.spare)
+	for i, a := range j.agents {
+		select {
+		case <-j.done[i]:
+		default:
+			spare = append(spare, a.Process.Pid)
+		}
+	}
+	reapLeftovers(spare)
+	return errors.Join(err, host.Heal())
 }
 
 // stopGrace is how long the agents get to stop their workers on SIGTERM.
@@ -294,8 +404,9 @@ const stopGrace = 10 * time.Second
 // stop ends the job as a user would: SIGTERM to every agent, which stops
 // its workers and exits; after stopGrace its whole process group is
 // SIGKILLed. Then it kills and reaps whatever the agents left (reparented
-// to us, the subreaper), and returns how many such processes there were.
-func (j *job) stop() int {
+// to us, the subreaper) and whatever is left in the bed's hosts, and
+// returns how many such processes there were.
+func (j *job) stop(c *config) int {
 	for _, a := range j.agents {
 		a.Process.Signal(syscall.SIGTERM)
 	}
@@ -308,7 +419,18 @@ func (j *job) stop() int {
 			<-d
 		}
 	}
-	left := reapLeftovers()
+	left := reapLeftovers(c.spare)
+	if c.bed != nil {
+		// Every process of the job descends from us, so none should be
+		// here; count any that is, and kill it.
+		for _, h := range c.bed.Hosts {
+			pids, _ := h.PIDs()
+			left += len(pids)
+			if len(pids) > 0 {
+				h.Kill()
+			}
+		}
+	}
 	// The readers end when the last writer is gone; a writer that escaped
 	// us would keep them waiting, so their pipes are closed after a while.
 	read := make(chan struct{})
@@ -358,11 +480,12 @@ func waitPortFree(ctx context.Context, port int) error {
 }
 
 // reapLeftovers kills and reaps every child of ours (orphans of a finished
-// launcher, reparented to us as subreaper) and returns how many there were.
-func reapLeftovers() int {
+// launcher, reparented to us as subreaper) but those in spare, and
+// returns how many there were.
+func reapLeftovers(spare []int) int {
 	n := 0
 	for round := 0; round < 50; round++ {
-		kids := children(os.Getpid())
+		kids := slices.DeleteFunc(children(os.Getpid()), func(pid int) bool { return slices.Contains(spare, pid) })
 		if len(kids) == 0 {
 			return n
 		}

@@ -36,6 +36,9 @@
 // GORUN_CI=1. Every process in a host and every namespace and link of a bed
 // is removed by the test's cleanup, whether the test passed or failed; beds
 // left behind by a killed test binary are swept by the next New.
+//
+// Programs that are not tests (benchmarks) use Available and Create, and
+// Close the bed themselves.
 package netns
 
 import (
@@ -115,19 +118,23 @@ type Host struct {
 // ran out.
 var ErrStillRunning = errors.New("netns: processes still running")
 
-// New builds a bed of hosts hosts, or skips the test when this machine
-// cannot (fails it when GORUN_CI=1). The test's cleanup kills every
-// process in the hosts and removes the bed.
-func New(t testing.TB, hosts int, opts Options) *Bed {
-	t.Helper()
-	Require(t)
+// Create builds a bed of hosts hosts, for a program that is not a test (a
+// benchmark); tests use New. The caller must Close the bed, whatever
+// happens next: its namespaces outlive the process otherwise, until the
+// next Create or New on the machine sweeps them. When this machine cannot
+// hold a bed, the error matches ErrUnavailable and says why (Available).
+// A bed that fails half-way is removed before Create returns.
+func Create(hosts int, opts Options) (*Bed, error) {
+	if err := Available(); err != nil {
+		return nil, err
+	}
 	if hosts < 1 || hosts > MaxHosts {
-		t.Fatalf("netns: %d hosts; a bed holds 1 to %d", hosts, MaxHosts)
+		return nil, fmt.Errorf("netns: %d hosts; a bed holds 1 to %d", hosts, MaxHosts)
 	}
 	b := &Bed{opts: opts.withDefaults(), tools: found}
 	idx, state, err := allocate(found.ip)
 	if err != nil {
-		t.Fatalf("netns: %v", err)
+		return nil, fmt.Errorf("netns: %w", err)
 	}
 	b.Index, b.state = idx, state
 	b.Subnet = subnet(idx)
@@ -144,15 +151,28 @@ func New(t testing.TB, hosts int, opts Options) *Bed {
 			port: fmt.Sprintf("h%d", i),
 		})
 	}
-	// Registered before anything exists, so that a half-built bed goes too.
+	if err := b.build(); err != nil {
+		// Close removes whatever part of the bed exists.
+		return nil, errors.Join(fmt.Errorf("netns: build bed %d: %w", idx, err), b.Close())
+	}
+	return b, nil
+}
+
+// New builds a bed of hosts hosts for a test, or skips the test when this
+// machine cannot (fails it when GORUN_CI=1). The test's cleanup kills
+// every process in the hosts and removes the bed.
+func New(t testing.TB, hosts int, opts Options) *Bed {
+	t.Helper()
+	Require(t)
+	b, err := Create(hosts, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
 	t.Cleanup(func() {
 		if err := b.Close(); err != nil {
 			t.Errorf("netns: cleanup: %v", err)
 		}
 	})
-	if err := b.build(); err != nil {
-		t.Fatalf("netns: build bed %d: %v", idx, err)
-	}
 	return b
 }
 

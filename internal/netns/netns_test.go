@@ -467,6 +467,37 @@ func TestCleanupLeavesNothing(t *testing.T) {
 	}
 }
 
+// TestCreate: Create, the constructor for programs that are not tests,
+// refuses host counts a bed cannot hold without building anything, and a
+// bed it builds is the caller's to close: Close leaves nothing behind.
+func TestCreate(t *testing.T) {
+	Require(t)
+	if err := Available(); err != nil {
+		t.Fatalf("Require passed but Available says %v", err)
+	}
+	for _, hosts := range []int{0, -1, MaxHosts + 1} {
+		if b, err := Create(hosts, Options{}); err == nil || b != nil {
+			if b != nil {
+				b.Close()
+			}
+			t.Errorf("Create(%d) = %v, %v; want an error and no bed", hosts, b, err)
+		}
+	}
+	b, err := Create(2, Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := record(t, b)
+	checkPresent(t, l)
+	if err := b.Close(); err != nil {
+		t.Fatal(err)
+	}
+	checkGone(t, l)
+	if err := b.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
 // envHelperBed makes TestHelperBed build a bed, print it and then fail
 // ("fail") or wait to be killed ("hang").
 const envHelperBed = "GORUN_NETNS_HELPER_BED"

@@ -1,6 +1,7 @@
 package netns
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -17,19 +18,32 @@ type tools struct {
 }
 
 var (
-	requireOnce sync.Once
-	found       tools
-	missing     string // why this machine cannot hold a bed; "" when it can
+	checkOnce sync.Once
+	found     tools
+	missing   string // why this machine cannot hold a bed; "" when it can
 )
 
-// Require returns when this machine can build a bed (root, iproute2's ip
-// and bridge, network namespaces), and otherwise skips the test with one
-// line saying why — or fails it when GORUN_CI=1, where nothing may be
-// skipped silently.
+// ErrUnavailable: this machine cannot hold a bed.
+var ErrUnavailable = errors.New("netns: no test bed on this machine")
+
+// Available returns nil when this machine can build a bed (root,
+// iproute2's ip and bridge, network namespaces), and otherwise an error
+// that matches ErrUnavailable and says what is missing. The check runs
+// once per process.
+func Available() error {
+	checkOnce.Do(check)
+	if missing != "" {
+		return fmt.Errorf("%w: %s", ErrUnavailable, missing)
+	}
+	return nil
+}
+
+// Require returns when this machine can build a bed, and otherwise skips
+// the test with one line saying why — or fails it when GORUN_CI=1, where
+// nothing may be skipped silently.
 func Require(t testing.TB) {
 	t.Helper()
-	requireOnce.Do(check)
-	if missing != "" {
+	if Available() != nil {
 		if os.Getenv("GORUN_CI") == "1" {
 			t.Fatalf("netns: %s", missing)
 		}
