@@ -129,7 +129,7 @@ func main() {
 	flag.StringVar(&c.fault, "fault", faultKill, "kill: SIGKILL rank -victim; blackhole: cut the link of the host that runs it (-hosts 2 or more)")
 	flag.StringVar(&c.backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member started in the root namespace)")
 	flag.StringVar(&c.rdzvConf, "rdzv-conf", "join_timeout=30,last_call_timeout=1", "every multi-host agent's --rdzv-conf (gorun's and torchrun's)")
-	flag.StringVar(&c.c10dConf, "c10d-conf", "keep_alive_interval=0.5,keep_alive_max_attempt=2", "added to gorun's --rdzv-conf with -backend c10d: a node silent for 1 s is lost, as with -etcd-conf's lease (torchrun 1.13 has no such keys)")
+	flag.StringVar(&c.c10dConf, "c10d-conf", "", "added to gorun's --rdzv-conf with -backend c10d (default none: gorun's keep-alive, 5 s × 3, behind node liveness)")
 	flag.StringVar(&c.etcdConf, "etcd-conf", "lease_ttl=1", "added to gorun's --rdzv-conf with -backend etcd")
 	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
 	flag.DurationVar(&c.warmup, "warmup", 500*time.Millisecond, "run time after every rank's first collective before the fault")
