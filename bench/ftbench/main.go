@@ -95,6 +95,7 @@ type config struct {
 	trialTimeout time.Duration
 	rows         string // which rows, by number; "" for all
 	settleWindow string // gorun --settle-window in shrink rows; "" for its default
+	gorunFlags   string // more gorun flags for every gorun agent, space-separated
 	// rdzvConf is every multi-host agent's --rdzv-conf; c10dConf and
 	// etcdConf are added to gorun's for its backend.
 	rdzvConf, c10dConf, etcdConf string
@@ -137,6 +138,7 @@ func main() {
 	flag.DurationVar(&c.trialTimeout, "trial-timeout", 3*time.Minute, "bound on one trial, start to recovery")
 	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
 	flag.StringVar(&c.settleWindow, "settle-window", "", "gorun's --settle-window (SECONDS) in the shrink rows (default: gorun's, 0.1)")
+	flag.StringVar(&c.gorunFlags, "gorun-flags", "", "more flags for every gorun agent, space-separated (e.g. \"--node-suspicion-mult 200\", to leave a lost node to the rendezvous's own detection)")
 	flag.StringVar(&c.gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
 	flag.StringVar(&c.worker, "worker", "", "examples/allreduce binary (default: build it)")
 	flag.StringVar(&c.python, "python", "/usr/bin/python3", "Python with PyTorch 1.13: torchrun, the Python workers")
@@ -421,6 +423,9 @@ func header(c *config) string {
 		}
 		fmt.Fprintf(&b, " %v after every rank's first collective; workers pause %d ms between collectives. ", c.warmup, c.stepMs)
 		fmt.Fprintf(&b, "%s → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", fault, c.trials)
+	}
+	if c.gorunFlags != "" {
+		fmt.Fprintf(&b, " gorun's rows: %s.", c.gorunFlags)
 	}
 	if c.settleWindow != "" {
 		fmt.Fprintf(&b, " gorun's shrink rows: --settle-window %s.", c.settleWindow)

@@ -260,6 +260,12 @@ func TestAgentCommandsHosts(t *testing.T) {
 			"/b/gorun --nnodes 1:2 " + etcd + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure restart --max-restarts 1 " + goWork,
 			"/b/gorun --nnodes 1:2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure restart --max-restarts 1 " + goWork,
 		}, false, ""},
+		{"restart, etcd, blackhole, gorun's liveness slowed: -gorun-flags", 2, func(c *config) {
+			c.backend, c.fault, c.gorunFlags = backendEtcd, faultBlackhole, "--node-suspicion-mult  200"
+		}, [2]string{
+			"/b/gorun --nnodes 1:2 " + etcd + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure restart --max-restarts 1 --node-suspicion-mult 200 " + goWork,
+			"/b/gorun --nnodes 1:2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure restart --max-restarts 1 --node-suspicion-mult 200 " + goWork,
+		}, false, ""},
 		{"shrink, etcd, blackhole: no re-rendezvous", 1, func(c *config) { c.backend, c.fault = backendEtcd, faultBlackhole }, [2]string{
 			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure shrink " + goWork,
 			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink " + goWork,

@@ -150,6 +150,7 @@ func (c *config) gorunArgs(r row, host int, dir, runID string) []string {
 	if r.mode == modeShrink && c.settleWindow != "" {
 		argv = append(argv, "--settle-window", c.settleWindow)
 	}
+	argv = append(argv, strings.Fields(c.gorunFlags)...)
 	if r.worker == goWorker {
 		argv = append(argv, "--no-python")
 	}
