@@ -64,6 +64,10 @@ if command -v etcd >/dev/null 2>&1; then
     bin/storeload mixed -addr "$(head -1 "$edir.addr")" -wire new -conns "$c" -duration "${DURATION:-5s}" -label etcd
     bin/storeload mixed -addr "$(head -1 "$edir.mem")" -wire new -conns "$c" -duration "${DURATION:-5s}" -label memory
   done | tee bench/results/etcdstore.jsonl
+  echo
+  echo "## Rendezvous through etcd: 64 gorun agents ($(nproc) cores, $(date -u +%F))"
+  bin/rdzvbench -etcd 127.0.0.1:23790 -reps "${RDZV_REPS:-3}" -agents "${RDZV_AGENTS:-64}" -torch-agents 0 \
+    | tee bench/results/rdzv-etcd.md
   etcd_cleanup
   trap - EXIT
 else

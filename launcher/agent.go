@@ -54,7 +54,7 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
 	a.multiNode = cfg.MaxNodes > 1
-	if a.multiNode {
+	if cfg.NodeLiveness.runs(cfg.MaxNodes, cfg.OnFailure) {
 		// Before the rendezvous: this node's record carries its address.
 		addr := cfg.Rendezvous.LocalAddr
 		if addr == "" {
@@ -92,7 +92,8 @@ type agent struct {
 	health *Health // nil without --health-addr; its methods accept nil
 	// multiNode: the job has other nodes to watch while workers run.
 	multiNode bool
-	// gossip finds lost nodes in a multi-node job; nil otherwise.
+	// gossip finds lost nodes in a multi-node job (see
+	// NodeLivenessConfig.Mode); nil otherwise.
 	gossip *gossip
 	// heartbeats receives workers' heartbeats (--heartbeat-timeout); nil
 	// when they are off. hung carries its reports to the monitor loop.

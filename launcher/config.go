@@ -331,7 +331,7 @@ type Config struct {
 	// leaves heartbeats off. --heartbeat-timeout.
 	HeartbeatTimeout time.Duration
 	// NodeLiveness tunes the gossip among agents that finds a lost node in
-	// a multi-node job.
+	// a multi-node job, and says when it runs.
 	NodeLiveness NodeLivenessConfig
 
 	// gossip is this agent's gossip identity, set by the agent before the
@@ -347,12 +347,38 @@ type Config struct {
 // tolerates longer CPU starvation of an agent before a false verdict, at
 // the cost of slower detection.
 type NodeLivenessConfig struct {
+	// Mode says when it runs (--node-liveness): NodeLivenessAuto (the
+	// default; "" means the same) in multi-node shrink mode only,
+	// NodeLivenessOn in every multi-node job, NodeLivenessOff never.
+	// Restart mode keeps torchrun's keep-alive by default: a false verdict
+	// there restarts the whole job, and agents starved of CPU (many on one
+	// machine, as in benchmarks) are exactly what gossip mistakes for dead.
+	Mode string
 	// ProbeInterval is how often each agent probes a random other one
 	// (--node-probe-interval); the probe timeout is half of it.
 	ProbeInterval time.Duration
 	// SuspicionMult is how many probe intervals a suspected agent has to
 	// refute before it is declared dead (--node-suspicion-mult).
 	SuspicionMult int
+}
+
+// The --node-liveness modes.
+const (
+	NodeLivenessAuto = "auto"
+	NodeLivenessOn   = "on"
+	NodeLivenessOff  = "off"
+)
+
+// runs reports whether node liveness runs for a job of maxNodes nodes
+// under failure policy onFailure.
+func (c NodeLivenessConfig) runs(maxNodes int, onFailure string) bool {
+	switch {
+	case maxNodes < 2, c.Mode == NodeLivenessOff:
+		return false
+	case c.Mode == NodeLivenessOn:
+		return true
+	}
+	return onFailure == OnFailureShrink
 }
 
 // The --on-failure policies.
@@ -409,7 +435,7 @@ func DefaultConfig() Config {
 // suspicion multiplier.
 func defaultNodeLiveness() NodeLivenessConfig {
 	d := health.DefaultNodeConfig()
-	return NodeLivenessConfig{ProbeInterval: d.ProbeInterval, SuspicionMult: d.SuspicionMult}
+	return NodeLivenessConfig{Mode: NodeLivenessAuto, ProbeInterval: d.ProbeInterval, SuspicionMult: d.SuspicionMult}
 }
 
 // ParseNNodes reads --nnodes: "N" means N:N, "MIN:MAX" an elastic range,
@@ -935,6 +961,8 @@ func (c Config) validateFaultTolerance() error {
 		return invalidf("agreement timeout %v: want a positive timeout", c.AgreementTimeout)
 	case c.HeartbeatTimeout < 0:
 		return invalidf("--heartbeat-timeout %v: want 0 (off) or more", c.HeartbeatTimeout)
+	case c.NodeLiveness.Mode != "" && c.NodeLiveness.Mode != NodeLivenessAuto && c.NodeLiveness.Mode != NodeLivenessOn && c.NodeLiveness.Mode != NodeLivenessOff:
+		return invalidf("--node-liveness %q: want auto, on or off", c.NodeLiveness.Mode)
 	case c.NodeLiveness.ProbeInterval < 0:
 		return invalidf("--node-probe-interval %v: want a positive interval", c.NodeLiveness.ProbeInterval)
 	case c.NodeLiveness.SuspicionMult < 0:

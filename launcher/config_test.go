@@ -521,6 +521,7 @@ func TestValidate(t *testing.T) {
 		{"health bad host", func(c *Config) { c.HealthAddr = "a b:8080" }, `"a b" is not a host name`},
 		{"health bare ipv6", func(c *Config) { c.HealthAddr = "::1:8080" }, "--health-addr"},
 		{"health url", func(c *Config) { c.HealthAddr = "http://0.0.0.0:8080" }, "--health-addr"},
+		{"node liveness mode", func(c *Config) { c.NodeLiveness.Mode = "sometimes" }, `--node-liveness "sometimes"`},
 	}
 	for _, tc := range bad {
 		c := base()
@@ -574,6 +575,32 @@ func TestSplitEndpoint(t *testing.T) {
 	for _, bad := range []string{"node0:", ":29400", "node0:65536", "node0:-1", "[::1", "a b:1", "node0:012345"} {
 		if _, _, err := splitEndpoint(bad, 29400); err == nil {
 			t.Errorf("splitEndpoint(%q) accepted", bad)
+		}
+	}
+}
+
+// TestNodeLivenessRuns: gossip runs on several nodes only; by default in
+// shrink mode only, where a lost node's ranks are reported at once; on
+// and off force it.
+func TestNodeLivenessRuns(t *testing.T) {
+	tests := []struct {
+		mode      string
+		maxNodes  int
+		onFailure string
+		want      bool
+	}{
+		{NodeLivenessAuto, 2, OnFailureShrink, true},
+		{NodeLivenessAuto, 2, OnFailureRestart, false},
+		{"", 2, OnFailureShrink, true},
+		{NodeLivenessAuto, 1, OnFailureShrink, false},
+		{NodeLivenessOn, 2, OnFailureRestart, true},
+		{NodeLivenessOn, 1, OnFailureRestart, false},
+		{NodeLivenessOff, 2, OnFailureShrink, false},
+	}
+	for _, tt := range tests {
+		c := NodeLivenessConfig{Mode: tt.mode}
+		if got := c.runs(tt.maxNodes, tt.onFailure); got != tt.want {
+			t.Errorf("mode %q, %d nodes, %s: runs %v, want %v", tt.mode, tt.maxNodes, tt.onFailure, got, tt.want)
 		}
 	}
 }

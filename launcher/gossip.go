@@ -23,9 +23,10 @@ type gossipPeer struct {
 // gossip is node liveness among the job's agents (health.Nodes, on
 // hashicorp/memberlist): a node that stops answering probes — crashed,
 // frozen, cut off — is declared dead in well under a second, where the
-// rendezvous keep-alive takes its whole window. It runs in every
-// multi-node job, started before the rendezvous so that its address is in
-// this node's record, and joined to each round's other agents. A dead node
+// rendezvous keep-alive takes its whole window. It runs in multi-node
+// shrink mode, and in restart mode with --node-liveness on, started before
+// the rendezvous so that its address is in this node's record, and joined
+// to each round's other agents. A dead node
 // is reported to the survivors' agreement in shrink mode; in restart mode
 // the survivors take it out of the rendezvous and re-rendezvous at once.
 type gossip struct {

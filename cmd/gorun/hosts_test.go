@@ -111,9 +111,9 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 	}
 }
 
-// TestHostsRestartBlackhole: restart mode (torchrun's), the second host's
-// link cut mid-run. Node liveness runs in restart mode too: the first
-// host's agent finds the node dead in about a second, takes it out of the
+// TestHostsRestartBlackhole: restart mode (torchrun's) with
+// --node-liveness on, the second host's link cut mid-run. The first host's
+// agent finds the node dead in about a second, takes it out of the
 // rendezvous, stops its worker and re-rendezvouses alone (--nnodes 1:2),
 // long before the rendezvous keep-alive (5 s here; torchrun's default is
 // 15 s) would have noticed.
@@ -122,7 +122,7 @@ func TestHostsRestartBlackhole(t *testing.T) {
 	bin := testutil.BuildGorun(t)
 	var agents []*agentProc
 	for i := range 2 {
-		args := append(at.rdzv(i, "1:2"), "--rdzv-conf", slowKeepAlive, "--max-restarts", "1",
+		args := append(at.rdzv(i, "1:2"), "--rdzv-conf", slowKeepAlive, "--max-restarts", "1", "--node-liveness", "on",
 			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worldWorker(1))
 		p := startAgentCmd(t, at.command(i, bin, args))
 		agents = append(agents, p)

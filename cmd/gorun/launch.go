@@ -145,6 +145,9 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
+		&cli.StringFlag{Name: "node-liveness", Value: def.NodeLiveness.Mode,
+			Usage:   "several nodes: when agents gossip to find a crashed, frozen or cut-off node in about 0.6 s: `auto` (shrink mode only), on (restart mode too), off (the rendezvous keep-alive or etcd lease only)",
+			EnvVars: []string{"GORUN_NODE_LIVENESS"}, Category: catFT},
 		&cli.Float64Flag{Name: "node-probe-interval", Value: def.NodeLiveness.ProbeInterval.Seconds(),
 			Usage:   "several nodes: `SECONDS` between an agent's liveness probes of another (memberlist); a silent node is declared dead after about 6 of them",
 			EnvVars: []string{"GORUN_NODE_PROBE_INTERVAL"}, Category: catFT},
@@ -245,6 +248,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	cfg.MaxRestarts = c.Int("max-restarts")
 	cfg.OnFailure = c.String("on-failure")
 	cfg.MinWorldSize = c.Int("min-world-size")
+	cfg.NodeLiveness.Mode = c.String("node-liveness")
 	cfg.NodeLiveness.SuspicionMult = c.Int("node-suspicion-mult")
 	cfg.StartMethod = c.String("start-method")
 	for _, d := range []struct {
