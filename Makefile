@@ -13,7 +13,7 @@ export CGO_ENABLED ?= 0
 all: build
 
 # Two builds of cmd/gorun: bin/gorun leaves out the etcd backends (etcd's
-# client and gRPC: +5 ms start-up, +6 MB memory on every launch) and hands
+# client and gRPC: about +4 ms start-up, +5 MiB on every launch) and hands
 # an --rdzv-backend etcd job over to bin/gorun-etcd, which has everything.
 build:
 	$(GO) build $(GOFLAGS) -tags '$(BUILDTAGS) gorun_noetcd' -o $(BIN)/gorun ./cmd/gorun

@@ -75,8 +75,8 @@ type etcdNode struct {
 
 // EtcdBackendLinked reports whether this build has the etcd backends. A
 // build with the gorun_noetcd tag leaves out etcd's client and its gRPC
-// stack (a third of the binary, +6 MB of memory and +5 ms at every
-// start); its command line hands etcd jobs to a full build.
+// stack (a quarter of the binary, and about 5 MiB and 4 ms at every start:
+// BENCHMARKS.md); its command line hands etcd jobs to a full build.
 const EtcdBackendLinked = true
 
 // newEtcdMembership is newEtcdNode as a membership.

@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/bench/internal/procs"
 	"github.com/gorunhq/gorun/internal/netns"
 )
 
@@ -148,7 +149,7 @@ func (e *etcdServer) waitReady(ctx context.Context) error {
 		last = err
 		select {
 		case <-e.done:
-			return fmt.Errorf("etcd exited while starting (%v); its log: %s", e.cmd.ProcessState, tailOf(filepath.Join(e.dir, "etcd.log"), 600))
+			return fmt.Errorf("etcd exited while starting (%v); its log: %s", e.cmd.ProcessState, procs.Tail(filepath.Join(e.dir, "etcd.log"), 600))
 		case <-ctx.Done():
 			return fmt.Errorf("etcd did not serve within %v: %v", etcdStartTimeout, last)
 		case <-time.After(50 * time.Millisecond):

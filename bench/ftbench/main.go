@@ -65,7 +65,6 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"math"
 	"os"
 	"os/exec"
 	"os/signal"
@@ -347,17 +346,6 @@ func progress(r result) {
 	fmt.Fprintf(os.Stderr, "ftbench: trial %d, %s: %.1f ms (first survivor %.1f ms)\n", r.Trial, r.Row, r.LastMs, r.FirstMs)
 }
 
-// quantile is the nearest-rank q-quantile of v (q in (0, 1]): the smallest
-// value with at least q of the values at or below it. 0 for none.
-func quantile(v []float64, q float64) float64 {
-	if len(v) == 0 {
-		return 0
-	}
-	s := slices.Sorted(slices.Values(v))
-	i := int(math.Ceil(q*float64(len(s)))) - 1
-	return s[max(i, 0)]
-}
-
 func printTable(w io.Writer, c *config, selected []row, all []result, skipped []string) {
 	fmt.Fprintf(w, "Command: `%s`\n\n", strings.Join(os.Args, " "))
 	fmt.Fprintln(w, header(c))
@@ -389,7 +377,7 @@ func printTable(w io.Writer, c *config, selected []row, all []result, skipped []
 			continue
 		}
 		fmt.Fprintf(w, "| %d | %s | %d/%d | %.1f | %.1f | %.1f | %.1f | %.1f |\n", num, r.name, len(last), n,
-			stats.Median(last), quantile(last, 0.9), slices.Min(last), slices.Max(last), stats.Median(first))
+			stats.Median(last), stats.Quantile(last, 0.9), slices.Min(last), slices.Max(last), stats.Median(first))
 	}
 	fmt.Fprintf(w, "\nProcesses left behind by the launchers once they had stopped on SIGTERM (killed and reaped by the benchmark), all trials: %d.\n", left)
 	printCommands(w, selected, all)

@@ -65,30 +65,6 @@ func TestTally(t *testing.T) {
 	}
 }
 
-func TestQuantile(t *testing.T) {
-	ten := []float64{10, 1, 9, 2, 8, 3, 7, 4, 6, 5}
-	tests := []struct {
-		v    []float64
-		q    float64
-		want float64
-	}{
-		{ten, 0.9, 9},
-		{ten, 0.5, 5},
-		{ten, 1, 10},
-		{[]float64{7}, 0.9, 7},
-		{[]float64{1, 2, 3}, 0.9, 3},
-		{nil, 0.9, 0},
-	}
-	for _, tt := range tests {
-		if got := quantile(tt.v, tt.q); got != tt.want {
-			t.Errorf("quantile(%v, %g) = %g, want %g", tt.v, tt.q, got, tt.want)
-		}
-	}
-	if !slices.Equal(ten, []float64{10, 1, 9, 2, 8, 3, 7, 4, 6, 5}) {
-		t.Error("quantile sorted its argument")
-	}
-}
-
 func TestSelectRows(t *testing.T) {
 	tests := []struct {
 		flag    string

@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -19,6 +18,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/bench/internal/procs"
 	"github.com/gorunhq/gorun/internal/netns"
 )
 
@@ -139,7 +139,7 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 	ctx, cancel := context.WithTimeout(ctx, c.trialTimeout)
 	defer cancel()
 	if r.launcher == torchrunLauncher && c.hosts == 1 {
-		if err := waitPortFree(ctx, torchrunPort); err != nil {
+		if err := procs.WaitPortFree(ctx, torchrunPort); err != nil {
 			res.Error = err.Error()
 			return res
 		}
@@ -154,7 +154,7 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 	defer func() { res.LeftBehind = j.stop(c) }()
 
 	fail := func(err error) result {
-		res.Error = fmt.Sprintf("%v; console tail: %s", err, tailOf(console.Name(), 600))
+		res.Error = fmt.Sprintf("%v; console tail: %s", err, procs.Tail(console.Name(), 600))
 		return res
 	}
 	started := newTally(0, 0)
@@ -361,7 +361,7 @@ func (j *job) await(ctx context.Context, t *tally, n int) error {
 func (j *job) rankPID(rank int) (pid, agent int, err error) {
 	want := []byte("RANK=" + strconv.Itoa(rank) + "\x00")
 	for i, a := range j.agents {
-		for _, pid := range descendants(a.Process.Pid) {
+		for _, pid := range procs.Descendants(a.Process.Pid) {
 			env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
 			if err != nil {
 				continue
@@ -394,7 +394,7 @@ func (j *job) killCut(c *config, host *netns.Host) error {
 			spare = append(spare, a.Process.Pid)
 		}
 	}
-	reapLeftovers(spare)
+	procs.ReapOrphans(spare...)
 	return errors.Join(err, host.Heal())
 }
 
@@ -419,7 +419,7 @@ func (j *job) stop(c *config) int {
 			<-d
 		}
 	}
-	left := reapLeftovers(c.spare)
+	left := procs.ReapOrphans(c.spare...)
 	if c.bed != nil {
 		// Every process of the job descends from us, so none should be
 		// here; count any that is, and kill it.
@@ -459,105 +459,4 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.w.Write(p)
-}
-
-// waitPortFree waits until nothing listens on port: torchrun 1.13
-// --standalone always uses the same port, and would join a stranger's
-// rendezvous there (or a previous trial's, still closing) instead of
-// hosting its own.
-func waitPortFree(ctx context.Context, port int) error {
-	for {
-		ln, err := net.Listen("tcp", ":"+strconv.Itoa(port))
-		if err == nil {
-			return ln.Close()
-		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("port %d stays busy (%v): another torchrun --standalone is running", port, err)
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
-}
-
-// reapLeftovers kills and reaps every child of ours (orphans of a finished
-// launcher, reparented to us as subreaper) but those in spare, and
-// returns how many there were.
-func reapLeftovers(spare []int) int {
-	n := 0
-	for round := 0; round < 50; round++ {
-		kids := slices.DeleteFunc(children(os.Getpid()), func(pid int) bool { return slices.Contains(spare, pid) })
-		if len(kids) == 0 {
-			return n
-		}
-		for _, pid := range kids {
-			syscall.Kill(pid, syscall.SIGKILL)
-			var ws syscall.WaitStatus
-			syscall.Wait4(pid, &ws, 0, nil)
-			n++
-		}
-	}
-	return n
-}
-
-// descendants lists every process under pid (children first).
-func descendants(pid int) []int {
-	parent := parents()
-	var out []int
-	frontier := []int{pid}
-	for len(frontier) > 0 {
-		var next []int
-		for p, pp := range parent {
-			if slices.Contains(frontier, pp) {
-				next = append(next, p)
-			}
-		}
-		out = append(out, next...)
-		frontier = next
-	}
-	return out
-}
-
-// children lists the processes whose parent is ppid.
-func children(ppid int) []int {
-	var out []int
-	for p, pp := range parents() {
-		if pp == ppid {
-			out = append(out, p)
-		}
-	}
-	return out
-}
-
-// parents maps every process to its parent, from /proc.
-func parents() map[int]int {
-	ents, _ := os.ReadDir("/proc")
-	m := map[int]int{}
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid …; comm may hold spaces and parentheses.
-		f := strings.Fields(string(b[bytes.LastIndexByte(b, ')')+1:]))
-		if len(f) < 2 {
-			continue
-		}
-		if ppid, err := strconv.Atoi(f[1]); err == nil {
-			m[pid] = ppid
-		}
-	}
-	return m
-}
-
-// tailOf returns the last n bytes of a file, on one line.
-func tailOf(path string, n int) string {
-	b, _ := os.ReadFile(path)
-	if len(b) > n {
-		b = b[len(b)-n:]
-	}
-	return strings.ReplaceAll(strings.TrimSpace(string(b)), "\n", " ⏎ ")
 }

@@ -31,11 +31,11 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -45,6 +45,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/bench/internal/procs"
 	"github.com/gorunhq/gorun/bench/internal/stats"
 
 	"golang.org/x/sys/unix"
@@ -271,10 +272,13 @@ func runOnce(cfg *config, l launcher, bench string, worker func(string) []string
 	os.Mkdir(markers, 0o755)
 	argv := l.argv(cfg, filepath.Join(dir, "logs"), maxRestarts, worker(markers))
 	r.Argv = strings.Join(argv, " ")
-	defer func() { r.LeftBehind = reapLeftovers() }()
+	defer func() { r.LeftBehind = procs.ReapOrphans() }()
 
 	if l.kind == "torchrun" {
-		if err := waitPortFree(torchrunPort, 30*time.Second); err != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		err := procs.WaitPortFree(ctx, torchrunPort)
+		cancel()
+		if err != nil {
 			r.Error = err.Error()
 			return r
 		}
@@ -315,7 +319,7 @@ func runOnce(cfg *config, l launcher, bench string, worker func(string) []string
 	}
 	wall := time.Since(start)
 	if err != nil {
-		r.Error = fmt.Sprintf("%v; console tail: %s", err, tail(console, 400))
+		r.Error = fmt.Sprintf("%v; console tail: %s", err, procs.Tail(console, 400))
 		return r
 	}
 	if traced {
@@ -325,7 +329,7 @@ func runOnce(cfg *config, l launcher, bench string, worker func(string) []string
 			return r
 		}
 		if h.Exit != 0 {
-			r.Error = fmt.Sprintf("launcher exited %d; console tail: %s", h.Exit, tail(console, 400))
+			r.Error = fmt.Sprintf("launcher exited %d; console tail: %s", h.Exit, procs.Tail(console, 400))
 			return r
 		}
 		if h.AgentHWMKiB == 0 {
@@ -364,74 +368,6 @@ func checkMarkers(dir string, nproc int, restarted bool) error {
 		return errors.New("rank 0 did not run attempt 0")
 	}
 	return nil
-}
-
-// waitPortFree waits until nothing listens on port: torchrun 1.13
-// --standalone always uses the same port, and would join a stranger's
-// rendezvous there instead of hosting its own.
-func waitPortFree(port int, within time.Duration) error {
-	deadline := time.Now().Add(within)
-	for {
-		ln, err := net.Listen("tcp", ":"+strconv.Itoa(port))
-		if err == nil {
-			return ln.Close()
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("port %d stays busy (%v): another torchrun --standalone is running", port, err)
-		}
-		time.Sleep(200 * time.Millisecond)
-	}
-}
-
-// reapLeftovers kills and reaps every child of ours (all are orphans of the
-// finished launcher, reparented to us as subreaper) and returns how many
-// there were, zombies included.
-func reapLeftovers() int {
-	n := 0
-	for round := 0; round < 50; round++ {
-		kids := children(os.Getpid())
-		if len(kids) == 0 {
-			return n
-		}
-		for _, pid := range kids {
-			syscall.Kill(pid, syscall.SIGKILL)
-			var ws syscall.WaitStatus
-			syscall.Wait4(pid, &ws, 0, nil)
-			n++
-		}
-	}
-	return n
-}
-
-// children lists the PIDs whose parent is ppid.
-func children(ppid int) []int {
-	ents, _ := os.ReadDir("/proc")
-	var out []int
-	for _, e := range ents {
-		pid, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
-		if err != nil {
-			continue
-		}
-		// pid (comm) state ppid ...; comm may hold spaces and parentheses.
-		s := string(b)
-		f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-		if len(f) > 1 && f[1] == strconv.Itoa(ppid) {
-			out = append(out, pid)
-		}
-	}
-	return out
-}
-
-func tail(path string, n int) string {
-	b, _ := os.ReadFile(path)
-	if len(b) > n {
-		b = b[len(b)-n:]
-	}
-	return strings.ReplaceAll(strings.TrimSpace(string(b)), "\n", " ⏎ ")
 }
 
 // helperResult is what exitrss prints.

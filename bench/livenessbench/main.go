@@ -33,7 +33,6 @@ package main
 
 import (
 	"bufio"
-	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -650,8 +649,8 @@ func printTable(cfg config, rows []row, pr *pauseResult, fp *fpResult) {
 			}
 		}
 		fmt.Printf("| %s | %d | %s | %s | %s | %s | %s | %s | %d/%d |\n", r.name, len(r.first),
-			ms(median(r.first)), ms(quantile(r.first, 0.9)), ms(slices.Max(r.first)),
-			ms(median(r.last)), ms(quantile(r.last, 0.9)), ms(slices.Max(r.last)), within, len(r.last))
+			ms(median(r.first)), ms(stats.Quantile(r.first, 0.9)), ms(slices.Max(r.first)),
+			ms(median(r.last)), ms(stats.Quantile(r.last, 0.9)), ms(slices.Max(r.last)), within, len(r.last))
 	}
 	if pr != nil {
 		fmt.Println()
@@ -683,12 +682,4 @@ func median(v []time.Duration) time.Duration {
 		f[i] = float64(d)
 	}
 	return time.Duration(stats.Median(f))
-}
-
-// quantile is the nearest-rank q-quantile of v.
-func quantile(v []time.Duration, q float64) time.Duration {
-	s := slices.Clone(v)
-	slices.SortFunc(s, cmp.Compare)
-	i := int(math.Ceil(q*float64(len(s)))) - 1
-	return s[max(i, 0)]
 }

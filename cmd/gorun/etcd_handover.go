@@ -10,8 +10,8 @@ import (
 	"github.com/gorunhq/gorun/launcher"
 )
 
-// etcd's client and its gRPC stack are a third of gorun's binary and cost
-// every launch about 5 ms of start-up and 6 MB of memory, so `make build`
+// etcd's client and its gRPC stack are a quarter of gorun's binary and cost
+// every launch about 4 ms of start-up and 5 MiB of memory, so `make build`
 // builds two programs from this package: bin/gorun without the etcd
 // backends (the gorun_noetcd tag) and bin/gorun-etcd with everything. The
 // first hands a job with --rdzv-backend etcd over to the second by exec:

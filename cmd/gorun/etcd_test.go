@@ -117,23 +117,7 @@ func TestEtcdTorchGloo(t *testing.T) {
 		agents = append(agents, startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + py},
 			etcdArgs(cluster, "2", "", "--nproc-per-node", "2", "--log-dir", t.TempDir(), script)...))
 	}
-	var lines []string
-	for _, p := range agents {
-		for range 2 {
-			lines = append(lines, p.expectLine(t, "all_reduce sum="))
-		}
-	}
-	for _, p := range agents {
-		if code := p.exitCode(t, 60*time.Second); code != 0 {
-			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
-		}
-	}
-	all := strings.Join(lines, "\n")
-	for r := range 4 {
-		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
-			t.Fatalf("no line %q in\n%s", want, all)
-		}
-	}
+	expectGlooAllreduce(t, agents, 2, nil)
 }
 
 // TestEtcdUnreachable: no etcd answers: the agent says it is waiting, with

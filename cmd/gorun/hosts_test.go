@@ -200,27 +200,11 @@ func TestHostsEtcdTorchGloo(t *testing.T) {
 		cmd.Env = append(os.Environ(), "PYTHON_EXEC="+py, "GLOO_SOCKET_IFNAME=eth0")
 		agents = append(agents, startAgentCmd(t, cmd))
 	}
-	var lines []string
-	for i, p := range agents {
-		for range 2 {
-			l := p.expectLineOr(t, "all_reduce sum=", agents)
-			lines = append(lines, l)
-			if !strings.Contains(p.stderr.String(), "master\": \""+bed.Hosts[i].IP.String()+":") {
-				t.Errorf("host %d's workers were not given their own node's store:\n%s", i, p.stderr)
-			}
+	expectGlooAllreduce(t, agents, 2, func(i int) {
+		if !strings.Contains(agents[i].stderr.String(), "master\": \""+bed.Hosts[i].IP.String()+":") {
+			t.Errorf("host %d's workers were not given their own node's store:\n%s", i, agents[i].stderr)
 		}
-	}
-	for _, p := range agents {
-		if code := p.exitCode(t, 90*time.Second); code != 0 {
-			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
-		}
-	}
-	all := strings.Join(lines, "\n")
-	for r := range 4 {
-		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
-			t.Fatalf("no line %q in\n%s", want, all)
-		}
-	}
+	})
 }
 
 // expectLineOr is expectLine, failing with every agent's log.

@@ -48,20 +48,34 @@ func TestMultiNodeTorchGloo(t *testing.T) {
 		p := startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + py}, args...)
 		agents = append(agents, p)
 	}
+	expectGlooAllreduce(t, agents, 2, nil)
+}
+
+// expectGlooAllreduce waits for the all_reduce line of each agent's nproc
+// workers (examples/torch/allreduce.py; after each, seen(agent) may check
+// more), then for every agent to exit 0, and checks that every rank of the
+// world reduced the right sum.
+func expectGlooAllreduce(t *testing.T, agents []*agentProc, nproc int, seen func(agent int)) {
+	t.Helper()
 	var lines []string
-	for _, p := range agents {
-		for range 2 {
-			lines = append(lines, p.expectLine(t, "all_reduce sum="))
+	for i, p := range agents {
+		for range nproc {
+			lines = append(lines, p.expectLineOr(t, "all_reduce sum=", agents))
+			if seen != nil {
+				seen(i)
+			}
 		}
 	}
 	for _, p := range agents {
-		if code := p.exitCode(t, 60*time.Second); code != 0 {
+		if code := p.exitCode(t, 90*time.Second); code != 0 {
 			t.Fatalf("agent exit %d; stderr:\n%s", code, p.stderr)
 		}
 	}
+	world := len(agents) * nproc
 	all := strings.Join(lines, "\n")
-	for r := range 4 {
-		if want := fmt.Sprintf("rank %d/4: all_reduce sum=10 (want 10) ok", r); !strings.Contains(all, want) {
+	for r := range world {
+		want := fmt.Sprintf("rank %d/%d: all_reduce sum=%d (want %d) ok", r, world, world*(world+1)/2, world*(world+1)/2)
+		if !strings.Contains(all, want) {
 			t.Fatalf("no line %q in\n%s", want, all)
 		}
 	}

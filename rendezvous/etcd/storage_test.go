@@ -25,6 +25,33 @@ import (
 
 var prefixes atomic.Int64
 
+// interceptedClient is a client of cluster whose every unary call goes
+// through interceptor: how a test counts etcd requests or loses replies.
+func interceptedClient(t *testing.T, cluster *etcdtest.Cluster, interceptor grpc.UnaryClientInterceptor) *clientv3.Client {
+	t.Helper()
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(interceptor)},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	return cli
+}
+
+// testStorage is a Storage on cli under a prefix of the test's own,
+// closed at cleanup.
+func testStorage(t *testing.T, ctx context.Context, cli *clientv3.Client) *etcd.Storage {
+	t.Helper()
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { st.Close() })
+	return st
+}
+
 // node is one gorun node's worker store: a tcpstore server on the etcd
 // storage, and a client of it.
 type node struct {
@@ -414,20 +441,9 @@ func TestStorageLostReply(t *testing.T) {
 		}
 		return err
 	}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(lose)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := interceptedClient(t, cluster, lose)
 	ctx := testCtx(t, 20*time.Second)
-	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
+	st := testStorage(t, ctx, cli)
 
 	for i := 1; i <= 3; i++ {
 		drop.Store(1)
@@ -466,20 +482,9 @@ func TestStorageBatches(t *testing.T) {
 		}
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(count)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := interceptedClient(t, cluster, count)
 	ctx := testCtx(t, 20*time.Second)
-	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
+	st := testStorage(t, ctx, cli)
 
 	// run starts every op at once and returns how many etcd
 	// transactions they took.
@@ -592,14 +597,7 @@ func TestStorageStartRevision(t *testing.T) {
 		calls.Add(1)
 		return invoker(ctx, method, req, reply, cc, opts...)
 	}
-	cli, err := clientv3.New(clientv3.Config{
-		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
-		DialOptions: []grpc.DialOption{grpc.WithUnaryInterceptor(count)},
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { cli.Close() })
+	cli := interceptedClient(t, cluster, count)
 	ctx := testCtx(t, 20*time.Second)
 	r, err := cli.Get(ctx, "any")
 	if err != nil {
@@ -646,11 +644,7 @@ func TestStorageSmallTxnLimit(t *testing.T) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{Args: []string{"--max-txn-ops", "8"}})
 	cli := cluster.Client(t, nil)
 	ctx := testCtx(t, 30*time.Second)
-	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: fmt.Sprintf("/test/%s/", t.Name())})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { st.Close() })
+	st := testStorage(t, ctx, cli)
 	const n = 100
 	start := make(chan struct{})
 	var wg sync.WaitGroup

@@ -1,0 +1,75 @@
+package procs
+
+import (
+	"context"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestDescendantsAndReap: a shell and the sleep it started are both found
+// under this process; ReapOrphans kills and reaps them, sparing none.
+func TestDescendantsAndReap(t *testing.T) {
+	cmd := exec.Command("sh", "-c", "sleep 100 & echo $!; wait")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	buf := make([]byte, 32)
+	n, _ := out.Read(buf)
+	pid, err := strconv.Atoi(strings.TrimSpace(string(buf[:n])))
+	if err != nil {
+		t.Fatal(err)
+	}
+	under := Descendants(os.Getpid())
+	if !slices.Contains(under, cmd.Process.Pid) || !slices.Contains(under, pid) {
+		t.Fatalf("descendants %v lack the shell %d or its sleep %d", under, cmd.Process.Pid, pid)
+	}
+	if !slices.Contains(Children(cmd.Process.Pid), pid) {
+		t.Fatalf("the sleep %d is not the shell's child", pid)
+	}
+	// The shell is our child: ReapOrphans kills and reaps it (the sleep,
+	// reparented to init here, is killed with the test's cleanup).
+	t.Cleanup(func() { syscall.Kill(pid, syscall.SIGKILL) })
+	if got := ReapOrphans(); got < 1 {
+		t.Fatalf("reaped %d", got)
+	}
+	if slices.Contains(Children(os.Getpid()), cmd.Process.Pid) {
+		t.Fatal("the shell is still a child")
+	}
+}
+
+func TestWaitPortFree(t *testing.T) {
+	ln, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := ln.Addr().(*net.TCPAddr).Port
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	if err := WaitPortFree(ctx, port); err == nil || !strings.Contains(err.Error(), "stays busy") {
+		t.Fatalf("busy port: %v", err)
+	}
+	ln.Close()
+	if err := WaitPortFree(context.Background(), port); err != nil {
+		t.Fatalf("free port: %v", err)
+	}
+}
+
+func TestTail(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "log")
+	os.WriteFile(p, []byte("one\ntwo\nthree\n"), 0o644)
+	if got := Tail(p, 10); got != "two ⏎ three" {
+		t.Fatalf("Tail = %q", got)
+	}
+}
