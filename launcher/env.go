@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/gorunhq/gorun/health"
 )
@@ -39,6 +40,11 @@ type WorkerEnv struct {
 	// OnFailure is the job's --on-failure policy (GORUN_ON_FAILURE), so a
 	// worker knows whether to follow shrink epochs.
 	OnFailure string
+	// AgreementTimeout is shrink mode's agreement timeout
+	// (GORUN_AGREEMENT_TIMEOUT, in seconds, set in shrink mode only), so a
+	// survivor waiting for an epoch knows when the agents have given up
+	// and never waits without end.
+	AgreementTimeout time.Duration
 	// Heartbeat is the socket workers send heartbeats to (GORUN_HEARTBEAT),
 	// "" when heartbeats are off.
 	Heartbeat string
@@ -76,6 +82,9 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 	}
 	if w.OnFailure != "" {
 		set["GORUN_ON_FAILURE"] = w.OnFailure
+	}
+	if w.OnFailure == OnFailureShrink && w.AgreementTimeout > 0 {
+		set["GORUN_AGREEMENT_TIMEOUT"] = strconv.FormatFloat(w.AgreementTimeout.Seconds(), 'g', -1, 64)
 	}
 	if w.Heartbeat != "" {
 		set[health.HeartbeatEnv] = w.Heartbeat

@@ -214,6 +214,8 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 		Generation:   generation,
 		OMPThreads:   ompThreads(cfg.NProcPerNode),
 		OnFailure:    cfg.OnFailure,
+
+		AgreementTimeout: cfg.AgreementTimeout,
 	}
 }
 

@@ -44,19 +44,61 @@ func (w *worker) wait(ctx context.Context) (error, bool) {
 	}
 }
 
-// startWorkers starts world train_elastic.py ranks on a fresh worker store,
-// waits until every one is training, and returns a client of the store.
-func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) (*tcpstore.Client, []*worker) {
+// storeServer says who serves the workers' store: gorun's TCPStore server
+// (what the agents run) or PyTorch's own (the helper must not depend on
+// gorun's server to be safe).
+type storeServer string
+
+const (
+	gorunServer storeServer = "gorun"
+	torchServer storeServer = "torch"
+)
+
+// serveStore starts a worker store of the given kind and returns its
+// address and the wire generation to speak to it.
+func serveStore(ctx context.Context, t *testing.T, kind storeServer) (string, tcpstore.Generation) {
+	t.Helper()
+	switch kind {
+	case gorunServer:
+		srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { srv.Close() })
+		return srv.Addr().String(), tcpstore.GenNew
+	case torchServer:
+		p := torchtest.Start(t, nil, `
+import datetime, time, torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=600), wait_for_workers=False)
+print("port", s.port, flush=True)
+time.sleep(3600)
+`)
+		for !strings.HasPrefix(p.Stdout(), "port ") {
+			select {
+			case <-p.Done():
+				t.Fatalf("PyTorch's store server exited: %s", p.Stderr())
+			case <-ctx.Done():
+				t.Fatal("PyTorch's store server did not start")
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+		port := strings.TrimSpace(strings.TrimPrefix(p.Stdout(), "port "))
+		return "127.0.0.1:" + port, tcpstore.GenOld
+	}
+	t.Fatalf("unknown store server %q", kind)
+	return "", 0
+}
+
+// startWorkers starts world train_elastic.py ranks on a fresh worker store
+// served by kind, with env added to their environment, waits until every
+// one is training, and returns a client of the store.
+func startWorkers(ctx context.Context, t *testing.T, kind storeServer, env []string, world int, args ...string) (*tcpstore.Client, []*worker) {
 	t.Helper()
 	py := torchtest.Python(t)
 	_, self, _, _ := runtime.Caller(0)
 	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	port := strconv.Itoa(srv.Addr().(*net.TCPAddr).Port)
+	addr, wire := serveStore(ctx, t, kind)
+	_, port, _ := net.SplitHostPort(addr)
 
 	ws := make([]*worker, world)
 	for r := range world {
@@ -65,6 +107,7 @@ func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) 
 		w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
 			"WORLD_SIZE="+strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
 			"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1")
+		w.cmd.Env = append(w.cmd.Env, env...)
 		w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
 		w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		if err := w.cmd.Start(); err != nil {
@@ -93,7 +136,7 @@ func startWorkers(ctx context.Context, t *testing.T, world int, args ...string) 
 			}
 		}
 	}
-	store, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 30 * time.Second})
+	store, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Wire: wire, Timeout: 30 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -127,14 +170,41 @@ var doneLine = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) loss=
 
 // TestTorchGlooShrink: four gloo ranks train; rank 2 is SIGKILLed mid-run;
 // the survivors move to epoch 1, shrink to three and finish with the same
-// model.
+// model. The kill comes early (before the helper's watcher has timed out
+// once) and late (after it timed out three times: a PyTorch 1.13 client
+// that times a wait out leaves the server to answer it later, which once
+// made the survivors await an epoch that never came), on gorun's store
+// server and on PyTorch's own.
 func TestTorchGlooShrink(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		server storeServer
+		after  time.Duration // from the last rank training to the kill
+		steps  int
+	}{
+		{"gorun/early", gorunServer, 400 * time.Millisecond, 120},
+		{"gorun/late", gorunServer, 3500 * time.Millisecond, 400},
+		{"torch/late", torchServer, 3500 * time.Millisecond, 400},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			testTorchGlooShrink(t, tc.server, tc.after, tc.steps)
+		})
+	}
+}
+
+func testTorchGlooShrink(t *testing.T, server storeServer, after time.Duration, steps int) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	const steps = 120
-	store, ws := startWorkers(ctx, t, 4, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	// --step-ms 15 makes a step last at least 15 ms, so the late kill
+	// comes well before the end of the run on any machine.
+	store, ws := startWorkers(ctx, t, server, nil, 4, "--steps", strconv.Itoa(steps), "--step-ms", "15")
 	board := shrink.NewBoard(store, "")
-	time.Sleep(400 * time.Millisecond) // some steps in
+	time.Sleep(after)
+	for g, w := range ws {
+		if strings.Contains(w.out.String(), "done rank=") {
+			t.Fatalf("rank %d finished before the kill: the run is too short to test a late kill", g)
+		}
+	}
 	killed := time.Now()
 	e := killAndPublish(ctx, t, board, shrink.DefaultConfig(), ws, 2)
 	if e.Action != shrink.ActionShrink || e.WorldSize != 3 {
@@ -198,7 +268,7 @@ func TestTorchGlooShrink(t *testing.T) {
 func TestTorchGlooBelowFloor(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	store, ws := startWorkers(ctx, t, 3, "--steps", "100000", "--step-ms", "15")
+	store, ws := startWorkers(ctx, t, gorunServer, nil, 3, "--steps", "100000", "--step-ms", "15")
 	board := shrink.NewBoard(store, "")
 	time.Sleep(200 * time.Millisecond)
 	e := killAndPublish(ctx, t, board, shrink.Config{MinWorldSize: 3}, ws, 0)
@@ -216,6 +286,37 @@ func TestTorchGlooBelowFloor(t *testing.T) {
 		}
 		if !strings.Contains(w.out.String(), "restart") {
 			t.Errorf("survivor %d did not say why it stopped:\n%s", g+1, w.out)
+		}
+	}
+}
+
+// TestTorchGlooNoEpoch: a rank dies and no agent ever publishes an epoch
+// (the agents are gone, or gave up). The survivors must not wait without
+// end: past GORUN_AGREEMENT_TIMEOUT and the detection slack they stop with
+// exit code 1, as for a restart, and say why.
+func TestTorchGlooNoEpoch(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	const agreement, slack = 1 * time.Second, 10 * time.Second // slack: gorun_ft.DETECTION_SLACK
+	_, ws := startWorkers(ctx, t, gorunServer, []string{"GORUN_AGREEMENT_TIMEOUT=1"}, 3, "--steps", "100000", "--step-ms", "15")
+	time.Sleep(2500 * time.Millisecond) // the watchers have timed out twice
+	ws[0].cmd.Process.Kill()
+	killed := time.Now()
+	for g, w := range ws[1:] {
+		err, ok := w.wait(ctx)
+		if !ok {
+			t.Fatalf("survivor %d still waits for an epoch %v after the kill\n%s", g+1, time.Since(killed), w.out)
+		}
+		took := time.Since(killed)
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.ExitCode() != 1 {
+			t.Errorf("survivor %d: exit %v, want code 1\n%s", g+1, err, w.out)
+		}
+		if !strings.Contains(w.out.String(), "no epoch 1 within 11 s") {
+			t.Errorf("survivor %d did not say why it stopped:\n%s", g+1, w.out)
+		}
+		if took < agreement+slack {
+			t.Errorf("survivor %d gave up %v after the kill, before the agreement timeout and slack", g+1, took)
 		}
 	}
 }

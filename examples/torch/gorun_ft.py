@@ -45,8 +45,10 @@ import datetime
 import gc
 import json
 import os
+import re
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,27 @@ import torch.distributed as dist
 BOARD_PREFIX = "gorun/shrink"
 # How long the watcher's store wait lasts before it checks whether to stop.
 WATCH_WAIT = datetime.timedelta(seconds=1)
+# How long a survivor waits for the agents' next epoch, past the agreement
+# timeout gorun passes (GORUN_AGREEMENT_TIMEOUT, seconds), for the agents to
+# find the failure in the first place (a lost node takes about a second to
+# be declared dead; a hung rank, the heartbeat timeout).
+DETECTION_SLACK = 10.0
+DEFAULT_AGREEMENT_TIMEOUT = 10.0
+
+
+def _torch_version():
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+# PyTorch 2.1 and later withdraw a timed-out wait on the wire (CANCEL_WAIT)
+# and may go on using the connection. 1.13 to 2.0 only stop reading: the
+# server still holds the wait and, when the key appears, answers it into
+# whatever the connection is asked next; a server that answers every
+# abandoned wait (gorun's did) makes the next wait return at once, for a
+# key that does not exist. After a timed-out wait on those versions the
+# connection is dropped.
+WAIT_CANCELS = _torch_version() >= (2, 1)
 
 
 class RestartRequired(Exception):
@@ -109,6 +132,39 @@ def _key(*parts):
     return "/".join((BOARD_PREFIX,) + tuple(str(p) for p in parts))
 
 
+class _KeyWaiter:
+    """Waits for keys with a timeout on a store connection of its own, which
+    it drops after a timeout unless the client withdraws the wait on the
+    wire (see WAIT_CANCELS): a connection that a timed-out wait left behind
+    is never asked anything again."""
+
+    def __init__(self, timeout):
+        self._timeout = timeout
+        self._store = None
+
+    def wait(self, key, seconds):
+        """True once key exists, False if seconds passed first. Raises
+        RuntimeError when the store cannot be reached."""
+        if self._store is None:
+            self._store = _connect_store(self._timeout)
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=seconds))
+            return True
+        except RuntimeError as e:
+            if not WAIT_CANCELS or "timeout" not in str(e).lower():
+                self._store = None  # closes the connection
+            if "timeout" in str(e).lower():
+                return False
+            raise
+
+    def get(self, key):
+        """key's value; call it only after wait(key) returned True."""
+        return self._store.get(key)
+
+    def close(self):
+        self._store = None
+
+
 class ElasticGroup:
     """The worker's default process group, moved from epoch to epoch."""
 
@@ -120,7 +176,12 @@ class ElasticGroup:
         self._log = log or (lambda msg: print(msg, flush=True))
         # Each restart of the job bootstraps under its own namespace.
         self._ns = "gorun_ft/attempt_" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agreement = float(os.environ.get("GORUN_AGREEMENT_TIMEOUT") or DEFAULT_AGREEMENT_TIMEOUT)
+        self._epoch_wait = agreement + DETECTION_SLACK
+        # The main connection never waits with a timeout (see WAIT_CANCELS);
+        # waits for epochs go through _KeyWaiters.
         self.store = _connect_store(timeout)
+        self._awaiter = _KeyWaiter(timeout)
         self._seen = threading.Event()  # the watcher saw epoch n+1
         self._moved = threading.Event()  # recover() has moved past it
         self._stop = threading.Event()
@@ -149,21 +210,18 @@ class ElasticGroup:
         (a store wait, not polling); when it appears, flag it and, unless the
         group will be shrunk in place, abort it where the backend can, so a
         collective stuck on a dead peer returns to the training loop."""
-        try:
-            store = _connect_store(self.timeout)
-        except RuntimeError:
-            return
+        waiter = _KeyWaiter(self.timeout)
         while not self._stop.is_set():
             n = self.epoch.number + 1
             try:
                 # Short waits, so that close() can join this thread soon.
-                store.wait([_key("epoch", n)], WATCH_WAIT)
-            except RuntimeError as e:
-                if "timeout" not in str(e).lower():
-                    # The store is unreachable: pause rather than spin;
-                    # recover() will report it when the worker needs it.
-                    self._stop.wait(1.0)
-                continue  # ask again
+                if not waiter.wait(_key("epoch", n), WATCH_WAIT.total_seconds()):
+                    continue  # ask again
+            except RuntimeError:
+                # The store is unreachable: pause rather than spin;
+                # recover() will report it when the worker needs it.
+                self._stop.wait(1.0)
+                continue
             with self._lock:
                 if n != self.epoch.number + 1:
                     continue  # recover() moved on meanwhile
@@ -173,6 +231,7 @@ class ElasticGroup:
             while not self._moved.wait(0.5) and not self._stop.is_set():
                 pass
             self._moved.clear()
+        waiter.close()
 
     def check(self):
         """Move to the next epoch if the watcher has seen one, and say whether
@@ -236,14 +295,20 @@ class ElasticGroup:
         gc.collect()
 
     def _await(self, n):
+        """Epoch n, once the agents publish it. A survivor never waits without
+        end: past the agreement timeout (and the time to detect a failure)
+        the agents have fallen back to a restart, or cannot decide; either
+        way this worker stops as for a restart."""
         key = _key("epoch", n)
+        deadline = time.monotonic() + self._epoch_wait
         while True:
-            try:
-                self.store.wait([key], datetime.timedelta(seconds=30))
-                return Epoch.decode(self.store.get(key))
-            except RuntimeError as e:
-                if "timeout" not in str(e).lower():
-                    raise
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise RestartRequired("no epoch %d within %.0f s (GORUN_AGREEMENT_TIMEOUT plus %.0f s to detect "
+                                      "the failure): restart" % (n, self._epoch_wait, DETECTION_SLACK))
+            if self._awaiter.wait(key, min(left, 5.0)):
+                return Epoch.decode(self._awaiter.get(key))
 
     def resync(self, *tensors):
         """Copy the new rank 0's tensors to every survivor: after a failure some
@@ -260,6 +325,7 @@ class ElasticGroup:
         # successful run.
         if self._watcher is not threading.current_thread():
             self._watcher.join(WATCH_WAIT.total_seconds() * 2)
+        self._awaiter.close()
         self._destroy()
 
 

@@ -18,7 +18,22 @@ import (
 // train_elastic.py; the test SIGKILLs rank 2 mid-training; the agent
 // reports it, decides and publishes epoch 1, the three survivors shrink
 // and finish with the same model, and gorun exits 0 naming the lost rank.
+// The kill comes early, and late: after the helper's watcher has timed out
+// its store waits a few times (the case that once hung the survivors).
 func TestGorunShrinksTorchGloo(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		after time.Duration // from every rank training to the kill
+		steps int
+	}{
+		{"early", 300 * time.Millisecond, 150},
+		{"late", 3500 * time.Millisecond, 400},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testGorunShrinksTorchGloo(t, tc.after, tc.steps) })
+	}
+}
+
+func testGorunShrinksTorchGloo(t *testing.T, after time.Duration, steps int) {
 	py := torchtest.Python(t)
 	gorun := testutil.BuildGorun(t)
 	_, self, _, _ := runtime.Caller(0)
@@ -26,11 +41,13 @@ func TestGorunShrinksTorchGloo(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 
-	const steps = 150
 	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
 		"--on-failure", "shrink", "--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
 	g.AwaitLines(ctx, t, ": training, world 4", 4)
-	time.Sleep(300 * time.Millisecond) // some steps in
+	time.Sleep(after)
+	if strings.Contains(g.Stdout.String(), "done rank=") {
+		t.Fatal("a rank finished before the kill: the run is too short")
+	}
 	killed := time.Now()
 	g.KillRank(t, 2)
 	g.Wait(ctx, t)

@@ -60,10 +60,11 @@ type Server struct {
 }
 
 type serverStats struct {
-	accepted atomic.Int64
-	open     atomic.Int64
-	requests atomic.Int64
-	rejected atomic.Int64
+	accepted  atomic.Int64
+	open      atomic.Int64
+	requests  atomic.Int64
+	rejected  atomic.Int64
+	abandoned atomic.Int64
 }
 
 // Stats is a snapshot of a Server's counters.
@@ -72,6 +73,9 @@ type Stats struct {
 	Open     int64 // connections open now
 	Requests int64 // requests handled
 	Rejected int64 // connections closed for bad input
+	// AbandonedWaits counts WAITs a client gave up without CANCEL_WAIT
+	// (a PyTorch 1.13 wait that timed out), withdrawn unanswered.
+	AbandonedWaits int64
 }
 
 // ErrServerClosed is returned by Serve after Close.
@@ -140,6 +144,8 @@ func (s *Server) Stats() Stats {
 		Open:     s.stats.open.Load(),
 		Requests: s.stats.requests.Load(),
 		Rejected: s.stats.rejected.Load(),
+
+		AbandonedWaits: s.stats.abandoned.Load(),
 	}
 }
 

@@ -34,6 +34,7 @@ var serverSuite = []struct {
 	{"ServerDeleteDoesNotReleaseWait", testServerDeleteDoesNotReleaseWait},
 	{"ServerCancelWaitNeverFollowedByStop", testServerCancelWaitNeverFollowedByStop},
 	{"ServerCancelRace", testServerCancelRace},
+	{"ServerAbandonedWaitWithdrawn", testServerAbandonedWaitWithdrawn},
 	{"ServerBarrier", testServerBarrier},
 	{"ServerWatchKeyOld", testServerWatchKeyOld},
 	{"ServerIdleConnectionsStay", testServerIdleConnectionsStay},
@@ -56,7 +57,10 @@ func TestServerDeleteDoesNotReleaseWait(t *testing.T) {
 func TestServerCancelWaitNeverFollowedByStop(t *testing.T) {
 	testServerCancelWaitNeverFollowedByStop(t, memoryStorage)
 }
-func TestServerCancelRace(t *testing.T)          { testServerCancelRace(t, memoryStorage) }
+func TestServerCancelRace(t *testing.T) { testServerCancelRace(t, memoryStorage) }
+func TestServerAbandonedWaitWithdrawn(t *testing.T) {
+	testServerAbandonedWaitWithdrawn(t, memoryStorage)
+}
 func TestServerBarrier(t *testing.T)             { testServerBarrier(t, memoryStorage) }
 func TestServerWatchKeyOld(t *testing.T)         { testServerWatchKeyOld(t, memoryStorage) }
 func TestServerIdleConnectionsStay(t *testing.T) { testServerIdleConnectionsStay(t, memoryStorage) }
@@ -323,6 +327,52 @@ func testServerCancelWaitNeverFollowedByStop(t *testing.T, ns newStorage) {
 		waiter.send("07")
 		waiter.expect(i64one)
 	})
+}
+
+// testServerAbandonedWaitWithdrawn: PyTorch 1.13 times a WAIT out on its
+// socket and sends nothing; its next request means the WAIT was given up.
+// The server must withdraw it unanswered, so that a later write of the key
+// puts no stray STOP_WAITING in front of the client's next replies (the
+// survivor-mode hang of issue 12). Both generations.
+func testServerAbandonedWaitWithdrawn(t *testing.T, ns newStorage) {
+	gens := []struct {
+		name, hello, wait, set, numKeys string
+	}{
+		{"old", "", "05", "00", "06"},
+		{"new", validate, "06", "01", "07"},
+	}
+	for _, g := range gens {
+		t.Run(g.name, func(t *testing.T) {
+			eachTransport(t, func(t *testing.T) {
+				s := startServerOn(t, ns, ServerConfig{})
+				waiter, writer := dialRaw(t, s), dialRaw(t, s)
+				if g.hello != "" {
+					waiter.send(g.hello)
+					writer.send(g.hello)
+				}
+				// Two abandoned WAITs, as a watcher that timed out twice.
+				for range 2 {
+					waiter.send(g.wait + " 01000000 00000000 " + str("/epoch/1"))
+					waiter.expectNothing(30 * time.Millisecond)
+				}
+				waiter.send(g.numKeys)
+				waiter.expect(i64zero)
+				writer.send(g.set + " " + str("/epoch/1") + str("e1"))
+				writer.send(g.numKeys)
+				writer.expect(i64one)
+				waiter.expectNothing(100 * time.Millisecond)
+				// The next WAIT, for a key that does not exist, must wait
+				// rather than read a stale answer.
+				waiter.send(g.wait + " 01000000 00000000 " + str("/epoch/2"))
+				waiter.expectNothing(50 * time.Millisecond)
+				waiter.send(g.numKeys)
+				waiter.expect(i64one)
+				if n := s.Stats().AbandonedWaits; n != 3 {
+					t.Errorf("AbandonedWaits = %d, want 3", n)
+				}
+			})
+		})
+	}
 }
 
 // testServerCancelRace hammers the window between a SET releasing a wait and

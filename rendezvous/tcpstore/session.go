@@ -167,14 +167,37 @@ func (s *session) wait(register func(ready func()) (Cancel, bool, error)) error 
 
 // cancelWaits answers CANCEL_WAIT: every pending wait is withdrawn and
 // exactly one WAIT_CANCELED is sent, whether or not anything was pending.
-func (s *session) cancelWaits() {
+func (s *session) cancelWaits() { s.withdrawWaits(true) }
+
+// abandonWaits withdraws the pending waits of a client that sent a new
+// request without CANCEL_WAIT. Every c10d client is synchronous (one
+// request in flight per connection), so a new request while a WAIT is
+// unanswered means the client gave the WAIT up: PyTorch 1.13 times a wait
+// out on the socket alone and sends nothing. Answering the abandoned WAIT
+// later would put a stray STOP_WAITING in front of the next reply and
+// desynchronise the client, so it is withdrawn without a word.
+func (s *session) abandonWaits() {
+	s.mu.Lock()
+	n := len(s.waits)
+	s.mu.Unlock()
+	if n > 0 {
+		s.srv.stats.abandoned.Add(int64(n))
+		s.withdrawWaits(false)
+	}
+}
+
+// withdrawWaits cancels every pending wait and, when answer is set, queues
+// one WAIT_CANCELED.
+func (s *session) withdrawWaits(answer bool) {
 	s.mu.Lock()
 	waits := s.waits
 	s.waits = nil
 	for _, w := range waits {
 		w.state = wsCanceled
 	}
-	s.out = append(s.out, waitCanceled)
+	if answer {
+		s.out = append(s.out, waitCanceled)
+	}
 	s.mu.Unlock()
 	for _, w := range waits {
 		w.cancel()
@@ -200,6 +223,9 @@ func (s *session) event(ev WatchEvent) {
 // connection.
 func (s *session) handle(req *request) error {
 	st := s.srv.storage
+	if req.op != OpCancelWait {
+		s.abandonWaits()
+	}
 	switch req.op {
 	case OpValidate:
 		// The decoder accepts it only as the first request.
