@@ -1,28 +1,17 @@
-// Package launcher is gorun's elastic agent: one per node, it takes a
-// Config (what torchrun's command line says), rendezvouses with the other
-// agents, starts one worker per local rank with torchrun's environment,
-// supervises them, and restarts or stops the group as torchrun would.
-//
-// This file holds the typed configuration and the parsers for torchrun's
-// flag values; cmd/gorun turns flags and PET_* variables into a Config with
-// them, and Validate checks the result before anything starts.
 package launcher
+
+// This file holds the typed configuration, its defaults and its
+// validation; Validate checks a Config before anything starts.
 
 import (
 	"errors"
 	"fmt"
-	"math"
 	"net"
-	"os"
-	"regexp"
-	"runtime"
 	"slices"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/gorunhq/gorun/health"
 	"github.com/gorunhq/gorun/shrink"
@@ -209,8 +198,9 @@ type RendezvousConfig struct {
 	Endpoint string
 	// RunID is the job id every node shares; default "none".
 	RunID string
-	// Conf is --rdzv-conf (keys in spec/prior-art.md §1.3). Keys gorun does
-	// not know are kept: torchrun passes them through too.
+	// Conf is --rdzv-conf (torchrun's keys; rendezvousSettings says which
+	// gorun reads). Keys gorun does not know are kept: torchrun passes them
+	// through too.
 	Conf map[string]string
 	// Standalone is torchrun's --standalone: the agent hosts a c10d store
 	// on localhost at a free port with a random run id, and Backend,
@@ -337,6 +327,8 @@ type Config struct {
 	// gossip is this agent's gossip identity, set by the agent before the
 	// rendezvous for the membership to publish.
 	gossip gossipPeer
+	// rdzv are the rendezvous settings, parsed by Validate.
+	rdzv rendezvousSettings
 }
 
 // NodeLivenessConfig tunes node liveness (package health, on memberlist).
@@ -460,193 +452,24 @@ func ParseNNodes(s string) (min, max int, err error) {
 	return min, max, nil
 }
 
-// signalAliases are the second names Python's signal module knows and
-// x/sys's table (one name per number) does not.
-var signalAliases = map[string]syscall.Signal{
-	"SIGIOT":  syscall.SIGABRT,
-	"SIGPOLL": syscall.SIGIO,
-	"SIGCLD":  syscall.SIGCHLD,
-}
-
-// unhandleable are the signals the agent must not take over: SIGKILL and
-// SIGSTOP cannot be caught, the reaper owns SIGCHLD, and the Go runtime
-// preempts goroutines with SIGURG.
-var unhandleable = map[syscall.Signal]string{
-	syscall.SIGKILL: "cannot be caught",
-	syscall.SIGSTOP: "cannot be caught",
-	syscall.SIGCHLD: "is how the agent learns of worker exits",
-	syscall.SIGURG:  "is used by the Go runtime for preemption",
-}
-
-// ParseSignals reads --signals-to-handle: a comma-separated list of signal
-// names, with or without the SIG prefix and in any case ("SIGTERM",
-// "usr1"), or numbers. Repeats are dropped. An empty string gives an empty
-// list (torchrun then installs no handlers). torchrun only warns about a
-// name it does not know; gorun refuses it, and refuses the signals in
-// unhandleable.
-func ParseSignals(s string) ([]syscall.Signal, error) {
-	var sigs []syscall.Signal
-	if strings.TrimSpace(s) == "" {
-		return sigs, nil
-	}
-	for _, part := range strings.Split(s, ",") {
-		sig, err := parseSignal(part)
-		if err != nil {
-			return nil, invalidf("%q: %w", s, err)
-		}
-		if !slices.Contains(sigs, sig) {
-			sigs = append(sigs, sig)
-		}
-	}
-	return sigs, nil
-}
-
-func parseSignal(s string) (syscall.Signal, error) {
-	name := strings.ToUpper(strings.TrimSpace(s))
-	var sig syscall.Signal
-	if n, err := strconv.Atoi(name); err == nil {
-		sig = syscall.Signal(n)
-		if n < 1 || n > maxSignal {
-			return 0, fmt.Errorf("%q is not a signal number (1–%d)", s, maxSignal)
-		}
-	} else {
-		if !strings.HasPrefix(name, "SIG") {
-			name = "SIG" + name
-		}
-		if sig = unix.SignalNum(name); sig == 0 {
-			if sig = signalAliases[name]; sig == 0 {
-				return 0, fmt.Errorf("unknown signal %q", strings.TrimSpace(s))
-			}
-		}
-	}
-	if why, bad := unhandleable[sig]; bad {
-		return 0, fmt.Errorf("%s %s", signalString(sig), why)
-	}
-	return sig, nil
-}
-
-// maxSignal is the highest signal number on Linux (SIGRTMAX).
-const maxSignal = 64
-
-// signalString names a signal as the user would write it: SIGTERM, or the
-// number for one without a name.
-func signalString(sig syscall.Signal) string {
-	if name := unix.SignalName(sig); name != "" {
-		return name
-	}
-	return strconv.Itoa(int(sig))
-}
-
-// ResolveNProc turns --nproc-per-node into a count, as torchrun's
-// determine_local_world_size does: an integer >= 1; "cpu" is
-// runtime.NumCPU() (the CPUs this process may run on, where torchrun's
-// os.cpu_count() counts every CPU of the machine); "gpu" is the number of
-// NVIDIA GPUs, an error if there are none; "auto" is the GPUs if there are
-// any, else the CPUs.
-//
-// GPUs are counted without linking CUDA: the /dev/nvidia<N> device nodes,
-// narrowed by CUDA_VISIBLE_DEVICES as torch.cuda.device_count() would be
-// (see visibleGPUs). NVML, loaded at run time, could replace this later.
-// torchrun's xpu and custom-backend names are not supported.
-func ResolveNProc(s string) (int, error) {
-	visible, set := os.LookupEnv("CUDA_VISIBLE_DEVICES")
-	return resolveNProc(s, func() (int, error) { return visibleGPUs("/dev", visible, set) }, runtime.NumCPU())
-}
-
-// resolveNProc is ResolveNProc with the GPU count and the CPU count given,
-// so tests need neither GPUs nor a particular machine.
-func resolveNProc(s string, gpus func() (int, error), cpus int) (int, error) {
-	v := strings.TrimSpace(s)
-	if n, err := strconv.Atoi(v); err == nil {
-		if n < 1 {
-			return 0, invalidf("%q: a node needs at least 1 worker", s)
-		}
-		return n, nil
-	}
-	switch v {
-	case "cpu":
-		return cpus, nil
-	case "gpu", "auto":
-		n, err := gpus()
-		if err != nil {
-			return 0, invalidf("%q: counting GPUs: %w", s, err)
-		}
-		if n > 0 {
-			return n, nil
-		}
-		if v == "auto" {
-			return cpus, nil
-		}
-		return 0, invalidf("%q: no NVIDIA GPU found (no /dev/nvidia<N>, or CUDA_VISIBLE_DEVICES hides them all)", s)
-	}
-	return 0, invalidf("%q is not a worker count: want an integer >= 1, auto, cpu or gpu", s)
-}
-
-// countGPUs counts NVIDIA device nodes (nvidia0, nvidia1, …) in dir. The
-// driver creates one per GPU; nvidiactl, nvidia-uvm and the like are not
-// GPUs. A missing dir counts as no GPU.
-func countGPUs(dir string) (int, error) {
-	entries, err := os.ReadDir(dir)
-	if errors.Is(err, os.ErrNotExist) {
-		return 0, nil
-	}
-	if err != nil {
-		return 0, err
-	}
-	n := 0
-	for _, e := range entries {
-		if num, ok := strings.CutPrefix(e.Name(), "nvidia"); ok && num != "" && isDigits(num) {
-			n++
-		}
-	}
-	return n, nil
-}
-
-// visibleGPUs is the number of GPUs CUDA would show: the device nodes in
-// dir, narrowed by CUDA_VISIBLE_DEVICES when set. CUDA reads that list up
-// to its first invalid entry: an index out of range, a negative one,
-// anything else that is neither an index nor a GPU-/MIG- UUID. "" hides
-// every GPU. UUIDs are taken on trust (checking them needs NVML).
-func visibleGPUs(dir, visible string, set bool) (int, error) {
-	n, err := countGPUs(dir)
-	if err != nil || !set || n == 0 {
-		return n, err
-	}
-	count := 0
-	for _, entry := range strings.Split(visible, ",") {
-		entry = strings.TrimSpace(entry)
-		if i, err := strconv.Atoi(entry); err == nil {
-			if i < 0 || i >= n {
-				break
-			}
-		} else if !strings.HasPrefix(entry, "GPU-") && !strings.HasPrefix(entry, "MIG-") {
-			break
-		}
-		count++
-	}
-	return min(count, n), nil
-}
-
-func isDigits(s string) bool {
-	for _, r := range s {
-		if r < '0' || r > '9' {
-			return false
-		}
-	}
-	return true
-}
-
 // startMethods are the values torchrun's --start-method accepts.
 var startMethods = []string{"spawn", "fork", "forkserver"}
 
 // Validate checks the whole configuration and returns the first problem,
 // naming the torchrun flag a user would fix. The error matches
 // ErrInvalidConfig.
-func (c Config) Validate() error {
+//
+// It also parses the rendezvous settings (--rdzv-endpoint, --rdzv-conf)
+// into the typed form the agent runs with, once: nothing reads
+// Rendezvous.Conf again.
+func (c *Config) Validate() error {
 	for _, check := range []func() error{
 		c.Entrypoint.validate,
 		c.validateSizes,
-		func() error { return c.Rendezvous.validate(c.MinNodes, c.MaxNodes) },
+		func() (err error) {
+			c.rdzv, err = c.Rendezvous.settings(c.MinNodes, c.MaxNodes)
+			return err
+		},
 		c.validateSupervision,
 		c.validateLogs,
 		c.validateHealth,
@@ -683,39 +506,6 @@ func (c Config) validateSizes() error {
 	return nil
 }
 
-// validate checks the rendezvous settings for a job of minNodes to
-// maxNodes nodes. With Standalone the backend, endpoint and run id the user
-// gave are ignored (as torchrun does), so they are not checked.
-func (r RendezvousConfig) validate(minNodes, maxNodes int) error {
-	if err := validateConf(r.Conf); err != nil {
-		return err
-	}
-	if r.LocalAddr != "" && !validAddr(r.LocalAddr) {
-		return invalidf("--local-addr %q is not a host name or IP address", r.LocalAddr)
-	}
-	if r.Standalone {
-		if maxNodes > 1 {
-			return invalidf("--standalone runs one node (its store is on localhost at a random port); for --nnodes %d:%d use --rdzv-backend c10d with --rdzv-endpoint", minNodes, maxNodes)
-		}
-		return nil
-	}
-	if r.RunID == "" {
-		return invalidf("--rdzv-id is empty; every node of a job needs the same non-empty id")
-	}
-	switch r.Backend {
-	case backendStatic:
-		return r.validateStatic(minNodes, maxNodes)
-	case backendC10d:
-		if strings.EqualFold(strings.TrimSpace(r.Conf["store_type"]), "file") {
-			return nil // the endpoint is a path
-		}
-		return validateEndpoint(r.Endpoint, defaultC10dPort)
-	case backendEtcd, backendEtcdV2:
-		return r.validateEtcd()
-	}
-	return invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", r.Backend)
-}
-
 func (r RendezvousConfig) validateStatic(minNodes, maxNodes int) error {
 	switch {
 	case minNodes != maxNodes:
@@ -742,145 +532,6 @@ func (r RendezvousConfig) validateStatic(minNodes, maxNodes int) error {
 		return invalidf("--master-port 0 picks a random port, which the other %d nodes cannot know", maxNodes-1)
 	}
 	return nil
-}
-
-func validateEndpoint(endpoint string, defaultPort int) error {
-	if _, _, err := splitEndpoint(endpoint, defaultPort); err != nil {
-		return invalidf("--rdzv-endpoint: %w", err)
-	}
-	return nil
-}
-
-// splitEndpoint reads host[:port] as torchrun's parse_rendezvous_endpoint
-// does: "[v6]" and "[v6]:port" for IPv6, an empty endpoint meaning
-// localhost, and defaultPort when there is no port. A bare IPv6 address
-// (more than one ':') is taken as a host without a port, where torchrun
-// would split off its last group.
-func splitEndpoint(endpoint string, defaultPort int) (host string, port int, err error) {
-	e := strings.TrimSpace(endpoint)
-	switch {
-	case e == "":
-		return "localhost", defaultPort, nil
-	case strings.HasPrefix(e, "[") && strings.HasSuffix(e, "]"):
-		host, port = e[1:len(e)-1], defaultPort
-	case strings.HasPrefix(e, "[") || strings.Count(e, ":") == 1:
-		h, p, err := net.SplitHostPort(e)
-		if err != nil {
-			return "", 0, fmt.Errorf("%q is not HOST[:PORT]", endpoint)
-		}
-		n, err := strconv.Atoi(p)
-		if err != nil || n < 0 || n > 65535 || len(p) > 5 {
-			return "", 0, fmt.Errorf("%q: port %q is not a TCP port (0–65535)", endpoint, p)
-		}
-		host, port = h, n
-	default:
-		host, port = e, defaultPort
-	}
-	if !validHost(host) {
-		return "", 0, fmt.Errorf("%q: %q is not a host name or IP address", endpoint, host)
-	}
-	return host, port, nil
-}
-
-// hostPattern is torchrun's check for an endpoint's host (labels, IPv4,
-// IPv6), plus '%' for IPv6 zones.
-var hostPattern = regexp.MustCompile(`^[\w.:%-]+$`)
-
-func validHost(h string) bool { return hostPattern.MatchString(h) }
-
-// validAddr is validHost for an address flag, where an IPv6 address may
-// come in brackets ("[::1]", as torchrun's --master-addr help suggests).
-func validAddr(a string) bool {
-	if strings.HasPrefix(a, "[") && strings.HasSuffix(a, "]") {
-		a = a[1 : len(a)-1]
-	}
-	return validHost(a)
-}
-
-// Rendezvous configuration keys gorun reads (spec/prior-art.md §1.3), by
-// kind. Every duration is whole or fractional seconds and must be positive,
-// as torchrun's RendezvousTimeout and read_timeout checks demand.
-var (
-	confDurations = []string{"join_timeout", "last_call_timeout", "close_timeout",
-		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout", "lease_ttl"}
-	confCounts = []string{"keep_alive_max_attempt"}
-	confBools  = []string{"is_host", "use_libuv"}
-	confEnums  = []struct {
-		key     string
-		allowed []string
-	}{
-		{"store_type", []string{"tcp", "file"}},
-		{"protocol", []string{"http", "https"}}, // etcd, etcd-v2
-	}
-)
-
-// validateConf checks the values of the --rdzv-conf keys gorun knows.
-func validateConf(conf map[string]string) error {
-	for _, k := range confDurations {
-		if _, err := confSeconds(conf, k, time.Second); err != nil {
-			return err
-		}
-	}
-	for _, k := range confCounts {
-		if _, err := confInt(conf, k, 1); err != nil {
-			return err
-		}
-	}
-	for _, k := range confBools {
-		if _, err := confBool(conf, k, false); err != nil {
-			return err
-		}
-	}
-	for _, e := range confEnums {
-		if v, ok := conf[e.key]; ok && !slices.Contains(e.allowed, strings.ToLower(strings.TrimSpace(v))) {
-			return invalidf("--rdzv-conf %s=%s: want one of %s", e.key, v, strings.Join(e.allowed, ", "))
-		}
-	}
-	return nil
-}
-
-// confSeconds reads a positive number of seconds from conf, or def when
-// the key is absent. torchrun reads these with get_as_int; fractions are
-// gorun's extension.
-func confSeconds(conf map[string]string, key string, def time.Duration) (time.Duration, error) {
-	v, ok := conf[key]
-	if !ok {
-		return def, nil
-	}
-	f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-	if err != nil || !(f > 0) || f > math.MaxInt64/float64(time.Second) {
-		return 0, invalidf("--rdzv-conf %s=%s: want a positive number of seconds", key, v)
-	}
-	return time.Duration(math.Round(f * float64(time.Second))), nil
-}
-
-// confInt reads a positive integer from conf, or def when absent.
-func confInt(conf map[string]string, key string, def int) (int, error) {
-	v, ok := conf[key]
-	if !ok {
-		return def, nil
-	}
-	n, err := strconv.Atoi(strings.TrimSpace(v))
-	if err != nil || n < 1 {
-		return 0, invalidf("--rdzv-conf %s=%s: want a positive integer", key, v)
-	}
-	return n, nil
-}
-
-// confBool reads a boolean from conf the way torchrun's get_as_bool does
-// (1/true/t/yes/y, 0/false/f/no/n, any case), or def when absent.
-func confBool(conf map[string]string, key string, def bool) (bool, error) {
-	v, ok := conf[key]
-	if !ok {
-		return def, nil
-	}
-	switch strings.ToLower(strings.TrimSpace(v)) {
-	case "1", "true", "t", "yes", "y":
-		return true, nil
-	case "0", "false", "f", "no", "n":
-		return false, nil
-	}
-	return false, invalidf("--rdzv-conf %s=%s: want a boolean (1, true, yes, 0, false, no)", key, v)
 }
 
 func (c Config) validateSupervision() error {

@@ -530,25 +530,52 @@ func TestValidate(t *testing.T) {
 	}
 }
 
-func TestConfHelpers(t *testing.T) {
-	conf := map[string]string{"d": "1.5", "n": "4", "b": "Y"}
-	if d, err := confSeconds(conf, "d", 0); err != nil || d != 1500*time.Millisecond {
-		t.Errorf("confSeconds(1.5) = %v, %v", d, err)
+// TestRendezvousSettings: Validate parses the rendezvous flags and
+// --rdzv-conf once into the settings the memberships run with.
+func TestRendezvousSettings(t *testing.T) {
+	cases := []struct {
+		name    string
+		mod     func(*Config)
+		want    func(rendezvousSettings) bool
+		explain string
+	}{
+		{"c10d defaults", func(c *Config) {},
+			func(s rendezvousSettings) bool {
+				return s.host == "node0" && s.port == defaultC10dPort && s.readTimeout == defaultReadTimeout &&
+					!s.isHostGiven && !s.fileStore && s.dynamic.MinNodes == 2 && s.dynamic.MaxNodes == 3 && s.dynamic.RunID == "job"
+			}, "node0:29400, read_timeout 60 s, no is_host, dynamic 2..3"},
+		{"c10d conf", func(c *Config) {
+			c.Rendezvous.Endpoint = "[::1]:1234"
+			c.Rendezvous.Conf = map[string]string{"read_timeout": "2.5", "is_host": "no", "join_timeout": "7"}
+		}, func(s rendezvousSettings) bool {
+			return s.host == "::1" && s.port == 1234 && s.readTimeout == 2500*time.Millisecond &&
+				s.isHostGiven && !s.isHost && s.dynamic.JoinTimeout == 7*time.Second
+		}, "[::1]:1234, read 2.5 s, is_host given false, join 7 s"},
+		{"file store", func(c *Config) { c.Rendezvous.Conf = map[string]string{"store_type": "FILE"} },
+			func(s rendezvousSettings) bool { return s.fileStore }, "a FileStore"},
+		{"static rank 0 hosts", func(c *Config) {
+			c.Rendezvous.Backend, c.MinNodes, c.MaxNodes, c.Rendezvous.Endpoint = backendStatic, 2, 2, ""
+		}, func(s rendezvousSettings) bool {
+			return s.host == defaultMasterAddr && s.port == defaultMasterPort && s.isHost && !s.isHostGiven
+		}, "the master address, rank 0 hosting"},
+		{"static rank 1 does not", func(c *Config) {
+			c.Rendezvous.Backend, c.MinNodes, c.MaxNodes, c.Rendezvous.NodeRank = backendStatic, 2, 2, 1
+			c.Rendezvous.Endpoint = "node0:29500"
+		}, func(s rendezvousSettings) bool { return s.host == "node0" && s.port == 29500 && !s.isHost },
+			"node0:29500, not hosting"},
 	}
-	if d, _ := confSeconds(conf, "absent", 7*time.Second); d != 7*time.Second {
-		t.Errorf("confSeconds default = %v", d)
-	}
-	if n, err := confInt(conf, "n", 0); err != nil || n != 4 {
-		t.Errorf("confInt = %d, %v", n, err)
-	}
-	if b, err := confBool(conf, "b", false); err != nil || !b {
-		t.Errorf("confBool(Y) = %v, %v", b, err)
-	}
-	if _, err := confSeconds(map[string]string{"d": "NaN"}, "d", 0); err == nil {
-		t.Error("confSeconds accepted NaN")
-	}
-	if _, err := confSeconds(map[string]string{"d": "1e300"}, "d", 0); err == nil {
-		t.Error("confSeconds accepted 1e300 s")
+	for _, tc := range cases {
+		c := DefaultConfig()
+		c.Entrypoint.Program = "x"
+		c.MinNodes, c.MaxNodes = 2, 3
+		c.Rendezvous.Backend, c.Rendezvous.Endpoint, c.Rendezvous.RunID = backendC10d, "node0", "job"
+		tc.mod(&c)
+		if err := c.Validate(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if !tc.want(c.rdzv) {
+			t.Errorf("%s: settings %+v, want %s", tc.name, c.rdzv, tc.explain)
+		}
 	}
 }
 

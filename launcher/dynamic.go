@@ -21,10 +21,12 @@ import (
 
 // Errors of multi-node rendezvous that the CLI maps to exit codes.
 var (
-	// ErrRendezvousTimeout: the round did not complete in join_timeout.
-	ErrRendezvousTimeout = errors.New("rendezvous timed out")
+	// ErrRendezvousTimeout: the round did not complete in join_timeout,
+	// or no rendezvous store answered in it. The rendezvous's own
+	// sentinel: one error, whichever layer saw the time run out.
+	ErrRendezvousTimeout = rendezvous.ErrRendezvousTimeout
 	// ErrRendezvousClosed: the job had already ended when this node came.
-	ErrRendezvousClosed = errors.New("rendezvous closed")
+	ErrRendezvousClosed = rendezvous.ErrRendezvousClosed
 )
 
 // JobFailedError is returned when the job failed without a local worker
@@ -69,11 +71,12 @@ type dynamicNode struct {
 	log   *zap.Logger
 	runID string
 	me    rendezvous.NodeDesc
-	addr  string           // the address this node advertises
-	host  *tcpstore.Server // the rendezvous store, when this node hosts it
-	store rendezvous.Store // every agent's view of the rendezvous store
-	dyn   *rendezvous.Dynamic
-	round rendezvous.Round
+	addr  string // the address this node advertises
+	// storeHost serves the rendezvous store when this node hosts it.
+	storeHost *tcpstore.Server
+	store     rendezvous.Store // every agent's view of the rendezvous store
+	dyn       *rendezvous.Dynamic
+	round     rendezvous.Round
 	// storeOutlivesHosts: the rendezvous store lives on without any
 	// agent (etcd), so nobody waits for the others to see the job closed
 	// (seenClosed).
@@ -105,7 +108,6 @@ func (d *dynamicNode) seenClosedKey() string { return "gorun." + d.runID + ".see
 const (
 	outcomeSucceeded = "succeeded"
 	outcomeFailed    = "failed"
-	defaultC10dRead  = 60 * time.Second // torchrun's read_timeout
 )
 
 func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*dynamicNode, error) {
@@ -140,10 +142,7 @@ func newDynamicBase(cfg *Config, log *zap.Logger, runID string) (*dynamicNode, r
 	d.me = rendezvous.NodeDesc{Addr: d.addr, Pid: os.Getpid()}
 
 	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
-	dcfg, err := rendezvous.ParseDynamicConfig(runID, minNodes, maxNodes, r.Conf)
-	if err != nil {
-		return nil, rendezvous.DynamicConfig{}, fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
-	}
+	dcfg := cfg.rdzv.dynamic
 	dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
 	return d, dcfg, nil
 }
@@ -196,50 +195,30 @@ func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress)
 // connect opens the rendezvous store, hosting it first when this node is
 // the host.
 func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time.Duration) error {
-	r := d.cfg.Rendezvous
-	readTimeout, err := confSeconds(r.Conf, "read_timeout", defaultC10dRead)
-	if err != nil {
-		return fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
-	}
-	if !static && strings.EqualFold(r.Conf["store_type"], "file") {
+	rs := d.cfg.rdzv
+	if rs.fileStore {
 		fcfg := filestore.DefaultConfig()
-		fcfg.Timeout = readTimeout
-		s, err := filestore.Open(ctx, r.Endpoint, fcfg)
+		fcfg.Timeout = rs.readTimeout
+		s, err := filestore.Open(ctx, d.cfg.Rendezvous.Endpoint, fcfg)
 		if err != nil {
-			return fmt.Errorf("rendezvous FileStore %s: %w", r.Endpoint, err)
+			return fmt.Errorf("rendezvous FileStore %s: %w", d.cfg.Rendezvous.Endpoint, err)
 		}
 		d.store = s
 		return nil
 	}
-	host, port := r.MasterAddr, r.MasterPort
-	if r.Endpoint != "" || !static {
-		def := defaultC10dPort
-		if static {
-			def = -1
-		}
-		if host, port, err = splitEndpoint(r.Endpoint, def); err != nil {
-			return fmt.Errorf("%w: --rdzv-endpoint: %v", ErrInvalidConfig, err)
-		}
-	}
-	endpoint := net.JoinHostPort(host, strconv.Itoa(port))
-	explicit, hasExplicit := r.Conf["is_host"]
-	isHost := static && r.NodeRank == 0
-	if !static {
-		isHost = isLocalHost(host)
-	}
-	if hasExplicit {
-		if isHost, err = confBool(r.Conf, "is_host", false); err != nil {
-			return fmt.Errorf("%w: --rdzv-conf: %v", ErrInvalidConfig, err)
-		}
+	endpoint := net.JoinHostPort(rs.host, strconv.Itoa(rs.port))
+	isHost := rs.isHost
+	if !static && !rs.isHostGiven {
+		isHost = isLocalHost(rs.host)
 	}
 	if isHost {
-		srv, err := tcpstore.Listen(net.JoinHostPort("", strconv.Itoa(port)), tcpstore.ServerConfig{Logger: d.log.Named("rdzv-store")})
+		srv, err := tcpstore.Listen(net.JoinHostPort("", strconv.Itoa(rs.port)), tcpstore.ServerConfig{Logger: d.log.Named("rdzv-store")})
 		switch {
 		case err == nil:
-			d.host = srv
+			d.storeHost = srv
 			d.log.Info("hosting the rendezvous store", zap.String("endpoint", endpoint))
-		case hasExplicit && explicit != "":
-			return fmt.Errorf("hosting the rendezvous store (is_host=%s) on port %d: %w", explicit, port, err)
+		case rs.isHostGiven:
+			return fmt.Errorf("hosting the rendezvous store (is_host=%s) on port %d: %w", d.cfg.Rendezvous.Conf["is_host"], rs.port, err)
 		default:
 			// torchrun's fallback: another agent on this host got there
 			// first, so be its client.
@@ -249,47 +228,15 @@ func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time
 	}
 	dctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	defer cancel()
-	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: readTimeout})
+	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: rs.readTimeout})
 	if errors.Is(err, rendezvous.ErrTimeout) {
-		return fmt.Errorf("%w: no rendezvous store answered at %s within join_timeout %v: %v", ErrRendezvousTimeout, endpoint, joinTimeout, err)
+		return fmt.Errorf("%w: no rendezvous store answered at %s within join_timeout %v: %w", ErrRendezvousTimeout, endpoint, joinTimeout, err)
 	}
 	if err != nil {
 		return fmt.Errorf("rendezvous store %s: %w", endpoint, err)
 	}
 	d.store = c
 	return nil
-}
-
-// isLocalHost reports whether host names this machine: torchrun's is_host
-// inference, which matches the endpoint against the local addresses.
-func isLocalHost(host string) bool {
-	if host == "localhost" {
-		return true
-	}
-	if h, err := os.Hostname(); err == nil {
-		// "job-0" hosting "job-0.job-svc" (a Kubernetes Indexed Job behind
-		// a headless Service): the pod's name is the first label, and its
-		// DNS record may not exist yet when it starts.
-		if strings.EqualFold(h, host) || strings.HasPrefix(strings.ToLower(host), strings.ToLower(h)+".") {
-			return true
-		}
-	}
-	ips, err := net.LookupIP(host)
-	if err != nil {
-		return false
-	}
-	addrs, _ := net.InterfaceAddrs()
-	for _, ip := range ips {
-		if ip.IsLoopback() {
-			return true
-		}
-		for _, a := range addrs {
-			if n, ok := a.(*net.IPNet); ok && n.IP.Equal(ip) {
-				return true
-			}
-		}
-	}
-	return false
 }
 
 func (d *dynamicNode) next(ctx context.Context) (*plan, error) {
@@ -322,8 +269,6 @@ func (d *dynamicNode) join(ctx context.Context) (rendezvous.Round, error) {
 	case errors.Is(err, rendezvous.ErrRendezvousClosed):
 		d.seenClosed(ctx)
 		return round, d.closedError(ctx)
-	case errors.Is(err, rendezvous.ErrRendezvousTimeout):
-		return round, fmt.Errorf("%w: %v", ErrRendezvousTimeout, err)
 	case err != nil:
 		return round, fmt.Errorf("rendezvous: %w", err)
 	}
@@ -400,8 +345,8 @@ func (d *dynamicNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, 
 		slices.SortFunc(ms, func(a, b member) int { return a.info.NodeRank - b.info.NodeRank })
 		for i, m := range ms {
 			if m.info.NodeRank != i {
-				return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("%w: static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
-					ErrInvalidConfig, nodeRanksOf(ms, func(m member) int { return m.info.NodeRank }), len(ms)-1)
+				return nil, nil, 0, rendezvous.NodeDesc{}, invalidf("static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
+					nodeRanksOf(ms, func(m member) int { return m.info.NodeRank }), len(ms)-1)
 			}
 		}
 	}
@@ -532,7 +477,7 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 		d.log.Debug("closing the rendezvous", zap.Error(err))
 	}
 	d.seenClosed(ctx)
-	if d.host != nil {
+	if d.storeHost != nil {
 		d.waitOthersSawClose(ctx, p.atBarrier())
 	}
 	return nil
@@ -549,7 +494,7 @@ func (d *dynamicNode) seenClosed(ctx context.Context) {
 	}
 }
 
-func (d *dynamicNode) closed(ctx context.Context) { d.seenClosed(ctx) }
+func (d *dynamicNode) sawClosed(ctx context.Context) { d.seenClosed(ctx) }
 
 // waitOthersSawClose keeps the rendezvous store up, after the job closed,
 // until the round's other nodes have seen the end (or a keep-alive window
@@ -663,7 +608,7 @@ func (d *dynamicNode) close() {
 	if d.store != nil {
 		d.store.Close()
 	}
-	if d.host != nil {
-		d.host.Close()
+	if d.storeHost != nil {
+		d.storeHost.Close()
 	}
 }

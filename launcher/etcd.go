@@ -44,9 +44,11 @@ import (
 type etcdNode struct {
 	*dynamicNode
 	settings etcdSettings
-	cli      *clientv3.Client
-	rdzv     *etcd.Storage // under the rendezvous store
-	live     *etcd.Liveness
+	// base is the directory of the job's keys, "<prefix>/<run id>/".
+	base string
+	cli  *clientv3.Client
+	rdzv *etcd.Storage // under the rendezvous store
+	live *etcd.Liveness
 	// members names the current round's nodes, since is the liveness
 	// view's revision when the round began, and synced says whether the
 	// view has been read since the round completed: only then does a
@@ -63,11 +65,12 @@ type etcdNode struct {
 	// lastStatus is when watch last read the rendezvous state.
 	lastStatus time.Time
 
-	// The reaper takes nodes whose leases went out of the rendezvous.
-	dcfg       rendezvous.DynamicConfig
-	gone       chan string // names of nodes whose presence keys went
-	stopReaper context.CancelFunc
-	reaperDone chan struct{}
+	// The expeller takes nodes whose leases lapsed out of the rendezvous
+	// (not to be mistaken for package reaper, the agent's wait4 owner).
+	dcfg         rendezvous.DynamicConfig
+	gone         chan string // names of nodes whose presence keys went
+	stopExpeller context.CancelFunc
+	expellerDone chan struct{}
 	// over: the job is over for this node; departures are no longer
 	// failures to act on.
 	over atomic.Bool
@@ -88,34 +91,24 @@ func newEtcdMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID 
 	return e, nil
 }
 
-// validateEtcd checks the etcd backends' settings.
-func (r RendezvousConfig) validateEtcd() error {
-	_, err := r.etcdSettings(r.RunID)
-	return err
-}
-
 // statusTimeout bounds one read of the rendezvous state while workers run.
 const statusTimeout = 2 * time.Second
 
 func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (*etcdNode, error) {
-	r := cfg.Rendezvous
-	s, err := r.etcdSettings(runID)
-	if err != nil {
-		return nil, err
-	}
-	if r.Backend == backendEtcdV2 {
+	s := cfg.rdzv.etcd
+	if cfg.Rendezvous.Backend == backendEtcdV2 {
 		log.Info("--rdzv-backend etcd-v2: gorun speaks etcd's v3 API (etcd 3.4 or later), not the v2 API")
 	}
-	if s.passwordOnCommandLine {
+	if s.PasswordOnCommandLine {
 		log.Warn("the etcd password is on the command line, where other users of this machine can read it; " +
-			"use --rdzv-conf password_env=VAR or $" + envEtcdPassword)
+			"use --rdzv-conf password_env=VAR or $" + etcd.EnvPassword)
 	}
 	d, dcfg, err := newDynamicBase(cfg, log, runID)
 	if err != nil {
 		return nil, err
 	}
 	d.storeOutlivesHosts = true
-	e := &etcdNode{dynamicNode: d, settings: s, gone: make(chan string, 1024)}
+	e := &etcdNode{dynamicNode: d, settings: s, base: s.JobDir(runID), gone: make(chan string, 1024)}
 	e.dcfg = dcfg
 	e.dcfg.OnProgress = nil
 	if err := e.connect(ctx, dcfg.JoinTimeout); err != nil {
@@ -130,9 +123,9 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 }
 
 // connect reaches etcd (retrying until join_timeout), opens the
-// rendezvous store, takes this node's lease and starts the reaper.
+// rendezvous store, takes this node's lease and starts the expeller.
 func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
-	ccfg := e.settings.client
+	ccfg := e.settings.Client
 	ccfg.Logger = e.log
 	cctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	cli, err := etcd.Connect(cctx, ccfg)
@@ -148,12 +141,9 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	}
 	e.cli = cli
 
-	readTimeout, err := confSeconds(e.cfg.Rendezvous.Conf, "read_timeout", defaultC10dRead)
-	if err != nil {
-		return err
-	}
+	readTimeout := e.cfg.rdzv.readTimeout
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
-		Prefix: e.settings.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
+		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
 		// The rendezvous state (its key: rendezvous.Dynamic's doc) is
 		// only read and compare-set, by every node at every join and
 		// heartbeat: no node's watch need carry it to every other.
@@ -166,8 +156,8 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 
 	me := e.me.String()
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
-		Dir: e.settings.base + "alive/", Name: me, Value: []byte(e.addr),
-		TTL: e.settings.leaseTTL, Logger: e.log.Named("liveness"),
+		Dir: e.base + "alive/", Name: me, Value: []byte(e.addr),
+		TTL: e.settings.LeaseTTL, Logger: e.log.Named("liveness"),
 		OnDelete: func(name string) {
 			if name == me || e.over.Load() {
 				return // this node's own loss ends its round (watch)
@@ -182,24 +172,24 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return err
 	}
 	ttl := e.live.TTL()
-	if ttl > e.settings.leaseTTL+time.Second {
+	if ttl > e.settings.LeaseTTL+time.Second {
 		e.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
-			zap.Duration("asked", e.settings.leaseTTL), zap.Duration("granted", ttl))
+			zap.Duration("asked", e.settings.LeaseTTL), zap.Duration("granted", ttl))
 	}
 	rctx, stop := context.WithCancel(context.Background())
-	e.stopReaper, e.reaperDone = stop, make(chan struct{})
-	go e.reap(rctx)
+	e.stopExpeller, e.expellerDone = stop, make(chan struct{})
+	go e.expelLapsed(rctx)
 	e.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
-		zap.String("keys", e.settings.base), zap.Duration("lease_ttl", ttl))
+		zap.String("keys", e.base), zap.Duration("lease_ttl", ttl))
 	return nil
 }
 
-// reap takes each node whose presence key went out of the rendezvous
+// expelLapsed takes each node whose presence key went out of the rendezvous
 // state, leaving on its behalf: its lease expired, so it is gone, and the
 // round it was in is over. Every node that sees the key go does it; the
 // first to write wins and the others find the node out already.
-func (e *etcdNode) reap(ctx context.Context) {
-	defer close(e.reaperDone)
+func (e *etcdNode) expelLapsed(ctx context.Context) {
+	defer close(e.expellerDone)
 	for {
 		select {
 		case <-ctx.Done():
@@ -216,7 +206,7 @@ func (e *etcdNode) reap(ctx context.Context) {
 	}
 }
 
-// expel takes node name out of the rendezvous state. The reaper runs
+// expel takes node name out of the rendezvous state. The expeller runs
 // before the first round, when the embedded dynamicNode has no handle yet,
 // hence the configuration of its own.
 func (e *etcdNode) expel(ctx context.Context, name string) error {
@@ -273,7 +263,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 // storePrefix is the directory of a round's worker store. The round is
 // zero-padded so that the directories sort by round.
 func (e *etcdNode) storePrefix(round int) string {
-	return fmt.Sprintf("%sstore/%010d/", e.settings.base, round)
+	return fmt.Sprintf("%sstore/%010d/", e.base, round)
 }
 
 // serveWorkerStore starts this node's server of the round's worker store.
@@ -311,7 +301,7 @@ func (e *etcdNode) endRound() {
 // them for round -1). Once a round has completed, every member has left
 // the earlier rounds, and a node lost since has its workers dead or dying.
 func (e *etcdNode) dropStores(ctx context.Context, round int) {
-	dir := e.settings.base + "store/"
+	dir := e.base + "store/"
 	end := clientv3.GetPrefixRangeEnd(dir)
 	if round >= 0 {
 		end = e.storePrefix(round)
@@ -376,9 +366,9 @@ func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
 	return err
 }
 
-func (e *etcdNode) closed(ctx context.Context) {
+func (e *etcdNode) sawClosed(ctx context.Context) {
 	e.over.Store(true)
-	e.dynamicNode.closed(ctx)
+	e.dynamicNode.sawClosed(ctx)
 }
 
 func (e *etcdNode) leave(ctx context.Context) {
@@ -401,9 +391,9 @@ func (e *etcdNode) closeLiveness() {
 
 func (e *etcdNode) close() {
 	e.over.Store(true)
-	if e.stopReaper != nil {
-		e.stopReaper()
-		<-e.reaperDone
+	if e.stopExpeller != nil {
+		e.stopExpeller()
+		<-e.expellerDone
 	}
 	e.dynamicNode.close()
 	e.endRound()

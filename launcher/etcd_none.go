@@ -16,4 +16,9 @@ func newEtcdMembership(context.Context, *Config, *zap.Logger, string) (membershi
 	return nil, invalidf("%w", ErrEtcdNotLinked)
 }
 
-func (r RendezvousConfig) validateEtcd() error { return invalidf("%w", ErrEtcdNotLinked) }
+// etcdSettings has nothing to hold in this build.
+type etcdSettings struct{}
+
+func parseEtcdSettings(RendezvousConfig) (etcdSettings, error) {
+	return etcdSettings{}, invalidf("%w", ErrEtcdNotLinked)
+}

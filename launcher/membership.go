@@ -2,7 +2,6 @@ package launcher
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -20,7 +19,8 @@ import (
 type membership interface {
 	// next completes the next rendezvous round and returns this node's
 	// plan for it, including a running worker store when this node hosts
-	// it. It returns errJobClosed when the job ended elsewhere.
+	// it. When the job already ended elsewhere it returns an error
+	// wrapping ErrRendezvousClosed, or a *JobFailedError if it failed.
 	next(ctx context.Context) (*plan, error)
 	// watch reports a change of the job that ends the current round (a
 	// node waiting to join, a node lost, the job closed), or nil.
@@ -41,8 +41,8 @@ type membership interface {
 	// rendezvous on its behalf: it was found dead, and the survivors'
 	// next round need not wait for its keep-alive to lapse.
 	expel(ctx context.Context, node string) error
-	// closed tells the job that this node has seen it closed by another.
-	closed(ctx context.Context)
+	// sawClosed tells the job that this node has seen it closed by another.
+	sawClosed(ctx context.Context)
 	close()
 }
 
@@ -122,21 +122,6 @@ func (c *change) String() string {
 	}
 }
 
-// errJobClosed: the job ended on another node while this one was joining.
-type jobClosedError struct{ ok bool }
-
-func (e *jobClosedError) Error() string {
-	if e.ok {
-		return "the job already finished on the other nodes"
-	}
-	return "the job failed on another node (its restarts were used up)"
-}
-
-// errJobClosed matches any *jobClosedError.
-var errJobClosed = errors.New("job closed")
-
-func (e *jobClosedError) Is(target error) bool { return target == errJobClosed }
-
 // singleNode is the membership of a one-node job: no rendezvous store,
 // ranks are local ranks, restarts are counted here.
 type singleNode struct {
@@ -170,7 +155,7 @@ func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
 		if r.Endpoint != "" {
 			var err error
 			if host, port, err = splitEndpoint(r.Endpoint, -1); err != nil {
-				return nil, WorkerEnv{}, fmt.Errorf("%w: --rdzv-endpoint: %v", ErrInvalidConfig, err)
+				return nil, WorkerEnv{}, invalidf("--rdzv-endpoint: %w", err)
 			}
 		}
 		listen, advertise = net.JoinHostPort("", strconv.Itoa(port)), host
@@ -197,7 +182,7 @@ func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) 
 func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
 func (s *singleNode) leave(context.Context)                     {}
 func (s *singleNode) expel(context.Context, string) error       { return nil }
-func (s *singleNode) closed(context.Context)                    {}
+func (s *singleNode) sawClosed(context.Context)                 {}
 func (s *singleNode) close()                                    {}
 
 // workerEnv is the WorkerEnv of a round whose worker store is at

@@ -65,7 +65,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 		boards[i] = shrink.NewBoard(c, shrink.DefaultPrefix)
 	}
 	s.coord = shrink.NewCoordinator(shrink.CoordinatorConfig{
-		Config:           shrink.Config{SettleWindow: settleWindow(cfg.SettleWindow), MinWorldSize: cfg.MinWorldSize},
+		Config:           shrink.Config{SettleWindow: cfg.SettleWindow, MinWorldSize: cfg.MinWorldSize},
 		Name:             p.nodeIDs[me],
 		World:            p.nodes.world(),
 		AgreementTimeout: cfg.AgreementTimeout,
@@ -73,15 +73,6 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 	}, boards[0], boards[1], boards[2])
 	s.updateLeader(ctx)
 	return s, nil
-}
-
-// settleWindow maps the Config's window, where 0 means "decide at once",
-// to shrink.Config's, where 0 means the default.
-func settleWindow(d time.Duration) time.Duration {
-	if d == 0 {
-		return -1
-	}
-	return d
 }
 
 // leader is the agreement's leader: the first node of the round, in

@@ -11,7 +11,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"math"
 	"slices"
 	"strconv"
 	"strings"
@@ -23,7 +22,7 @@ const (
 	DefaultJoinTimeout         = 600 * time.Second
 	DefaultLastCallTimeout     = 30 * time.Second
 	DefaultCloseTimeout        = 30 * time.Second
-	DefaultHeartbeatTimeout    = 5 * time.Second
+	DefaultKeepAliveTimeout    = 5 * time.Second
 	DefaultKeepAliveInterval   = 5 * time.Second
 	DefaultKeepAliveMaxAttempt = 3
 )
@@ -97,8 +96,10 @@ type DynamicConfig struct {
 	LastCallTimeout time.Duration
 	// CloseTimeout bounds SetClosed and Leave. Default 30 s.
 	CloseTimeout time.Duration
-	// HeartbeatTimeout bounds one background heartbeat write. Default 5 s.
-	HeartbeatTimeout time.Duration
+	// KeepAliveTimeout bounds one keep-alive (heartbeat) write: torchrun's
+	// heartbeat_timeout. Default 5 s. (Not the launcher's HeartbeatTimeout,
+	// which finds hung workers.)
+	KeepAliveTimeout time.Duration
 	// KeepAliveInterval is the heartbeat period. Default 5 s.
 	KeepAliveInterval time.Duration
 	// KeepAliveMaxAttempt heartbeats may be missed before the others count
@@ -143,7 +144,7 @@ func (c DynamicConfig) withDefaults() DynamicConfig {
 	def(&c.JoinTimeout, DefaultJoinTimeout)
 	def(&c.LastCallTimeout, DefaultLastCallTimeout)
 	def(&c.CloseTimeout, DefaultCloseTimeout)
-	def(&c.HeartbeatTimeout, DefaultHeartbeatTimeout)
+	def(&c.KeepAliveTimeout, DefaultKeepAliveTimeout)
 	def(&c.KeepAliveInterval, DefaultKeepAliveInterval)
 	if c.KeepAliveMaxAttempt == 0 {
 		c.KeepAliveMaxAttempt = DefaultKeepAliveMaxAttempt
@@ -158,7 +159,7 @@ func (c DynamicConfig) validate() error {
 		return fmt.Errorf("%w: dynamic rendezvous: empty run id", ErrInvalidArgument)
 	case c.MinNodes < 1 || c.MaxNodes < c.MinNodes:
 		return fmt.Errorf("%w: dynamic rendezvous: nodes %d:%d (need 1 ≤ min ≤ max)", ErrInvalidArgument, c.MinNodes, c.MaxNodes)
-	case c.JoinTimeout < 0, c.LastCallTimeout < 0, c.CloseTimeout < 0, c.HeartbeatTimeout < 0, c.KeepAliveInterval < 0:
+	case c.JoinTimeout < 0, c.LastCallTimeout < 0, c.CloseTimeout < 0, c.KeepAliveTimeout < 0, c.KeepAliveInterval < 0:
 		return fmt.Errorf("%w: dynamic rendezvous: negative timeout", ErrInvalidArgument)
 	case c.KeepAliveMaxAttempt < 0:
 		return fmt.Errorf("%w: dynamic rendezvous: negative keep_alive_max_attempt", ErrInvalidArgument)
@@ -178,59 +179,34 @@ func (c DynamicConfig) ttl() time.Duration {
 // the store backend (read_timeout, is_host, store_type, …) and are ignored.
 // A malformed or non-positive value is an error wrapping ErrInvalidArgument
 // (torchrun rejects non-positive timeouts too).
-func ParseDynamicConfig(runID string, minNodes, maxNodes int, conf map[string]string) (DynamicConfig, error) {
+func ParseDynamicConfig(runID string, minNodes, maxNodes int, conf Conf) (DynamicConfig, error) {
 	c := DynamicConfig{RunID: runID, MinNodes: minNodes, MaxNodes: maxNodes}
-	durations := []struct {
+	for _, f := range []struct {
 		key string
 		dst *time.Duration
 	}{
 		{"join_timeout", &c.JoinTimeout},
 		{"last_call_timeout", &c.LastCallTimeout},
 		{"close_timeout", &c.CloseTimeout},
-		{"heartbeat_timeout", &c.HeartbeatTimeout},
+		{"heartbeat_timeout", &c.KeepAliveTimeout},
 		{"keep_alive_interval", &c.KeepAliveInterval},
-	}
-	for _, f := range durations {
-		v, ok := conf[f.key]
-		if !ok {
-			continue
-		}
-		d, err := parseSeconds(v)
+	} {
+		d, err := conf.Seconds(f.key, 0) // 0: the default, below
 		if err != nil {
-			return DynamicConfig{}, fmt.Errorf("%w: rdzv-conf %s=%q: %v", ErrInvalidArgument, f.key, v, err)
+			return DynamicConfig{}, err
 		}
 		*f.dst = d
 	}
-	if v, ok := conf["keep_alive_max_attempt"]; ok {
-		n, err := strconv.Atoi(strings.TrimSpace(v))
-		if err != nil || n < 1 {
-			return DynamicConfig{}, fmt.Errorf("%w: rdzv-conf keep_alive_max_attempt=%q: need a positive integer", ErrInvalidArgument, v)
-		}
-		c.KeepAliveMaxAttempt = n
+	n, err := conf.Count("keep_alive_max_attempt", 0)
+	if err != nil {
+		return DynamicConfig{}, err
 	}
+	c.KeepAliveMaxAttempt = n
 	c = c.withDefaults()
 	if err := c.validate(); err != nil {
 		return DynamicConfig{}, err
 	}
 	return c, nil
-}
-
-// parseSeconds reads a positive, finite number of seconds.
-func parseSeconds(s string) (time.Duration, error) {
-	f, err := strconv.ParseFloat(strings.TrimSpace(s), 64)
-	switch {
-	case err != nil:
-		return 0, errors.New("not a number of seconds")
-	case math.IsNaN(f) || f <= 0:
-		return 0, errors.New("must be positive")
-	case f*float64(time.Second) >= math.MaxInt64:
-		return 0, errors.New("too large")
-	}
-	d := time.Duration(f * float64(time.Second))
-	if d <= 0 {
-		return 0, errors.New("below a nanosecond")
-	}
-	return d, nil
 }
 
 // dynState is the state that every node of a run shares: one JSON document

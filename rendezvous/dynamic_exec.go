@@ -559,10 +559,10 @@ func (d *Dynamic) stopKeepAlive() error {
 // when the next one is. Errors are not fatal (the node has
 // KeepAliveMaxAttempt-1 more chances): it tries again an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.HeartbeatTimeout)
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
 	defer cancel()
 	retry := d.now().Add(d.cfg.KeepAliveInterval)
-	deadline := d.now().Add(d.cfg.HeartbeatTimeout)
+	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)
 	if err != nil {
 		return retry

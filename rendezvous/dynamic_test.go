@@ -70,7 +70,7 @@ func TestParseDynamicConfig(t *testing.T) {
 	}
 	want := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4,
 		JoinTimeout: 600 * time.Second, LastCallTimeout: 30 * time.Second, CloseTimeout: 30 * time.Second,
-		HeartbeatTimeout: 5 * time.Second, KeepAliveInterval: 5 * time.Second, KeepAliveMaxAttempt: 3}
+		KeepAliveTimeout: 5 * time.Second, KeepAliveInterval: 5 * time.Second, KeepAliveMaxAttempt: 3}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("defaults = %+v, want %+v", c, want)
 	}
@@ -88,7 +88,7 @@ func TestParseDynamicConfig(t *testing.T) {
 	}
 	want = DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 1,
 		JoinTimeout: 120 * time.Second, LastCallTimeout: 500 * time.Millisecond, CloseTimeout: 7 * time.Second,
-		HeartbeatTimeout: 2 * time.Second, KeepAliveInterval: 1250 * time.Millisecond, KeepAliveMaxAttempt: 5}
+		KeepAliveTimeout: 2 * time.Second, KeepAliveInterval: 1250 * time.Millisecond, KeepAliveMaxAttempt: 5}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("parsed = %+v, want %+v", c, want)
 	}

@@ -12,11 +12,11 @@ type Config struct {
 	// seen within the window become one epoch instead of a cascade of
 	// shrinks. It should cover the spread of detection times of one
 	// incident (a host's ranks die together but are noticed by different
-	// agents). Zero means the default, 100 ms; a negative window decides
-	// on the first report.
+	// agents). Zero (or less) decides on the first report; DefaultConfig's
+	// window is DefaultSettleWindow.
 	SettleWindow time.Duration
 	// MinWorldSize is the floor: an epoch that would leave fewer ranks is
-	// decided as ActionRestart. Default 1.
+	// decided as ActionRestart. Below 1 means 1.
 	MinWorldSize int
 }
 
@@ -32,12 +32,7 @@ func DefaultConfig() Config {
 }
 
 func (c Config) withDefaults() Config {
-	switch {
-	case c.SettleWindow == 0:
-		c.SettleWindow = DefaultSettleWindow
-	case c.SettleWindow < 0:
-		c.SettleWindow = 0
-	}
+	c.SettleWindow = max(c.SettleWindow, 0)
 	if c.MinWorldSize < 1 {
 		c.MinWorldSize = DefaultMinWorldSize
 	}

@@ -1,7 +1,7 @@
 // Package shrink is survivor agreement: when ranks of a running job fail,
 // every survivor must act on the same exclusion list at the same point.
 //
-// The agreement has three parts:
+// The agreement has four parts:
 //
 //   - Decider, a pure state machine run by one coordinator agent: it gathers
 //     failure reports for a settle window, so that near-simultaneous failures
@@ -12,6 +12,13 @@
 //     second coordinator racing it adopts the first's decision instead of
 //     publishing another; workers wait on the epoch key (a store wait, not
 //     polling) and acknowledge; the coordinator counts the acknowledgements.
+//   - Coordinator, each agent's side: it files the failures its agent sees
+//     on the Board, and while its agent leads, runs the Decider over every
+//     report filed and publishes the epochs it decides.
+//   - Follower, a Go worker's side: it watches the Board for the next
+//     epoch, aborts the worker's group so that a collective blocked on a
+//     dead peer returns, shrinks the group to the epoch's survivors and
+//     acknowledges (examples/torch/gorun_ft.py does the same for PyTorch).
 //
 // The coordinator is chosen deterministically (the first live agent in the
 // rendezvous's order), and since reports live on the Board, not in the

@@ -2,9 +2,7 @@ package main
 
 import (
 	"flag"
-	"fmt"
 	"io"
-	"math"
 	"os"
 	"slices"
 	"strconv"
@@ -15,6 +13,7 @@ import (
 	"go.uber.org/zap"
 
 	"github.com/gorunhq/gorun/launcher"
+	"github.com/gorunhq/gorun/rendezvous"
 )
 
 // The root command is the launcher: `gorun [flags] [--] PROGRAM [ARGS…]`
@@ -86,7 +85,7 @@ func torchSeconds(cat, name string, value time.Duration, usage string, moreEnv .
 		Usage: usage, EnvVars: append([]string{petVar(name)}, moreEnv...), Category: cat}
 }
 
-// launchFlags are torchrun's flags (spec/prior-art.md §1.2) with its
+// launchFlags are torchrun's flags (its --help, 1.13 to 2.14) with its
 // defaults, plus gorun's own.
 func launchFlags() []cli.Flag {
 	def := launcher.DefaultConfig()
@@ -302,12 +301,7 @@ func flagError(c *cli.Context, name string, err error) error {
 
 // seconds converts torchrun's float seconds to a Duration. Negative values
 // pass through for Validate to name the flag's own rule.
-func seconds(s float64) (time.Duration, error) {
-	if math.IsNaN(s) || math.Abs(s) > math.MaxInt64/float64(time.Second) {
-		return 0, fmt.Errorf("%v is not a usable number of seconds", s)
-	}
-	return time.Duration(math.Round(s * float64(time.Second))), nil
-}
+func seconds(s float64) (time.Duration, error) { return rendezvous.SecondsDuration(s) }
 
 // parseLocalRanks reads --local-ranks-filter: comma-separated local ranks;
 // "" means no filter (nil). Repeats are dropped and the result sorted.

@@ -480,7 +480,7 @@ func TestParseLocalRanks(t *testing.T) {
 
 func TestExitCodeForLauncherErrors(t *testing.T) {
 	for _, err := range []error{
-		launcher.DefaultConfig().Validate(), // no program
+		func() error { c := launcher.DefaultConfig(); return c.Validate() }(), // no program
 		func() error { _, err := launcher.ParseStd("9"); return err }(),
 	} {
 		if got := exitCode(err); got != ExitUsage {

@@ -18,8 +18,6 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
-
-	"github.com/gorunhq/gorun/rendezvous"
 )
 
 // DefaultPort is etcd's client port, taken for an endpoint given without
@@ -169,10 +167,6 @@ func (c ClientConfig) Build() (clientv3.Config, error) {
 		}
 	}
 	return cfg, nil
-}
-
-func invalid(format string, args ...any) error {
-	return fmt.Errorf("%w: %s", rendezvous.ErrInvalidArgument, fmt.Sprintf(format, args...))
 }
 
 // endpointURLs turns the endpoints into URLs with a scheme and a port, and

@@ -1,0 +1,255 @@
+package launcher
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/health"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+// This file is a round's mechanism, shared by both failure policies:
+// starting the local workers, and one loop (roundWatch.next) that turns
+// everything that can happen while they run into the events a policy
+// decides on. The policies are restart_mode.go and shrink_mode.go.
+
+// outcome is how one round ended here.
+type outcome struct {
+	failures []Failure      // local workers that failed
+	change   *change        // the job changed under the round
+	signal   syscall.Signal // the signal that stopped the agent
+	err      error          // the context's error
+	// lost are local workers that failed and that a shrink epoch excluded:
+	// the survivors carried on without them.
+	lost []Failure
+	// fallback says why shrink mode gave up and hands the round to a
+	// restart; "" when it did not.
+	fallback string
+}
+
+// roundEventKind says what a roundEvent is.
+type roundEventKind uint8
+
+const (
+	// evStopped: a stop signal or the end of the context stopped the
+	// group; the round is over with roundEvent.stopped.
+	evStopped roundEventKind = iota
+	// evWorkerExit: a local worker exited (roundEvent.exit).
+	evWorkerExit
+	// evNodeDead: node liveness declared a member of the round dead
+	// (roundEvent.node, roundEvent.why).
+	evNodeDead
+	// evJobChanged: the rendezvous reports a change of the job
+	// (roundEvent.change).
+	evJobChanged
+	// evEpoch: shrink mode's agreement published an epoch
+	// (roundEvent.epoch).
+	evEpoch
+	// evAgreementFailed: shrink mode's agreement gave up (roundEvent.err).
+	evAgreementFailed
+)
+
+// roundEvent is one thing that happened in a round that the failure
+// policy decides on.
+type roundEvent struct {
+	kind    roundEventKind
+	stopped outcome
+	exit    workerExit
+	node    string
+	why     string
+	change  *change
+	epoch   shrink.Epoch
+	err     error
+}
+
+// roundWatch gathers the event sources of one running round.
+type roundWatch struct {
+	a    *agent
+	p    *plan
+	g    *group
+	sigs <-chan os.Signal
+	// poll ticks when the job is to be asked for changes (multi-node
+	// jobs only; nil otherwise).
+	poll     <-chan time.Time
+	stopPoll func()
+	// epochs and agreementFailed are shrink mode's (nil otherwise).
+	epochs          <-chan shrink.Epoch
+	agreementFailed <-chan error
+}
+
+// watchRound starts watching round p's group g; sv is shrink mode's
+// agreement, nil in restart mode. Call close when the round ends.
+func (a *agent) watchRound(p *plan, g *group, sigs <-chan os.Signal, sv *survivors) *roundWatch {
+	w := &roundWatch{a: a, p: p, g: g, sigs: sigs, stopPoll: func() {}}
+	if a.multiNode {
+		t := time.NewTicker(a.m.watchEvery(a.cfg.MonitorInterval))
+		w.poll, w.stopPoll = t.C, t.Stop
+	}
+	if sv != nil {
+		w.epochs, w.agreementFailed = sv.coord.Epochs(), sv.coord.Err()
+	}
+	return w
+}
+
+func (w *roundWatch) close() { w.stopPoll() }
+
+// next waits for the round's next event. What means the same under both
+// policies is handled here: a hung worker is killed (its exit comes as an
+// event), a signal that does not stop the agent is passed on to the
+// workers, node liveness news about anyone but a member's death is logged,
+// a failed poll of the job is logged and retried. A stop signal or the
+// end of ctx stops the group and returns evStopped.
+func (w *roundWatch) next(ctx context.Context) roundEvent {
+	a := w.a
+	for {
+		select {
+		case x := <-w.g.exits:
+			w.g.record(x)
+			return roundEvent{kind: evWorkerExit, exit: x}
+		case e := <-w.epochs:
+			return roundEvent{kind: evEpoch, epoch: e}
+		case err := <-w.agreementFailed:
+			return roundEvent{kind: evAgreementFailed, err: err}
+		case ev := <-a.hung:
+			a.stopHung(w.g, ev)
+		case ev := <-a.gossip.eventsOrNil():
+			if id, member := w.p.nodeOfGossip(ev.Node); ev.Kind == health.NodeDead && member {
+				return roundEvent{kind: evNodeDead, node: id, why: ev.Reason}
+			}
+			a.log.Debug("node liveness", zap.Stringer("event", ev))
+		case <-w.poll:
+			c, err := a.m.watch(ctx)
+			if err != nil {
+				a.log.Warn("cannot read the rendezvous state", zap.Error(err))
+			} else if c != nil {
+				return roundEvent{kind: evJobChanged, change: c}
+			}
+		case s := <-w.sigs:
+			sig := s.(syscall.Signal)
+			if !stopSignals[sig] {
+				w.forward(s)
+				continue
+			}
+			a.log.Warn("stopping workers on signal", zap.Stringer("signal", s), zap.Duration("grace", a.cfg.ShutdownTimeout))
+			w.stop(sig)
+			return roundEvent{kind: evStopped, stopped: outcome{signal: sig}}
+		case <-ctx.Done():
+			w.stop(syscall.SIGTERM)
+			return roundEvent{kind: evStopped, stopped: outcome{err: ctx.Err()}}
+		}
+	}
+}
+
+func (w *roundWatch) forward(s os.Signal) {
+	w.a.log.Info("forwarding signal to workers", zap.Stringer("signal", s))
+	w.g.signal(s.(syscall.Signal))
+}
+
+// stop stops the group with sig: the workers get the shutdown timeout,
+// then SIGKILL; a second SIGINT or SIGTERM kills at once.
+func (w *roundWatch) stop(sig syscall.Signal) {
+	w.a.endpoint.SetPhase(PhaseStopping)
+	w.g.stop(sig, w.a.cfg.ShutdownTimeout, w.sigs, w.forward)
+}
+
+// drainFailures returns first and the failures of the exits already
+// queued: workers that failed together (a node's ranks dying at once)
+// are reported together.
+func (w *roundWatch) drainFailures(first Failure) []Failure {
+	failures := []Failure{first}
+	for w.g.running > 0 {
+		select {
+		case y := <-w.g.exits:
+			w.g.record(y)
+			if y.e.Code() != 0 {
+				failures = append(failures, w.a.failure(y))
+			}
+		default:
+			return failures
+		}
+	}
+	return failures
+}
+
+// finish waits for the last of the workers' output once all have exited.
+func (w *roundWatch) finish() { w.g.wait(nil, 0, nil) }
+
+// runRound starts the local workers of a round and supervises them under
+// the job's failure policy until the round ends here.
+func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv *survivors) (outcome, error) {
+	dir := filepath.Join(a.runDir, "attempt_"+strconv.Itoa(p.env.RestartCount))
+	if a.heartbeats != nil {
+		p.env.Heartbeat = a.heartbeats.Path()
+	}
+	spec := spawnSpec{
+		path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir,
+		prefix: func(as Assignment) string { return fmt.Sprintf("[%s%d]:", a.cfg.Role, as.LocalRank) },
+	}
+	first := p.assignments[0]
+	a.log.Info("starting workers",
+		zap.Int("round", p.round), zap.Int("restart", p.env.RestartCount),
+		zap.Int("group_rank", first.GroupRank), zap.Int("group_world_size", first.GroupWorldSize),
+		zap.Int("local_world_size", len(p.assignments)), zap.Int("world_size", first.WorldSize),
+		zap.String("master", net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))),
+		zap.String("run_id", a.runID), zap.String("log_dir", dir))
+	g, err := startGroup(a.reaper, a.con, &a.cfg, spec, p.assignments)
+	if err != nil {
+		return outcome{}, err
+	}
+	g.onExit = a.reportExit
+	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
+	a.endpoint.WorkersStarted(len(p.assignments))
+	a.endpoint.SetPhase(PhaseRunning)
+	w := a.watchRound(p, g, sigs, sv)
+	defer w.close()
+	if sv != nil {
+		return a.superviseShrink(ctx, w, sv), nil
+	}
+	return a.superviseRestart(ctx, w), nil
+}
+
+// stopHung kills a worker whose heartbeats stopped: its exit then counts
+// as its failure, in either mode.
+func (a *agent) stopHung(g *group, ev health.Event) {
+	for _, w := range g.workers {
+		if w.a.LocalRank == ev.Rank && !w.exited {
+			a.log.Warn("worker hung; killing it", zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))
+			w.hung = ev.Reason
+			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
+			return
+		}
+	}
+}
+
+// reportExit tells the health endpoint how a worker ended.
+func (a *agent) reportExit(w *worker, stopped bool) {
+	if a.heartbeats != nil {
+		a.heartbeats.Forget(w.a.LocalRank)
+	}
+	switch {
+	case w.exit.Code() == 0:
+		a.endpoint.WorkerExited(true, "")
+	case stopped || w.excluded:
+		a.endpoint.WorkerExited(false, ReasonStopped)
+	case w.exit.Signal() != 0:
+		a.endpoint.WorkerExited(false, ReasonSignal)
+	default:
+		a.endpoint.WorkerExited(false, ReasonExitCode)
+	}
+}
+
+func (a *agent) failure(x workerExit) Failure {
+	f := newFailure(x.w.a.LocalRank, x.w.a.Rank, x.e, x.w.errorFile, a.host)
+	if x.w.hung != "" {
+		f.Message = "hung (" + x.w.hung + "); killed by gorun"
+	}
+	return f
+}
