@@ -286,7 +286,9 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	if cfg.HealthAddr, err = healthAddr(c); err != nil {
 		return cfg, err
 	}
-	return cfg, cfg.Validate()
+	// Validate also records the parsed rendezvous settings in cfg.
+	err = cfg.Validate()
+	return cfg, err
 }
 
 // flagError prefixes a parse error with the flag, and with its PET_

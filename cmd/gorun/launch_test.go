@@ -80,6 +80,9 @@ func TestLaunchDefaults(t *testing.T) {
 	got := mustLaunch(t, "train.py")
 	want := launcher.DefaultConfig()
 	want.Entrypoint.Program = "train.py"
+	if err := want.Validate(); err != nil { // as launchConfig does
+		t.Fatal(err)
+	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("gorun train.py gave\n%+v\nwant torchrun's defaults\n%+v", got, want)
 	}
