@@ -17,7 +17,9 @@
 //     loop over a round's events.
 //   - membership.go, dynamic.go, etcd.go: how an agent learns its place
 //     in the job (one node; the dynamic rendezvous over c10d or static;
-//     over etcd).
+//     over etcd); jobnode.go: what the two multi-node memberships share
+//     (the rendezvous handle, the job's restart count, outcome and exit
+//     barrier).
 //   - survivors.go: shrink mode's agreement, the agent's side.
 //   - group.go, output.go, failure.go, env.go: the worker processes, their
 //     output, their failures, their environment.

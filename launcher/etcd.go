@@ -42,7 +42,7 @@ import (
 // the local node and every node's workers see one store. A new round
 // starts in a fresh directory; its group rank 0 deletes the older ones.
 type etcdNode struct {
-	*dynamicNode
+	job      *jobNode
 	settings etcdSettings
 	// base is the directory of the job's keys, "<prefix>/<run id>/".
 	base string
@@ -103,19 +103,16 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 		log.Warn("the etcd password is on the command line, where other users of this machine can read it; " +
 			"use --rdzv-conf password_env=VAR or $" + etcd.EnvPassword)
 	}
-	d, dcfg, err := newDynamicBase(cfg, log, runID)
+	j, err := newJobNode(cfg, log, runID)
 	if err != nil {
 		return nil, err
 	}
-	d.storeOutlivesHosts = true
-	e := &etcdNode{dynamicNode: d, settings: s, base: s.JobDir(runID), gone: make(chan string, 1024)}
-	e.dcfg = dcfg
-	e.dcfg.OnProgress = nil
-	if err := e.connect(ctx, dcfg.JoinTimeout); err != nil {
+	e := &etcdNode{job: j, settings: s, base: s.JobDir(runID), gone: make(chan string, 1024)}
+	if err := e.connect(ctx, j.dcfg.JoinTimeout); err != nil {
 		e.close()
 		return nil, err
 	}
-	if err := e.start(ctx, dcfg); err != nil {
+	if err := j.start(ctx); err != nil {
 		e.close()
 		return nil, err
 	}
@@ -126,7 +123,7 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 // rendezvous store, takes this node's lease and starts the expeller.
 func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
 	ccfg := e.settings.Client
-	ccfg.Logger = e.log
+	ccfg.Logger = e.job.log
 	cctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	cli, err := etcd.Connect(cctx, ccfg)
 	cancel()
@@ -141,23 +138,23 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	}
 	e.cli = cli
 
-	readTimeout := e.cfg.rdzv.readTimeout
+	readTimeout := e.job.cfg.rdzv.readTimeout
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
-		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.log.Named("rdzv"),
+		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.job.log.Named("rdzv"),
 		// The rendezvous state (its key: rendezvous.Dynamic's doc) is
 		// only read and compare-set, by every node at every join and
 		// heartbeat: no node's watch need carry it to every other.
-		Unwatched: []string{"gorun.rendezvous." + e.runID},
+		Unwatched: []string{"gorun.rendezvous." + e.job.runID},
 	})
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)
 	}
-	e.rdzv, e.store = st, etcd.NewStore(st, readTimeout)
+	e.rdzv, e.job.store = st, etcd.NewStore(st, readTimeout)
 
-	me := e.me.String()
+	me := e.job.me.String()
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
-		Dir: e.base + "alive/", Name: me, Value: []byte(e.addr),
-		TTL: e.settings.LeaseTTL, Logger: e.log.Named("liveness"),
+		Dir: e.base + "alive/", Name: me, Value: []byte(e.job.addr),
+		TTL: e.settings.LeaseTTL, Logger: e.job.log.Named("liveness"),
 		OnDelete: func(name string) {
 			if name == me || e.over.Load() {
 				return // this node's own loss ends its round (watch)
@@ -173,13 +170,13 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	}
 	ttl := e.live.TTL()
 	if ttl > e.settings.LeaseTTL+time.Second {
-		e.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
+		e.job.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
 			zap.Duration("asked", e.settings.LeaseTTL), zap.Duration("granted", ttl))
 	}
 	rctx, stop := context.WithCancel(context.Background())
 	e.stopExpeller, e.expellerDone = stop, make(chan struct{})
 	go e.expelLapsed(rctx)
-	e.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
+	e.job.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
 		zap.String("keys", e.base), zap.Duration("lease_ttl", ttl))
 	return nil
 }
@@ -199,32 +196,31 @@ func (e *etcdNode) expelLapsed(ctx context.Context) {
 				continue
 			}
 			if err := e.expel(ctx, name); err != nil {
-				e.log.Warn("taking a node whose etcd lease expired out of the rendezvous",
+				e.job.log.Warn("taking a node whose etcd lease expired out of the rendezvous",
 					zap.String("node", name), zap.Error(err))
 			}
 		}
 	}
 }
 
-// expel takes node name out of the rendezvous state. The expeller runs
-// before the first round, when the embedded dynamicNode has no handle yet,
-// hence the configuration of its own.
+// expel takes node name out of the rendezvous state (from the expeller,
+// possibly before this node's first round).
 func (e *etcdNode) expel(ctx context.Context, name string) error {
-	if err := expelNode(ctx, e.store, e.dcfg, name); err != nil {
+	if err := e.job.expel(ctx, name); err != nil {
 		return err
 	}
-	e.log.Debug("node's etcd lease expired: taken out of the rendezvous", zap.String("node", name))
+	e.job.log.Debug("node's etcd lease expired: taken out of the rendezvous", zap.String("node", name))
 	return nil
 }
 
 func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	e.endRound()
 	since := e.live.Rev()
-	round, err := e.join(ctx)
+	round, err := e.job.join(ctx)
 	if err != nil {
 		return nil, err
 	}
-	infos, ids, groupRank, _, err := e.order(round)
+	infos, ids, groupRank, _, err := e.job.order(round)
 	if err != nil {
 		return nil, err
 	}
@@ -232,7 +228,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// request counts, each node making them at once: one here (the
 	// counter exists: start created it), and the rest after the workers
 	// started (see watch).
-	v, ok, err := e.rdzv.Get([]byte(e.restartsKey()))
+	v, ok, err := e.rdzv.Get([]byte(e.job.restartsKey()))
 	if err == nil && !ok {
 		err = errors.New("no restart counter")
 	}
@@ -249,7 +245,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	}
 	p := &plan{round: round.Number, store: srv}
 	layout(p, infos, ids, groupRank)
-	p.env = workerEnv(e.cfg, e.runID, e.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
+	p.env = workerEnv(e.job.cfg, e.job.runID, e.job.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
 	e.members, e.since, e.synced = e.members[:0], since, false
 	for _, m := range round.Members {
 		e.members = append(e.members, m.Node.String())
@@ -270,7 +266,7 @@ func (e *etcdNode) storePrefix(round int) string {
 // rev is a revision of etcd's from before the round began.
 func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (*tcpstore.Server, error) {
 	st, err := etcd.NewStorage(ctx, e.cli, etcd.StorageConfig{
-		Prefix: e.storePrefix(round), Logger: e.log.Named("store"),
+		Prefix: e.storePrefix(round), Logger: e.job.log.Named("store"),
 		// No request on the way to the workers' start.
 		StartRevision: rev,
 	})
@@ -279,7 +275,7 @@ func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (
 	}
 	// Storage calls wait on etcd: a goroutine per connection, so that one
 	// worker's round trip holds up no other.
-	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.log.Named("store")})
+	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.job.log.Named("store")})
 	if err != nil {
 		st.Close()
 		return nil, fmt.Errorf("worker store: %w", err)
@@ -309,7 +305,7 @@ func (e *etcdNode) dropStores(ctx context.Context, round int) {
 	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	if _, err := e.cli.Delete(ctx, dir, clientv3.WithRange(end)); err != nil {
-		e.log.Warn("deleting old worker stores from etcd", zap.String("dir", dir), zap.Error(err))
+		e.job.log.Warn("deleting old worker stores from etcd", zap.String("dir", dir), zap.Error(err))
 	}
 }
 
@@ -325,7 +321,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 		// Every member put its presence key before it joined: read now,
 		// the view holds them all unless they are gone.
 		if _, err := e.live.Sync(ctx); err != nil {
-			e.log.Debug("reading the etcd presence keys", zap.Error(err))
+			e.job.log.Debug("reading the etcd presence keys", zap.Error(err))
 		} else {
 			e.synced = true
 		}
@@ -337,7 +333,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 		e.dropStores(ctx, e.dropBefore)
 		e.dropBefore = 0
 	}
-	if time.Since(e.lastStatus) < e.dynamicNode.watchEvery(e.cfg.MonitorInterval) {
+	if time.Since(e.lastStatus) < e.job.statusEvery(e.job.cfg.MonitorInterval) {
 		return nil, nil
 	}
 	e.lastStatus = time.Now()
@@ -345,35 +341,39 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 	// hold it for the whole keep-alive window on a slow etcd.
 	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
-	c, err := e.dynamicNode.watch(sctx)
+	c, err := e.job.status(sctx)
 	if c != nil && c.storeLost {
 		// No host to lose: etcd is down or cut off. Keep watching; the
 		// workers fail if their store stays away, and leases tell who
 		// is gone once etcd is back.
-		return nil, fmt.Errorf("etcd has not answered for %v", time.Since(e.lastSeen).Round(time.Millisecond))
+		return nil, fmt.Errorf("etcd has not answered for %v", time.Since(e.job.lastSeen).Round(time.Millisecond))
 	}
 	return c, err
 }
 
+func (e *etcdNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {
+	return e.job.failed(ctx, p, cause)
+}
+
 func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
 	e.over.Store(true)
-	err := e.dynamicNode.finish(ctx, p, ok)
+	e.job.finish(ctx, p, ok)
 	// The job is over: its worker stores go. The rendezvous state stays
 	// (a few KB), so that an agent arriving late learns the job ended.
 	if !ok || p.assignments[0].GroupRank == 0 {
 		e.dropStores(ctx, -1)
 	}
-	return err
+	return nil
 }
 
 func (e *etcdNode) sawClosed(ctx context.Context) {
 	e.over.Store(true)
-	e.dynamicNode.sawClosed(ctx)
+	e.job.seenClosed(ctx) // nothing to count: no agent hosts the store
 }
 
 func (e *etcdNode) leave(ctx context.Context) {
 	e.over.Store(true)
-	e.dynamicNode.leave(ctx)
+	e.job.leave(ctx)
 	e.closeLiveness()
 }
 
@@ -385,7 +385,7 @@ func (e *etcdNode) closeLiveness() {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
 	if err := e.live.Close(ctx); err != nil {
-		e.log.Debug("revoking the etcd lease", zap.Error(err))
+		e.job.log.Debug("revoking the etcd lease", zap.Error(err))
 	}
 }
 
@@ -395,7 +395,7 @@ func (e *etcdNode) close() {
 		e.stopExpeller()
 		<-e.expellerDone
 	}
-	e.dynamicNode.close()
+	e.job.close()
 	e.endRound()
 	e.closeLiveness()
 	if e.cli != nil {

@@ -89,8 +89,8 @@ func TestEtcdMembership(t *testing.T) {
 	var groups []int
 	for i, p := range plans {
 		env, port := p.env, p.store.Addr().(*net.TCPAddr).Port
-		if env.MasterAddr != nodes[i].addr || env.MasterPort != port {
-			t.Fatalf("node %s: MASTER %s:%d; want its own store at %s:%d", nodes[i].addr, env.MasterAddr, env.MasterPort, nodes[i].addr, port)
+		if env.MasterAddr != nodes[i].job.addr || env.MasterPort != port {
+			t.Fatalf("node %s: MASTER %s:%d; want its own store at %s:%d", nodes[i].job.addr, env.MasterAddr, env.MasterPort, nodes[i].job.addr, port)
 		}
 		groups = append(groups, p.assignments[0].GroupRank)
 	}
@@ -171,7 +171,7 @@ func TestEtcdMembership(t *testing.T) {
 			t.Fatal(err)
 		}
 		if c != nil {
-			if !slices.Equal(c.lost, []string{nodes[1].me.String()}) {
+			if !slices.Equal(c.lost, []string{nodes[1].job.me.String()}) {
 				t.Fatalf("change %v; want node 1 lost", c)
 			}
 			break
@@ -185,11 +185,11 @@ func TestEtcdMembership(t *testing.T) {
 	// Node 0 took node 1 out of the rendezvous state, where its heartbeat
 	// would have kept it for keep_alive_interval × max_attempt (15 s).
 	for {
-		st, err := nodes[0].dyn.Status(ctx)
+		st, err := nodes[0].job.dyn.Status(ctx)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if slices.Contains(st.Lost, nodes[1].me) {
+		if slices.Contains(st.Lost, nodes[1].job.me) {
 			break
 		}
 		if time.Since(start) > 5*time.Second {

@@ -10,6 +10,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
@@ -44,6 +45,42 @@ type membership interface {
 	// sawClosed tells the job that this node has seen it closed by another.
 	sawClosed(ctx context.Context)
 	close()
+}
+
+// Errors of multi-node rendezvous that the CLI maps to exit codes.
+var (
+	// ErrRendezvousTimeout: the round did not complete in join_timeout,
+	// or no rendezvous store answered in it. The rendezvous's own
+	// sentinel: one error, whichever layer saw the time run out.
+	ErrRendezvousTimeout = rendezvous.ErrRendezvousTimeout
+	// ErrRendezvousClosed: the job had already ended when this node came.
+	ErrRendezvousClosed = rendezvous.ErrRendezvousClosed
+)
+
+// JobFailedError is returned when the job failed without a local worker
+// failing: on another node, or by losing a node, with no restart left.
+// gorun exits with code 1, like a local failure.
+type JobFailedError struct{ Reason string }
+
+func (e *JobFailedError) Error() string { return "job failed: " + e.Reason }
+
+// newMembership picks the membership the configuration asks for.
+func newMembership(ctx context.Context, cfg *Config, log *zap.Logger, runID string) (membership, error) {
+	if cfg.MaxNodes == 1 {
+		return &singleNode{cfg: cfg, log: log, runID: runID}, nil
+	}
+	switch cfg.Rendezvous.Backend {
+	case backendC10d, backendStatic:
+		d, err := newDynamicNode(ctx, cfg, log, runID)
+		if err != nil {
+			return nil, err // not a typed nil in the interface
+		}
+		return d, nil
+	case backendEtcd, backendEtcdV2:
+		return newEtcdMembership(ctx, cfg, log, runID)
+	}
+	// Validate refuses other backends; this is for a Config it did not see.
+	return nil, invalidf("--rdzv-backend %q is not a rendezvous backend (static, c10d, etcd-v2, etcd)", cfg.Rendezvous.Backend)
 }
 
 // plan is one round, seen from this node.

@@ -1,0 +1,311 @@
+package launcher
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"time"
+
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/rendezvous"
+)
+
+// jobNode is what a multi-node membership does whatever store holds the
+// rendezvous: this node's identity, its handle on the dynamic rendezvous,
+// and the job's records beside it — the restart count, the outcome, the
+// exit barrier. dynamicNode (c10d, static) and etcdNode each hold one and
+// add where the store and the worker store live.
+type jobNode struct {
+	cfg   *Config
+	log   *zap.Logger
+	runID string
+	me    rendezvous.NodeDesc
+	addr  string // the address this node advertises
+	// store is the rendezvous store, once the membership has opened it.
+	store rendezvous.Store
+	// dcfg is the rendezvous's configuration; dyn the handle on it, once
+	// start has run.
+	dcfg  rendezvous.DynamicConfig
+	dyn   *rendezvous.Dynamic
+	round rendezvous.Round
+	// countSeenClosed: count this node under seenClosedKey when it sees
+	// the job closed, for the agent that hosts the store, which waits for
+	// the others before it takes the store away (c10d, static). A store
+	// that outlives every agent (etcd) needs no such count.
+	countSeenClosed bool
+	// lastSeen is when the rendezvous store last answered a status read:
+	// a store silent for longer than the keep-alive window means its host
+	// is gone.
+	lastSeen time.Time
+}
+
+// nodeInfo is what each node publishes in the rendezvous.
+type nodeInfo struct {
+	NProc    int    `json:"nproc"`
+	Addr     string `json:"addr"`
+	NodeRank int    `json:"node_rank"` // static only
+	// Gossip is the agent's node-liveness member.
+	Gossip gossipPeer `json:"gossip"`
+}
+
+const (
+	outcomeSucceeded = "succeeded"
+	outcomeFailed    = "failed"
+)
+
+// newJobNode returns this node's jobNode, before any store is reached.
+func newJobNode(cfg *Config, log *zap.Logger, runID string) (*jobNode, error) {
+	j := &jobNode{cfg: cfg, log: log, runID: runID, addr: cfg.Rendezvous.LocalAddr}
+	if j.addr == "" {
+		h, err := os.Hostname()
+		if err != nil {
+			return nil, fmt.Errorf("this node's address (set --local-addr): %w", err)
+		}
+		j.addr = h
+	}
+	j.me = rendezvous.NodeDesc{Addr: j.addr, Pid: os.Getpid()}
+	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
+	j.dcfg = cfg.rdzv.dynamic
+	j.dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
+	return j, nil
+}
+
+// Keys in the rendezvous store, besides the rendezvous's own.
+func (j *jobNode) restartsKey() string { return "gorun." + j.runID + ".restarts" }
+func (j *jobNode) outcomeKey() string  { return "gorun." + j.runID + ".outcome" }
+
+// seenClosedKey counts the nodes that have seen the job closed: the
+// rendezvous store's host waits for them before it takes the store away.
+// A counter, not the nodes leaving the shared state: N nodes leaving at once
+// would fight over one compare-set.
+func (j *jobNode) seenClosedKey() string { return "gorun." + j.runID + ".seen_closed" }
+
+// start creates the job's restart counter and this node's handle on the
+// rendezvous, once j.store is up.
+func (j *jobNode) start(ctx context.Context) error {
+	// Create the job's restart counter now, before joining, so that after
+	// a round completes one read gets it (with rank 0's worker store, for
+	// c10d: fillPlan): the round trips after completion are what a large
+	// job waits for, every node asking the one store at once.
+	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
+		return fmt.Errorf("rendezvous store: %w", err)
+	}
+	data, _ := json.Marshal(nodeInfo{NProc: j.cfg.NProcPerNode, Addr: j.addr, NodeRank: j.cfg.Rendezvous.NodeRank, Gossip: j.cfg.gossip})
+	var err error
+	if j.dyn, err = rendezvous.NewDynamic(j.store, j.me, data, j.dcfg); err != nil {
+		return fmt.Errorf("rendezvous: %w", err)
+	}
+	return nil
+}
+
+// join completes the next round, turning the rendezvous's errors into the
+// agent's.
+func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
+	round, err := j.dyn.Next(ctx)
+	switch {
+	case errors.Is(err, rendezvous.ErrRendezvousClosed):
+		j.seenClosed(ctx)
+		return round, j.closedError(ctx)
+	case err != nil:
+		return round, fmt.Errorf("rendezvous: %w", err)
+	}
+	j.round = round
+	j.lastSeen = time.Now()
+	return round, nil
+}
+
+// order returns the members' published infos and identities in group-rank
+// order and this node's group rank: the round's ranks for c10d, the node
+// ranks for static.
+func (j *jobNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, rendezvous.NodeDesc, error) {
+	type member struct {
+		info nodeInfo
+		node rendezvous.NodeDesc
+		me   bool
+	}
+	ms := make([]member, len(round.Members))
+	for i, m := range round.Members {
+		if err := json.Unmarshal(m.Data, &ms[i].info); err != nil {
+			return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: node %s published %q: %w", m.Node, m.Data, err)
+		}
+		ms[i].node, ms[i].me = m.Node, m.Node == j.me
+	}
+	if j.cfg.Rendezvous.Backend == backendStatic {
+		slices.SortFunc(ms, func(a, b member) int { return a.info.NodeRank - b.info.NodeRank })
+		for i, m := range ms {
+			if m.info.NodeRank != i {
+				return nil, nil, 0, rendezvous.NodeDesc{}, invalidf("static rendezvous: node ranks %v are not 0..%d (is --node-rank unique on each node?)",
+					nodeRanksOf(ms, func(m member) int { return m.info.NodeRank }), len(ms)-1)
+			}
+		}
+	}
+	infos := make([]nodeInfo, len(ms))
+	ids := make([]string, len(ms))
+	me := -1
+	for i, m := range ms {
+		infos[i], ids[i] = m.info, m.node.String()
+		if m.me {
+			me = i
+		}
+	}
+	if me < 0 {
+		return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, j.me)
+	}
+	return infos, ids, me, ms[0].node, nil
+}
+
+// statusEvery is how often to read the rendezvous state while workers run:
+// every --monitor-interval, but no more often than a fifth of the
+// keep-alive interval: every read gets the whole shared state (all nodes),
+// so at torchrun's defaults (0.1 s, 5 s) a 1000-node job would otherwise
+// make 10,000 reads of a ~100 KB state a second. A lost node is noticed
+// within its keep-alive window plus one read.
+func (j *jobNode) statusEvery(monitor time.Duration) time.Duration {
+	return max(monitor, j.dcfg.KeepAliveInterval/5)
+}
+
+// status reads the rendezvous state and reports a change of the job that
+// ends the current round, or nil.
+func (j *jobNode) status(ctx context.Context) (*change, error) {
+	window := j.dcfg.KeepAliveInterval * time.Duration(j.dcfg.KeepAliveMaxAttempt)
+	// A read must not block on a store that is gone (the client would
+	// retry connecting for the whole read_timeout).
+	wctx, cancel := context.WithTimeout(ctx, window)
+	defer cancel()
+	st, err := j.dyn.Status(wctx)
+	if err != nil {
+		if time.Since(j.lastSeen) > window {
+			return &change{closed: true, storeLost: true}, nil
+		}
+		return nil, err
+	}
+	j.lastSeen = time.Now()
+	switch {
+	case st.Closed:
+		ok, _ := j.outcome(ctx)
+		return &change{closed: true, ok: ok}, nil
+	case len(st.Lost) > 0:
+		c := &change{waiting: st.Waiting}
+		for _, n := range st.Lost {
+			c.lost = append(c.lost, n.String())
+		}
+		return c, nil
+	case st.Waiting > 0:
+		return &change{waiting: st.Waiting}, nil
+	}
+	return nil, nil
+}
+
+// failed counts the round's failure once for the whole job: the first node
+// to report it increments the job's restart counter, the others read it.
+func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {
+	rs := j.round.Store(j.store, j.runID)
+	me := []byte(j.me.String())
+	got, err := rs.CompareSet(ctx, "failed", nil, me)
+	if err != nil {
+		return false, fmt.Errorf("rendezvous store: %w", err)
+	}
+	delta := int64(0)
+	if string(got) == string(me) {
+		delta = 1
+		j.log.Warn("round failed; counting a restart for the job", zap.Int("round", p.round), zap.String("cause", cause))
+	}
+	n, err := j.store.Add(ctx, j.restartsKey(), delta)
+	if err != nil {
+		return false, fmt.Errorf("rendezvous store: %w", err)
+	}
+	return n <= int64(j.cfg.MaxRestarts), nil
+}
+
+// finish ends the job with this node's outcome: after a success it waits
+// for the other nodes at the exit barrier (torchrun's: a node that
+// finishes first must not look lost to the others), then it records the
+// outcome and closes the rendezvous so that no node starts another round.
+func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
+	if ok {
+		bctx, cancel := context.WithTimeout(ctx, j.cfg.ExitBarrierTimeout)
+		err := j.round.Store(j.store, j.runID).Barrier(bctx, "exit_barrier", int64(p.atBarrier()))
+		cancel()
+		if err != nil {
+			j.log.Warn("exit barrier: not every node finished in time", zap.Error(err))
+		}
+	}
+	outcome := outcomeFailed
+	if ok {
+		outcome = outcomeSucceeded
+	}
+	// The first outcome stays; later ones agree or come too late.
+	if _, err := j.store.CompareSet(ctx, j.outcomeKey(), nil, []byte(outcome)); err != nil {
+		j.log.Debug("recording the job's outcome", zap.Error(err))
+	}
+	if err := j.dyn.SetClosed(ctx); err != nil {
+		j.log.Debug("closing the rendezvous", zap.Error(err))
+	}
+	j.seenClosed(ctx)
+}
+
+// seenClosed tells the store's host that this node has seen the job
+// closed and needs the store no more (see countSeenClosed).
+func (j *jobNode) seenClosed(ctx context.Context) {
+	if !j.countSeenClosed {
+		return
+	}
+	if _, err := j.store.Add(ctx, j.seenClosedKey(), 1); err != nil {
+		j.log.Debug("acknowledging the closed job", zap.Error(err))
+	}
+}
+
+// outcome reads how the job ended, as the closing node recorded it.
+func (j *jobNode) outcome(ctx context.Context) (ok bool, known bool) {
+	if present, err := j.store.Check(ctx, j.outcomeKey()); err != nil || !present {
+		return false, false
+	}
+	v, err := j.store.Get(ctx, j.outcomeKey())
+	if err != nil {
+		return false, false
+	}
+	return string(v) == outcomeSucceeded, true
+}
+
+// closedError explains a closed rendezvous met while joining.
+func (j *jobNode) closedError(ctx context.Context) error {
+	ok, known := j.outcome(ctx)
+	switch {
+	case known && !ok:
+		return &JobFailedError{Reason: "another node ended the job after a failure"}
+	case known:
+		return fmt.Errorf("%w: the job already finished", ErrRendezvousClosed)
+	}
+	return ErrRendezvousClosed
+}
+
+// leave takes this node out of the rendezvous (stopped by a signal).
+func (j *jobNode) leave(ctx context.Context) {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	if err := j.dyn.Leave(ctx); err != nil {
+		j.log.Debug("leaving the rendezvous", zap.Error(err))
+	}
+}
+
+// expel takes the node named node, found dead, out of the rendezvous (see
+// expelNode). It works before this node's first round too.
+func (j *jobNode) expel(ctx context.Context, node string) error {
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return expelNode(ctx, j.store, j.dcfg, node)
+}
+
+// close lets go of the rendezvous handle and the store.
+func (j *jobNode) close() {
+	if j.dyn != nil {
+		j.dyn.Close()
+	}
+	if j.store != nil {
+		j.store.Close()
+	}
+}
