@@ -8,7 +8,6 @@ import (
 	"io"
 	"os"
 	"os/exec"
-	"os/signal"
 	"path/filepath"
 	"slices"
 	"time"
@@ -35,6 +34,10 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 	if err := cfg.Validate(); err != nil {
 		return err
 	}
+	// Signals are caught from here on: a stop signal ends every wait.
+	stop := startStopper(ctx, cfg.SignalsToHandle)
+	defer stop.close()
+	ctx = stop.ctx
 	a, err := newAgent(cfg, log, stdout, stderr)
 	if err != nil {
 		return err
@@ -63,10 +66,10 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 	}
 	m, err := newMembership(ctx, &a.cfg, log, a.runID)
 	if err != nil {
-		return err
+		return stoppedOr(ctx, log, err, "while reaching the rendezvous store")
 	}
 	a.m = m
-	err = a.run(ctx)
+	err = a.run(ctx, stop.later)
 	// A node that ends well leaves the gossip, so that the others see a
 	// departure, not a death.
 	a.gossip.close(err == nil)
@@ -214,16 +217,9 @@ func randomID() string {
 
 // run is the agent's loop: rendezvous, start the local workers, watch
 // them and the job, and decide — the next round, a restart, or the end.
-func (a *agent) run(ctx context.Context) error {
-	sigs := make(chan os.Signal, 4)
-	if len(a.cfg.SignalsToHandle) > 0 {
-		handled := make([]os.Signal, len(a.cfg.SignalsToHandle))
-		for i, s := range a.cfg.SignalsToHandle {
-			handled[i] = s
-		}
-		signal.Notify(sigs, handled...)
-		defer signal.Stop(sigs)
-	}
+// sigs are the handled signals a running round passes on to its workers
+// (the stopper's later).
+func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 	if a.cfg.NProcPerNode > 1 {
 		if _, set := os.LookupEnv("OMP_NUM_THREADS"); !set {
 			a.log.Warn("setting OMP_NUM_THREADS=1 for each worker, as torchrun does, to avoid overloading the system; tune it for your job")
@@ -235,7 +231,10 @@ func (a *agent) run(ctx context.Context) error {
 		p, err := a.m.next(ctx)
 		if err != nil {
 			a.endpoint.SetPhase(PhaseFailed)
-			return err
+			if stoppedBy(ctx) != 0 {
+				a.m.leave(context.WithoutCancel(ctx))
+			}
+			return stoppedOr(ctx, a.log, err, "while waiting for the rendezvous")
 		}
 		a.endpoint.RendezvousDone(p.round, time.Since(began))
 		var sv *survivors
@@ -243,7 +242,7 @@ func (a *agent) run(ctx context.Context) error {
 			if sv, err = startSurvivors(ctx, &a.cfg, a.log, p); err != nil {
 				p.release()
 				a.endpoint.SetPhase(PhaseFailed)
-				return err
+				return stoppedOr(ctx, a.log, err, "while joining the survivors' agreement")
 			}
 		}
 		if a.gossip != nil {
@@ -263,6 +262,10 @@ func (a *agent) run(ctx context.Context) error {
 		sv.close()
 		p.release()
 		switch {
+		case done && err == nil && stoppedBy(ctx) != 0:
+			// Stopped after the workers succeeded, at the exit barrier.
+			a.endpoint.SetPhase(PhaseFailed)
+			return stoppedOr(ctx, a.log, context.Cause(ctx), "at the exit barrier")
 		case done && err == nil:
 			a.endpoint.SetPhase(PhaseSucceeded)
 			return nil
@@ -359,4 +362,16 @@ func (a *agent) succeeded(ctx context.Context, p *plan, sv *survivors) error {
 func failureText(fs []Failure) string {
 	f := fs[rootCause(fs)]
 	return fmt.Sprintf("rank %d: %s", f.Rank, describeExit(f.ExitCode))
+}
+
+// stoppedOr returns err, or, when a stop signal ended the wait that
+// failed, the signal's *SignalError, after logging what the agent was
+// doing (waiting says it: "while waiting for the rendezvous").
+func stoppedOr(ctx context.Context, log *zap.Logger, err error, waiting string) error {
+	sig := stoppedBy(ctx)
+	if sig == 0 {
+		return err
+	}
+	log.Warn("stopped by a signal "+waiting, zap.Stringer("signal", sig))
+	return &SignalError{Signal: sig}
 }

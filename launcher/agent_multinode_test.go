@@ -34,7 +34,7 @@ func runWithMembership(t *testing.T, cfg Config, m *fakeMembership, limit time.D
 	a.m, a.multiNode = m, true
 	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
-	err = a.run(ctx)
+	err = a.run(ctx, nil)
 	if ctx.Err() != nil {
 		t.Fatalf("agent did not finish within %v\n%s\nlog:\n%s", limit, out.String(), logText(logs))
 	}

@@ -117,7 +117,10 @@ func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time
 	}
 	dctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	defer cancel()
+	deadline, _ := dctx.Deadline()
+	stop := announceWait(d.job.log, "the rendezvous store", deadline, zap.String("endpoint", endpoint))
 	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: rs.readTimeout})
+	stop()
 	if errors.Is(err, rendezvous.ErrTimeout) {
 		return fmt.Errorf("%w: no rendezvous store answered at %s within join_timeout %v: %w", ErrRendezvousTimeout, endpoint, joinTimeout, err)
 	}

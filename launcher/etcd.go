@@ -125,7 +125,10 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	ccfg := e.settings.Client
 	ccfg.Logger = e.job.log
 	cctx, cancel := context.WithTimeout(ctx, joinTimeout)
+	deadline, _ := cctx.Deadline()
+	stop := announceWait(e.job.log, "etcd", deadline, zap.Strings("endpoints", ccfg.Endpoints))
 	cli, err := etcd.Connect(cctx, ccfg)
+	stop()
 	cancel()
 	switch {
 	case errors.Is(err, etcd.ErrUnreachable):

@@ -55,6 +55,9 @@ type nodeInfo struct {
 const (
 	outcomeSucceeded = "succeeded"
 	outcomeFailed    = "failed"
+	// closeWritesTimeout bounds the writes that end the job (outcome,
+	// closing, seen-closed).
+	closeWritesTimeout = 5 * time.Second
 )
 
 // newJobNode returns this node's jobNode, before any store is reached.
@@ -228,7 +231,10 @@ func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, erro
 func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 	if ok {
 		bctx, cancel := context.WithTimeout(ctx, j.cfg.ExitBarrierTimeout)
+		deadline, _ := bctx.Deadline()
+		stop := announceWait(j.log, "the other nodes at the exit barrier", deadline, zap.Int("nodes", p.atBarrier()))
 		err := j.round.Store(j.store, j.runID).Barrier(bctx, "exit_barrier", int64(p.atBarrier()))
+		stop()
 		cancel()
 		if err != nil {
 			j.log.Warn("exit barrier: not every node finished in time", zap.Error(err))
@@ -238,6 +244,10 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 	if ok {
 		outcome = outcomeSucceeded
 	}
+	// The others learn the end from these writes, even when a stop signal
+	// ended the barrier: they are made whatever ctx says, within a bound.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeWritesTimeout)
+	defer cancel()
 	// The first outcome stays; later ones agree or come too late.
 	if _, err := j.store.CompareSet(ctx, j.outcomeKey(), nil, []byte(outcome)); err != nil {
 		j.log.Debug("recording the job's outcome", zap.Error(err))

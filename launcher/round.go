@@ -105,8 +105,8 @@ func (w *roundWatch) close() { w.stopPoll() }
 // policies is handled here: a hung worker is killed (its exit comes as an
 // event), a signal that does not stop the agent is passed on to the
 // workers, node liveness news about anyone but a member's death is logged,
-// a failed poll of the job is logged and retried. A stop signal or the
-// end of ctx stops the group and returns evStopped.
+// a failed poll of the job is logged and retried. The end of ctx (a stop
+// signal cancels it: stopper) stops the group and returns evStopped.
 func (w *roundWatch) next(ctx context.Context) roundEvent {
 	a := w.a
 	for {
@@ -138,14 +138,28 @@ func (w *roundWatch) next(ctx context.Context) roundEvent {
 				w.forward(s)
 				continue
 			}
-			a.log.Warn("stopping workers on signal", zap.Stringer("signal", s), zap.Duration("grace", a.cfg.ShutdownTimeout))
-			w.stop(sig)
-			return roundEvent{kind: evStopped, stopped: outcome{signal: sig}}
+			// A stop signal after the first (which cancelled ctx): no
+			// grace for the workers.
+			w.g.kill()
+			return w.stopped(ctx)
 		case <-ctx.Done():
-			w.stop(syscall.SIGTERM)
-			return roundEvent{kind: evStopped, stopped: outcome{err: ctx.Err()}}
+			return w.stopped(ctx)
 		}
 	}
+}
+
+// stopped ends the round when ctx is done: the workers get the stop
+// signal that cancelled it (SIGTERM if none did), the shutdown timeout,
+// then SIGKILL.
+func (w *roundWatch) stopped(ctx context.Context) roundEvent {
+	sig := stoppedBy(ctx)
+	if sig == 0 {
+		w.stop(syscall.SIGTERM)
+		return roundEvent{kind: evStopped, stopped: outcome{err: ctx.Err()}}
+	}
+	w.a.log.Warn("stopping workers on signal", zap.Stringer("signal", sig), zap.Duration("grace", w.a.cfg.ShutdownTimeout))
+	w.stop(sig)
+	return roundEvent{kind: evStopped, stopped: outcome{signal: sig}}
 }
 
 func (w *roundWatch) forward(s os.Signal) {

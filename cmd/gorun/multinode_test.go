@@ -19,8 +19,11 @@ import (
 // own workers; they find each other through the c10d rendezvous.
 
 // fastRdzv are rendezvous timings that keep the tests short: a node whose
-// keep-alive lapses for ~0.6 s is lost.
-const fastRdzv = "last_call_timeout=1,keep_alive_interval=0.2,keep_alive_max_attempt=3,join_timeout=30"
+// keep-alive lapses for 2 s is lost. Not shorter: an agent starved of CPU
+// (two cores, PyTorch workers importing, the race detector, CI's other
+// jobs) has gone 0.6 s without writing its keep-alive, and been taken for
+// lost.
+const fastRdzv = "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8,join_timeout=30"
 
 func c10dArgs(port int, nnodes string, extra ...string) []string {
 	return c10dArgsAt("127.0.0.1", "127.0.0.1", port, nnodes, extra...)

@@ -1,0 +1,122 @@
+package main
+
+import (
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/internal/testutil"
+)
+
+// TestStopSignalInEveryState: a stop signal ends the agent promptly
+// whatever it is waiting for, with exit code 128+N and a log line that says
+// what it was doing — on c10d, static and etcd. torchrun 1.13 exits 143 in
+// about 250 ms when SIGTERMed in a c10d join; gorun once ignored every
+// signal there until its 600 s join timeout.
+func TestStopSignalInEveryState(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	// A port nothing listens on: a store that never comes.
+	absent := freePort(t)
+	worker := []string{"--no-python", "sh", "-c", `[ "$GROUP_RANK" = 0 ] && exit 0; exec sleep 60`}
+	type state struct {
+		name string
+		// start brings an agent to the state and returns it; the log
+		// line it waits for shows the agent got there.
+		start func(t *testing.T) *agentProc
+		// says is what the agent's log says when the signal stops it.
+		says string
+	}
+	join := func(args ...string) func(t *testing.T) *agentProc {
+		return func(t *testing.T) *agentProc {
+			p := startAgent(t, bin, append(args, "--log-dir", t.TempDir(), "--no-python", "true")...)
+			waitStderr(t, p, "rendezvous in progress")
+			return p
+		}
+	}
+	states := []state{
+		{"c10d/waiting for the store", func(t *testing.T) *agentProc {
+			p := startAgent(t, bin, append(c10dArgs(absent, "2", "--rdzv-conf", "is_host=0,join_timeout=600"),
+				"--log-dir", t.TempDir(), "--no-python", "true")...)
+			waitStderr(t, p, "waiting for the rendezvous store")
+			return p
+		}, "while reaching the rendezvous store"},
+		{"static/waiting for node rank 0", func(t *testing.T) *agentProc {
+			p := startAgent(t, bin, "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
+				"--master-port", strconv.Itoa(absent), "--log-dir", t.TempDir(), "--no-python", "true")
+			waitStderr(t, p, "waiting for the rendezvous store")
+			return p
+		}, "while reaching the rendezvous store"},
+		{"etcd/waiting for etcd", func(t *testing.T) *agentProc {
+			p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(absent),
+				"--rdzv-id", "job", "--rdzv-conf", "join_timeout=600", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
+			waitStderr(t, p, "waiting for etcd")
+			return p
+		}, "while reaching the rendezvous store"},
+		{"c10d/joining", join(c10dArgs(freePort(t), "2")...), "while waiting for the rendezvous"},
+		{"static/joining", join("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+			"--master-port", strconv.Itoa(freePort(t)), "--local-addr", "127.0.0.1"), "while waiting for the rendezvous"},
+		{"etcd/joining", join(etcdArgs(cluster, "2", "join_timeout=600")...), "while waiting for the rendezvous"},
+		{"c10d/exit barrier", func(t *testing.T) *agentProc {
+			port := freePort(t)
+			var agents []*agentProc
+			for range 2 {
+				agents = append(agents, startAgent(t, bin, append(c10dArgs(port, "2", "--log-dir", t.TempDir()), worker...)...))
+			}
+			// Group rank 0's workers succeed at once; the other node's
+			// sleep, so rank 0 waits at the barrier.
+			for {
+				for _, p := range agents {
+					if strings.Contains(p.stderr.String(), "waiting for the other nodes at the exit barrier") {
+						return p
+					}
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}, "at the exit barrier"},
+		{"c10d/re-rendezvous", func(t *testing.T) *agentProc {
+			port := freePort(t)
+			var agents []*agentProc
+			for range 2 {
+				agents = append(agents, startAgent(t, bin, append(c10dArgs(port, "2", "--max-restarts", "3", "--log-dir", t.TempDir()),
+					"--no-python", "sleep", "60")...))
+			}
+			for _, p := range agents {
+				waitStderr(t, p, "starting workers")
+			}
+			// The node that does not host the rendezvous store dies; the
+			// host re-rendezvouses and waits for a second node again.
+			host, other := agents[0], agents[1]
+			if !strings.Contains(host.stderr.String(), "hosting the rendezvous store") {
+				host, other = other, host
+			}
+			other.cmd.Process.Signal(syscall.SIGKILL)
+			waitStderr(t, host, "re-rendezvous without the lost node")
+			return host
+		}, "while waiting for the rendezvous"},
+	}
+	signals := []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT}
+	for _, st := range states {
+		for _, sig := range signals {
+			t.Run(st.name+"/"+sig.String(), func(t *testing.T) {
+				p := st.start(t)
+				sent := time.Now()
+				p.cmd.Process.Signal(sig)
+				code := p.exitCode(t, 10*time.Second)
+				took := time.Since(sent)
+				if code != 128+int(sig) {
+					t.Errorf("exit %d, want %d; stderr:\n%s", code, 128+int(sig), p.stderr)
+				}
+				if took > 3*time.Second {
+					t.Errorf("took %v to stop; stderr:\n%s", took, p.stderr)
+				}
+				if !strings.Contains(p.stderr.String(), st.says) {
+					t.Errorf("the log does not say it stopped %s:\n%s", st.says, p.stderr)
+				}
+			})
+		}
+	}
+}
