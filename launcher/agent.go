@@ -48,7 +48,7 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		a.endpoint = NewHealth()
 		addr, err := a.endpoint.Serve(cfg.HealthAddr, log)
 		if err != nil {
-			return fmt.Errorf("--health-addr: %w", err)
+			return localf("--health-addr: %w", err)
 		}
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
@@ -120,13 +120,13 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 	base := cfg.LogDir
 	if base == "" {
 		if base, err = os.MkdirTemp("", "torchelastic_"); err != nil {
-			return nil, err
+			return nil, localf("log directory: %w", err)
 		}
 	} else if err := os.MkdirAll(base, 0o755); err != nil {
-		return nil, fmt.Errorf("--log-dir: %w", err)
+		return nil, localf("--log-dir: %w", err)
 	}
 	if a.runDir, err = os.MkdirTemp(base, a.runID+"_"); err != nil {
-		return nil, fmt.Errorf("--log-dir: %w", err)
+		return nil, localf("--log-dir: %w", err)
 	}
 	// As PID 1, or asked to, adopt and reap orphaned descendants (tini's
 	// job): otherwise they would pile up as zombies in a container.
@@ -157,12 +157,12 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 func (a *agent) listenHeartbeats() error {
 	dir, err := os.MkdirTemp("", "gorun-hb-")
 	if err != nil {
-		return fmt.Errorf("--heartbeat-timeout: %w", err)
+		return localf("--heartbeat-timeout: %w", err)
 	}
 	m, err := health.ListenHeartbeats(filepath.Join(dir, "hb.sock"), a.cfg.HeartbeatTimeout)
 	if err != nil {
 		os.RemoveAll(dir)
-		return fmt.Errorf("--heartbeat-timeout: %w", err)
+		return localf("--heartbeat-timeout: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	a.heartbeats, a.hung, a.stopBeats, a.beatsDone = m, make(chan health.Event, 16), cancel, make(chan struct{})

@@ -35,6 +35,25 @@ func invalidf(format string, args ...any) error {
 	return &configError{err: fmt.Errorf(format, args...)}
 }
 
+// ErrLocalResource is matched by errors of this machine's resources, not
+// of the job or its settings: a port in use (the rendezvous store's of a
+// static node rank 0, the worker store's, --health-addr's), the log
+// directory, starting a worker (fork, a pids limit). The CLI gives them
+// their own exit code.
+var ErrLocalResource = errors.New("a local resource failed")
+
+// localError is a failed local resource; like configError its text is
+// only the clause that names it.
+type localError struct{ err error }
+
+func (e *localError) Error() string   { return e.err.Error() }
+func (e *localError) Unwrap() []error { return []error{ErrLocalResource, e.err} }
+
+// localf builds a localError; %w in format wraps as fmt.Errorf does.
+func localf(format string, args ...any) error {
+	return &localError{err: fmt.Errorf(format, args...)}
+}
+
 // Std selects which of a worker's streams a rule applies to (torchrun's Std:
 // 0 none, 1 stdout, 2 stderr, 3 both). It is a bit set: StdAll is
 // StdOut|StdErr.

@@ -592,6 +592,9 @@ func TestSplitEndpoint(t *testing.T) {
 		{"[::1]", "::1", 29400},
 		{"[::1]:5", "::1", 5},
 		{"fe80::1", "fe80::1", 29400},
+		{"::1", "::1", 29400},
+		{"::1:29622", "::1", 29622}, // torchrun's reading
+		{"fe80::1%eth0:7", "fe80::1%eth0", 7},
 	}
 	for _, tc := range cases {
 		h, p, err := splitEndpoint(tc.in, 29400)
@@ -599,7 +602,7 @@ func TestSplitEndpoint(t *testing.T) {
 			t.Errorf("splitEndpoint(%q) = %q, %d, %v; want %q, %d", tc.in, h, p, err, tc.host, tc.port)
 		}
 	}
-	for _, bad := range []string{"node0:", ":29400", "node0:65536", "node0:-1", "[::1", "a b:1", "node0:012345"} {
+	for _, bad := range []string{"node0:", ":29400", "node0:65536", "node0:-1", "[::1", "a b:1", "node0:012345", "[::1]:x", "x::y:1"} {
 		if _, _, err := splitEndpoint(bad, 29400); err == nil {
 			t.Errorf("splitEndpoint(%q) accepted", bad)
 		}

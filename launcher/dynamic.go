@@ -107,7 +107,11 @@ func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time
 			d.storeHost = srv
 			d.job.log.Info("hosting the rendezvous store", zap.String("endpoint", endpoint))
 		case rs.isHostGiven:
-			return fmt.Errorf("hosting the rendezvous store (is_host=%s) on port %d: %w", d.job.cfg.Rendezvous.Conf["is_host"], rs.port, err)
+			return localf("hosting the rendezvous store (is_host=%s) on port %d: %w", d.job.cfg.Rendezvous.Conf["is_host"], rs.port, err)
+		case static:
+			// Node rank 0 hosts, and no other agent may: torchrun fails
+			// at once here ("Address already in use").
+			return localf("node rank 0 hosts the rendezvous store on --master-port %d: %w", rs.port, err)
 		default:
 			// torchrun's fallback: another agent on this host got there
 			// first, so be its client.
@@ -219,7 +223,7 @@ func (d *dynamicNode) workerStoreKey(node rendezvous.NodeDesc) string {
 func (d *dynamicNode) offerWorkerStore(ctx context.Context) (*tcpstore.Server, error) {
 	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Logger: d.job.log.Named("store")})
 	if err != nil {
-		return nil, fmt.Errorf("worker store: %w", err)
+		return nil, localf("worker store: %w", err)
 	}
 	addr := net.JoinHostPort(d.job.addr, strconv.Itoa(srv.Addr().(*net.TCPAddr).Port))
 	if err := d.job.store.Set(ctx, d.workerStoreKey(d.job.me), []byte(addr)); err != nil {

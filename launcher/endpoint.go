@@ -3,6 +3,7 @@ package launcher
 import (
 	"fmt"
 	"net"
+	"net/netip"
 	"os"
 	"regexp"
 	"strconv"
@@ -17,10 +18,12 @@ func validateEndpoint(endpoint string, defaultPort int) error {
 }
 
 // splitEndpoint reads host[:port] as torchrun's parse_rendezvous_endpoint
-// does: "[v6]" and "[v6]:port" for IPv6, an empty endpoint meaning
-// localhost, and defaultPort when there is no port. A bare IPv6 address
-// (more than one ':') is taken as a host without a port, where torchrun
-// would split off its last group.
+// does: an empty endpoint is localhost; "[v6]" is a host without a port;
+// otherwise the endpoint splits at its last ':' ("node0:29400",
+// "[::1]:29400", and, as in torchrun, "::1:29400" is ::1 port 29400), and
+// defaultPort stands in when there is no ':'. Where that split leaves no
+// IPv6 address but the whole is one ("fe80::1", "::1"), gorun takes it as
+// a host without a port; torchrun would fail there.
 func splitEndpoint(endpoint string, defaultPort int) (host string, port int, err error) {
 	e := strings.TrimSpace(endpoint)
 	switch {
@@ -28,23 +31,37 @@ func splitEndpoint(endpoint string, defaultPort int) (host string, port int, err
 		return "localhost", defaultPort, nil
 	case strings.HasPrefix(e, "[") && strings.HasSuffix(e, "]"):
 		host, port = e[1:len(e)-1], defaultPort
-	case strings.HasPrefix(e, "[") || strings.Count(e, ":") == 1:
-		h, p, err := net.SplitHostPort(e)
-		if err != nil {
-			return "", 0, fmt.Errorf("%q is not HOST[:PORT]", endpoint)
+	case !strings.Contains(e, ":"):
+		host, port = e, defaultPort
+	default:
+		h, p, _ := cutLast(e, ":")
+		bracketed := strings.HasPrefix(h, "[") && strings.HasSuffix(h, "]")
+		if bracketed {
+			h = h[1 : len(h)-1]
+		}
+		if !bracketed && strings.Contains(h, ":") && !isIPv6(h) {
+			if isIPv6(e) {
+				host, port = e, defaultPort
+				break
+			}
+			return "", 0, fmt.Errorf("%q is not HOST[:PORT] (write an IPv6 address in brackets: [::1]:29400)", endpoint)
 		}
 		n, err := strconv.Atoi(p)
 		if err != nil || n < 0 || n > 65535 || len(p) > 5 {
 			return "", 0, fmt.Errorf("%q: port %q is not a TCP port (0–65535)", endpoint, p)
 		}
 		host, port = h, n
-	default:
-		host, port = e, defaultPort
 	}
 	if !validHost(host) {
 		return "", 0, fmt.Errorf("%q: %q is not a host name or IP address", endpoint, host)
 	}
 	return host, port, nil
+}
+
+// isIPv6 reports whether s is an IPv6 address (a zone allowed).
+func isIPv6(s string) bool {
+	a, err := netip.ParseAddr(s)
+	return err == nil && a.Is6()
 }
 
 // hostPattern is torchrun's check for an endpoint's host (labels, IPv4,

@@ -281,7 +281,7 @@ func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (
 	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.job.log.Named("store")})
 	if err != nil {
 		st.Close()
-		return nil, fmt.Errorf("worker store: %w", err)
+		return nil, localf("worker store: %w", err)
 	}
 	e.worker = st
 	return srv, nil

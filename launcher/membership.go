@@ -199,7 +199,7 @@ func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
 	}
 	srv, err := tcpstore.Listen(listen, tcpstore.ServerConfig{Logger: s.log.Named("store")})
 	if err != nil {
-		return nil, WorkerEnv{}, fmt.Errorf("worker store on %s: %w", listen, err)
+		return nil, WorkerEnv{}, localf("worker store on %s: %w", listen, err)
 	}
 	env := workerEnv(s.cfg, s.runID, advertise, srv.Addr().(*net.TCPAddr).Port, s.restarts, s.restarts)
 	return srv, env, nil

@@ -216,7 +216,7 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 		zap.String("run_id", a.runID), zap.String("log_dir", dir))
 	g, err := startGroup(a.reaper, a.con, &a.cfg, spec, p.assignments)
 	if err != nil {
-		return outcome{}, err
+		return outcome{}, localf("starting the workers: %w", err)
 	}
 	g.onExit = a.reportExit
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))

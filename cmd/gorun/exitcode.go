@@ -37,6 +37,11 @@ const (
 	// ExitRendezvousClosed: the job had already ended when this node
 	// tried to join.
 	ExitRendezvousClosed = 7
+	// ExitLocalResource: a resource of this machine failed: a port in use
+	// (a static node rank 0's --master-port, the worker store's,
+	// --health-addr's), the log directory, starting a worker (fork, a
+	// pids limit).
+	ExitLocalResource = 8
 	// ExitSignalBase: stopped by signal N gives ExitSignalBase+N (the
 	// agent stops its workers first).
 	ExitSignalBase = 128
@@ -76,6 +81,8 @@ func exitCode(err error) int {
 	case errors.Is(err, rendezvous.ErrInvalidArgument),
 		errors.Is(err, launcher.ErrInvalidConfig):
 		return ExitUsage
+	case errors.Is(err, launcher.ErrLocalResource):
+		return ExitLocalResource
 	case errors.Is(err, rendezvous.ErrTimeout):
 		return ExitTimeout
 	case errors.Is(err, rendezvous.ErrUnavailable), errors.Is(err, rendezvous.ErrClosed):

@@ -7,8 +7,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -313,6 +315,60 @@ func TestLaunchBadInputProcess(t *testing.T) {
 			}
 			if lines := strings.Split(strings.TrimSpace(errb.String()), "\n"); len(lines) != 1 || !strings.HasPrefix(lines[0], "gorun: ") {
 				t.Fatalf("stderr should be one gorun: line, got %q", &errb)
+			}
+		})
+	}
+}
+
+// TestLaunchLocalResourceFailures: a resource of this machine that fails
+// gives exit code 8 at once, with one line naming it, and leaves nothing
+// running: a static node rank 0 whose --master-port is taken (torchrun
+// fails there too, "Address already in use"; gorun once joined as a client
+// and waited out the join timeout), a taken --health-addr, a --log-dir that
+// cannot be made.
+func TestLaunchLocalResourceFailures(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	taken, err := net.Listen("tcp", ":0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer taken.Close()
+	port := strconv.Itoa(taken.Addr().(*net.TCPAddr).Port)
+	notADir := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(notADir, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name string
+		args []string
+		says string
+	}{
+		{"static master port taken", []string{"--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", port,
+			"--rdzv-conf", "join_timeout=600", "--log-dir", t.TempDir()}, "address already in use"},
+		{"health address taken", []string{"--health-addr", "127.0.0.1:" + port, "--log-dir", t.TempDir()}, "--health-addr"},
+		{"log dir is a file", []string{"--log-dir", filepath.Join(notADir, "logs")}, "--log-dir"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			cmd := exec.CommandContext(ctx, bin, append(tc.args, "--no-python", "sleep", "60")...)
+			cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+			var errb bytes.Buffer
+			cmd.Stderr, cmd.Stdout = &errb, io.Discard
+			began := time.Now()
+			err := cmd.Run()
+			var ee *exec.ExitError
+			if !errors.As(err, &ee) || ee.ExitCode() != ExitLocalResource {
+				t.Fatalf("exit %v, want %d; stderr %q", err, ExitLocalResource, &errb)
+			}
+			if took := time.Since(began); took > 5*time.Second {
+				t.Errorf("took %v: it waited instead of failing", took)
+			}
+			last := strings.TrimSpace(errb.String())
+			last = last[strings.LastIndexByte(last, '\n')+1:]
+			if !strings.HasPrefix(last, "gorun: ") || !strings.Contains(last, tc.says) {
+				t.Errorf("last line %q, want a gorun: line saying %q", last, tc.says)
 			}
 		})
 	}

@@ -369,3 +369,28 @@ func TestMultiNodeUnevenNodes(t *testing.T) {
 		t.Fatalf("global ranks %v, want 0..3 once each", ranks)
 	}
 }
+
+// TestMultiNodeIPv6Endpoint: --rdzv-endpoint ::1:PORT, an IPv6 address
+// without brackets, is read as torchrun reads it (the last group is the
+// port), and a two-node job meets there.
+func TestMultiNodeIPv6Endpoint(t *testing.T) {
+	if ln, err := net.Listen("tcp6", "[::1]:0"); err != nil {
+		t.Skipf("no IPv6 loopback: %v", err)
+	} else {
+		ln.Close()
+	}
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	var agents []*agentProc
+	for i := range 2 {
+		agents = append(agents, startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "::1:"+strconv.Itoa(port),
+			"--rdzv-id", "v6", "--rdzv-conf", fastRdzv, "--local-addr", "::1", "--log-dir", t.TempDir(),
+			"--no-python", "sh", "-c", `echo "node `+strconv.Itoa(i)+` rank $RANK of $WORLD_SIZE"`))
+	}
+	for _, p := range agents {
+		p.expectLine(t, "of 2")
+		if code := p.exitCode(t, 20*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}
