@@ -4,8 +4,10 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -33,6 +35,9 @@ func Run(ctx context.Context, cfg Config, log *zap.Logger) error {
 func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Writer) error {
 	if err := cfg.Validate(); err != nil {
 		return err
+	}
+	for _, w := range cfg.warnings() {
+		log.Warn(w)
 	}
 	// Signals are caught from here on: a stop signal ends every wait.
 	stop := startStopper(ctx, cfg.SignalsToHandle)
@@ -198,6 +203,9 @@ func resolveProgram(e Entrypoint, argv []string) (string, error) {
 		what := "program"
 		if !e.NoPython {
 			what = "Python interpreter (set PYTHON_EXEC)"
+		}
+		if errors.Is(err, fs.ErrPermission) {
+			return "", invalidf("%s %q is not executable (permission denied)", what, argv[0])
 		}
 		return "", invalidf("%s %q not found: %w", what, argv[0], err)
 	}

@@ -375,3 +375,50 @@ func TestAgentHealthEndpoint(t *testing.T) {
 		t.Fatalf("the endpoint still answers (%d) after the agent returned", code)
 	}
 }
+
+// TestFailuresTogetherAreAllListed: two workers that fail within a monitor
+// interval of each other are both in the failure table (torchrun lists
+// both); a worker stopped because of them is not.
+func TestFailuresTogetherAreAllListed(t *testing.T) {
+	cfg := shConfig(t, 3, `case $LOCAL_RANK in 0) sleep 0.3; exit 3;; 1) sleep 0.33; exit 4;; *) exec sleep 60;; esac`)
+	cfg.MonitorInterval = 200 * time.Millisecond
+	err, _, stderr := runAgent(t, cfg, 30*time.Second)
+	var wf *WorkersFailedError
+	if !errors.As(err, &wf) {
+		t.Fatalf("run: %v, want *WorkersFailedError\n%s", err, stderr)
+	}
+	var ranks []int
+	for _, f := range wf.Failures {
+		ranks = append(ranks, f.Rank)
+	}
+	sort.Ints(ranks)
+	if fmt.Sprint(ranks) != "[0 1]" {
+		t.Errorf("failure table lists ranks %v, want [0 1]:\n%s", ranks, stderr)
+	}
+}
+
+// TestConfigWarnings: what Validate lets through but a user should hear
+// of.
+func TestConfigWarnings(t *testing.T) {
+	c := DefaultConfig()
+	c.NProcPerNode = 2
+	c.Rendezvous.Conf = map[string]string{"join_timout": "5", "zzz": "1", "read_timeout": "3"}
+	c.LocalRanksFilter = []int{1, 5}
+	got := strings.Join(c.warnings(), "\n")
+	for _, want := range []string{
+		"--rdzv-conf join_timout: gorun reads no such key; it is ignored (did you mean join_timeout?)",
+		"--rdzv-conf zzz: gorun reads no such key; it is ignored\n",
+		"--local-ranks-filter [5]: this node runs local ranks 0–1 only",
+	} {
+		if !strings.Contains(got+"\n", want) {
+			t.Errorf("warnings %q lack %q", got, want)
+		}
+	}
+	if strings.Contains(got, "read_timeout") || strings.Contains(got, "no worker's output") {
+		t.Errorf("warnings %q: a known key, or rank 1 shown, warned of", got)
+	}
+	c.LocalRanksFilter = []int{7}
+	if w := c.warnings(); !strings.Contains(strings.Join(w, "\n"), "no worker's output reaches the console") {
+		t.Errorf("warnings %q: a filter that shows nothing is not called out", w)
+	}
+}

@@ -1,8 +1,12 @@
 package launcher
 
 import (
+	"fmt"
+	"maps"
+	"slices"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/suggest"
 	"github.com/gorunhq/gorun/rendezvous"
 )
 
@@ -121,4 +125,44 @@ func checkConf(conf rendezvous.Conf) error {
 		}
 	}
 	return nil
+}
+
+// knownConfKeys are the --rdzv-conf keys gorun reads, whichever backend
+// reads them (torchrun's, and etcd's: rendezvous/etcd's conf.go).
+var knownConfKeys = []string{
+	"join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+	"keep_alive_max_attempt", "read_timeout", "timeout", "is_host", "store_type", "use_libuv",
+	"protocol", "cacert", "cert", "key", "user", "password", "password_env", "prefix", "lease_ttl",
+}
+
+// warnings are what Validate lets through but a user should hear of: a
+// --rdzv-conf key nobody reads (torchrun passes unknown keys through, so
+// gorun does too, but a misspelled timeout is otherwise silently the
+// default), and --local-ranks-filter ranks this node does not run.
+func (c *Config) warnings() []string {
+	var out []string
+	for _, k := range slices.Sorted(maps.Keys(c.Rendezvous.Conf)) {
+		if slices.Contains(knownConfKeys, k) {
+			continue
+		}
+		msg := fmt.Sprintf("--rdzv-conf %s: gorun reads no such key; it is ignored", k)
+		if near := suggest.Nearest(k, knownConfKeys); near != "" {
+			msg += fmt.Sprintf(" (did you mean %s?)", near)
+		}
+		out = append(out, msg)
+	}
+	var missing []int
+	for _, r := range c.LocalRanksFilter {
+		if r >= c.NProcPerNode {
+			missing = append(missing, r)
+		}
+	}
+	if len(missing) > 0 {
+		msg := fmt.Sprintf("--local-ranks-filter %v: this node runs local ranks 0–%d only", missing, c.NProcPerNode-1)
+		if len(missing) == len(c.LocalRanksFilter) {
+			msg += "; no worker's output reaches the console (the log files have it)"
+		}
+		out = append(out, msg)
+	}
+	return out
 }

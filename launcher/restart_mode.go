@@ -21,10 +21,10 @@ func (a *agent) superviseRestart(ctx context.Context, w *roundWatch) outcome {
 			if ev.exit.e.Code() == 0 {
 				continue
 			}
-			// Collect failures that happened together, then stop the
-			// others: torchrun stops the whole local group on the first
-			// failure.
-			failures := w.drainFailures(a.failure(ev.exit))
+			// Collect the failures that come together (within a monitor
+			// interval, torchrun's granularity), then stop the others:
+			// torchrun stops the whole local group on a failure.
+			failures := w.gatherFailures(a.failure(ev.exit), a.cfg.MonitorInterval)
 			a.log.Warn("worker failed", zap.Int("rank", ev.exit.w.a.Rank), zap.Stringer("exit", ev.exit.e))
 			w.stop(syscall.SIGTERM)
 			return outcome{failures: failures}

@@ -174,11 +174,14 @@ func (w *roundWatch) stop(sig syscall.Signal) {
 	w.g.stop(sig, w.a.cfg.ShutdownTimeout, w.sigs, w.forward)
 }
 
-// drainFailures returns first and the failures of the exits already
-// queued: workers that failed together (a node's ranks dying at once)
-// are reported together.
-func (w *roundWatch) drainFailures(first Failure) []Failure {
+// gatherFailures returns first and the failures of the other workers that
+// exit within window of it: workers that fail together (a node's ranks
+// dying at once, a bad batch on every rank) are all in the failure table,
+// as torchrun, which polls its workers every monitor interval, lists them.
+func (w *roundWatch) gatherFailures(first Failure, window time.Duration) []Failure {
 	failures := []Failure{first}
+	t := time.NewTimer(window)
+	defer t.Stop()
 	for w.g.running > 0 {
 		select {
 		case y := <-w.g.exits:
@@ -186,7 +189,7 @@ func (w *roundWatch) drainFailures(first Failure) []Failure {
 			if y.e.Code() != 0 {
 				failures = append(failures, w.a.failure(y))
 			}
-		default:
+		case <-t.C:
 			return failures
 		}
 	}

@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -294,8 +295,13 @@ func TestLaunchAsPID1(t *testing.T) {
 // TestLaunchBadInputProcess: one clear line, exit code 2, nothing started.
 func TestLaunchBadInputProcess(t *testing.T) {
 	bin := testutil.BuildGorun(t)
+	notExec := filepath.Join(t.TempDir(), "data.txt")
+	if err := os.WriteFile(notExec, []byte("x"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	cases := [][]string{
 		{"--no-python", "/nonexistent/program"},
+		{"--no-python", notExec}, // not executable: says so, not "not found"
 		{"/nonexistent/train.py"},
 		{"--standalone", "--nnodes", "2", "--no-python", "true"},
 		{"--nproc-per-node", "zero", "--no-python", "true"},
@@ -315,6 +321,9 @@ func TestLaunchBadInputProcess(t *testing.T) {
 			}
 			if lines := strings.Split(strings.TrimSpace(errb.String()), "\n"); len(lines) != 1 || !strings.HasPrefix(lines[0], "gorun: ") {
 				t.Fatalf("stderr should be one gorun: line, got %q", &errb)
+			}
+			if slices.Contains(args, notExec) && !strings.Contains(errb.String(), "is not executable") {
+				t.Errorf("stderr %q does not say the program is not executable", &errb)
 			}
 		})
 	}

@@ -491,3 +491,22 @@ func TestExitCodeForLauncherErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestUnknownFlagSuggests: an unknown flag is named with two dashes, with
+// the nearest known flag when one is close.
+func TestUnknownFlagSuggests(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--nproc-per-nod", "2", "train.py"}, "gorun: unknown flag --nproc-per-nod (did you mean --nproc-per-node?)"},
+		{[]string{"--rdzv_endpont", "x", "train.py"}, "gorun: unknown flag --rdzv_endpont (did you mean --rdzv-endpoint?)"},
+		{[]string{"--zzz", "train.py"}, "gorun: unknown flag --zzz (gorun --help lists them)"},
+		{[]string{"store", "get", "--stor", "tcp://x:1", "k"}, "gorun: unknown flag --stor (did you mean --store?)"},
+	} {
+		res := launch(t, tc.args...)
+		if res.code != ExitUsage || strings.TrimSpace(res.stderr) != tc.want {
+			t.Errorf("gorun %v: code %d, stderr %q; want %d, %q", tc.args, res.code, res.stderr, ExitUsage, tc.want)
+		}
+	}
+}
