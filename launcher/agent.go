@@ -141,13 +141,18 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 			return nil, fmt.Errorf("--init: %w", err)
 		}
 	}
+	if cfg.ContainDescendants && !cfg.Init && !pid1 {
+		if err := reaper.BecomeSubreaper(); err != nil {
+			log.Warn("cannot become a child subreaper; what the workers leave behind may outlive them", zap.Error(err))
+		}
+	}
 	if cfg.HeartbeatTimeout > 0 {
 		if err := a.listenHeartbeats(); err != nil {
 			return nil, err
 		}
 	}
 	a.reaper = reaper.New(reaper.Config{
-		ReapOrphans: pid1 || cfg.Init,
+		ReapOrphans: pid1 || cfg.Init || cfg.ContainDescendants,
 		OnOrphan: func(e reaper.Exit) {
 			log.Debug("reaped an orphan", zap.Stringer("exit", e))
 		},
@@ -192,6 +197,7 @@ func (a *agent) close() {
 	if a.m != nil {
 		a.m.close()
 	}
+	a.killLeftovers()
 	a.reaper.Close()
 }
 
@@ -382,4 +388,18 @@ func stoppedOr(ctx context.Context, log *zap.Logger, err error, waiting string) 
 	}
 	log.Warn("stopped by a signal "+waiting, zap.Stringer("signal", sig))
 	return &SignalError{Signal: sig}
+}
+
+// leftoversKillTimeout bounds the sweep of what the workers left behind.
+const leftoversKillTimeout = 2 * time.Second
+
+// killLeftovers kills what the workers left behind (ContainDescendants):
+// their descendants re-parented to the agent, setsid'd daemons included.
+func (a *agent) killLeftovers() {
+	if !a.cfg.ContainDescendants {
+		return
+	}
+	if n := a.reaper.KillOrphans(leftoversKillTimeout); n > 0 {
+		a.log.Info("killed processes the workers left behind", zap.Int("processes", n))
+	}
 }

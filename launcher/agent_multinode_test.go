@@ -113,6 +113,9 @@ func TestTwoAgentsInProcess(t *testing.T) {
 		cfg.Rendezvous = RendezvousConfig{Backend: backendC10d, Endpoint: "127.0.0.1:" + strconv.Itoa(port), RunID: "inproc",
 			LocalAddr: addr, Conf: map[string]string{"join_timeout": "30", "last_call_timeout": "1"}}
 		cfg.MinNodes, cfg.MaxNodes = 2, 2
+		// Two agents in one process: each would take the other's
+		// workers for leftovers of its own.
+		cfg.ContainDescendants = false
 		return cfg
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)

@@ -309,6 +309,14 @@ type Config struct {
 	// Init makes the agent do a PID 1's duties (become a subreaper and reap
 	// orphaned descendants) even when it is not PID 1; gorun's --init.
 	Init bool
+	// ContainDescendants makes the agent a child subreaper that kills what
+	// its workers leave behind — their descendants re-parented to it, a
+	// daemon that called setsid among them — whenever a worker group ends
+	// and before the agent exits. Default true. The agent then takes every
+	// child of its process that it did not start for such a leftover: a
+	// program that runs the launcher in-process next to children of its
+	// own turns it off.
+	ContainDescendants bool
 	// HealthAddr is where the agent serves /healthz, /readyz and /metrics
 	// (see Health): "HOST:PORT", with an empty host for every interface
 	// (":8080") and port 0 for a free one. "" (the default) serves no
@@ -439,6 +447,7 @@ func DefaultConfig() Config {
 		SettleWindow:       shrink.DefaultSettleWindow,
 		AgreementTimeout:   shrink.DefaultAgreementTimeout,
 		NodeLiveness:       defaultNodeLiveness(),
+		ContainDescendants: true,
 	}
 }
 

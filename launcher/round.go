@@ -227,6 +227,9 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 	a.endpoint.SetPhase(PhaseRunning)
 	w := a.watchRound(p, g, sigs, sv)
 	defer w.close()
+	// The group has ended when supervision returns: what its workers left
+	// behind goes with it.
+	defer a.killLeftovers()
 	if sv != nil {
 		return a.superviseShrink(ctx, w, sv), nil
 	}

@@ -249,14 +249,22 @@ func TestLaunchAgentKilledTakesWorkers(t *testing.T) {
 // container) with a worker that leaves orphaned grandchildren: they are
 // re-parented to gorun, which must reap them, and the exit code must come
 // through.
-func TestLaunchAsPID1(t *testing.T) {
+// requireUnshare returns util-linux's unshare, or skips the test (fails it
+// in CI, which runs as root): PID namespaces need both.
+func requireUnshare(t *testing.T) string {
+	t.Helper()
 	unshare, err := exec.LookPath("unshare")
 	if err != nil || os.Geteuid() != 0 {
 		if torchtest.InCI() {
-			t.Fatalf("PID 1 test needs root and unshare (CI runs as root): euid %d, %v", os.Geteuid(), err)
+			t.Fatalf("needs root and unshare (CI runs as root): euid %d, %v", os.Geteuid(), err)
 		}
-		t.Skipf("PID 1 test skipped: needs root and util-linux unshare (euid %d)", os.Geteuid())
+		t.Skipf("skipped: needs root and util-linux unshare (euid %d)", os.Geteuid())
 	}
+	return unshare
+}
+
+func TestLaunchAsPID1(t *testing.T) {
+	unshare := requireUnshare(t)
 	bin := testutil.BuildGorun(t)
 	// The orphans (sleeps whose parent shell exits at once) end while the
 	// worker still runs; then the worker counts zombies in the namespace.
@@ -274,6 +282,7 @@ func TestLaunchAsPID1(t *testing.T) {
 		t.Fatal(err)
 	}
 	go func() { done <- cmd.Wait() }()
+	var err error
 	select {
 	case err = <-done:
 	case <-time.After(30 * time.Second):

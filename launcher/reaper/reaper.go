@@ -15,10 +15,12 @@
 package reaper
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
 	"sync"
 	"syscall"
 	"time"
@@ -203,6 +205,84 @@ func (r *Reaper) dispatch(e Exit) {
 	if r.cfg.OnOrphan != nil {
 		r.cfg.OnOrphan(e)
 	}
+}
+
+// KillOrphans kills the processes this one has adopted — as PID 1 or a
+// subreaper, the orphans re-parented to it: what the children it started
+// left behind, a daemon that called setsid among them — and keeps at it
+// as their own children are re-parented in turn, until none is left or
+// within has passed. It returns how many it killed. The children it
+// started are not touched. It needs ReapOrphans, which collects the
+// killed as they die. Every other child of this process counts as
+// adopted: use it only where the Reaper starts them all (the gorun
+// command, not a library caller with children of its own).
+func (r *Reaper) KillOrphans(within time.Duration) int {
+	deadline := time.Now().Add(within)
+	killed := map[int]bool{}
+	for {
+		// Under mu the loop cannot reap, so a PID found here stays this
+		// process's child (alive or a zombie) until it is signalled: it
+		// cannot be reused by another process meanwhile.
+		r.mu.Lock()
+		left := 0
+		for _, pid := range r.adopted() {
+			left++
+			if !killed[pid] {
+				syscall.Kill(pid, syscall.SIGKILL)
+				killed[pid] = true
+			}
+		}
+		r.mu.Unlock()
+		r.poke()
+		if left == 0 || time.Now().After(deadline) {
+			return len(killed)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// adopted lists the live children of this process that the Reaper did not
+// start; mu must be held.
+func (r *Reaper) adopted() []int {
+	self := os.Getpid()
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil
+	}
+	var out []int
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil || pid == self {
+			continue
+		}
+		if _, ours := r.children[pid]; ours {
+			continue
+		}
+		ppid, state, ok := procStat(pid)
+		if ok && ppid == self && state != 'Z' {
+			out = append(out, pid)
+		}
+	}
+	return out
+}
+
+// procStat reads a process's parent and state from /proc/PID/stat.
+func procStat(pid int) (ppid int, state byte, ok bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, 0, false
+	}
+	// "pid (comm) state ppid …"; comm may hold spaces and parentheses.
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, 0, false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 2 || len(f[0]) != 1 {
+		return 0, 0, false
+	}
+	ppid, err = strconv.Atoi(string(f[1]))
+	return ppid, f[0][0], err == nil
 }
 
 // BecomeSubreaper makes this process adopt its orphaned descendants

@@ -18,6 +18,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv("REAPER_TEST_ORPHANS") == "1" {
 		os.Exit(orphanHelper())
 	}
+	if os.Getenv("REAPER_TEST_KILL_ORPHANS") == "1" {
+		os.Exit(killOrphansHelper())
+	}
 	goleak.VerifyTestMain(m)
 }
 
@@ -198,4 +201,61 @@ func zombies() int {
 		}
 	}
 	return n
+}
+
+// TestKillOrphans: a child that leaves daemons behind (two in sessions of
+// their own, a background job) exits; KillOrphans kills every one, leaves
+// alone the started child that still runs, and leaves no zombie.
+func TestKillOrphans(t *testing.T) {
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "REAPER_TEST_KILL_ORPHANS=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("helper: %v\n%s", err, out)
+	}
+	if got := strings.TrimSpace(string(out)); got != "killed=3 left=0 zombies=0 started-alive=true" {
+		t.Fatalf("helper reported %q", got)
+	}
+}
+
+// killOrphansHelper is the subreaper side of TestKillOrphans.
+func killOrphansHelper() int {
+	if err := BecomeSubreaper(); err != nil {
+		fmt.Println("subreaper:", err)
+		return 1
+	}
+	r := New(Config{ReapOrphans: true})
+	defer r.Close()
+	sh, _ := exec.LookPath("sh")
+	setsid, _ := exec.LookPath("setsid")
+	// A worker that outlives the sweep, and one that leaves three
+	// processes behind: two in sessions of their own, a background job.
+	keeper, keeperExit, err := r.Start(sh, []string{"sh", "-c", "exec sleep 60"}, &os.ProcAttr{})
+	if err != nil {
+		fmt.Println("start:", err)
+		return 1
+	}
+	_, ch, err := r.Start(sh, []string{"sh", "-c", setsid + " sleep 60 & " + setsid + " sh -c 'sleep 60' & sleep 60 & exit 0"}, &os.ProcAttr{})
+	if err != nil {
+		fmt.Println("start:", err)
+		return 1
+	}
+	<-ch
+	// Let the daemons be re-parented to us.
+	for deadline := time.Now().Add(5 * time.Second); len(r.lockedAdopted()) < 3 && time.Now().Before(deadline); {
+		time.Sleep(10 * time.Millisecond)
+	}
+	killed := r.KillOrphans(5 * time.Second)
+	time.Sleep(100 * time.Millisecond) // the loop reaps them
+	alive := syscall.Kill(keeper.Pid, 0) == nil
+	fmt.Printf("killed=%d left=%d zombies=%d started-alive=%v\n", killed, len(r.lockedAdopted()), zombies(), alive)
+	keeper.Kill()
+	<-keeperExit
+	return 0
+}
+
+func (r *Reaper) lockedAdopted() []int {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.adopted()
 }

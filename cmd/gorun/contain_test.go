@@ -1,0 +1,143 @@
+package main
+
+import (
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+)
+
+// daemonWorker starts a daemon the way a careless worker does (setsid, in
+// the background, its pid written to dir/daemon-<rank>), prints pid=$$ and
+// then runs tail.
+func daemonWorker(dir, tail string) string {
+	return `setsid sh -c 'echo $$ > ` + dir + `/daemon-$RANK.tmp; mv ` + dir + `/daemon-$RANK.tmp ` + dir + `/daemon-$RANK; exec sleep 300' </dev/null >/dev/null 2>&1 &
+		while [ ! -s ` + dir + `/daemon-$RANK ]; do sleep 0.01; done
+		echo pid=$$; ` + tail
+}
+
+// daemons reads the daemons' pids the workers wrote in dir.
+func daemons(t *testing.T, dir string, n int) []int {
+	t.Helper()
+	var pids []int
+	deadline := time.Now().Add(20 * time.Second)
+	for len(pids) < n {
+		pids = pids[:0]
+		files, _ := filepath.Glob(filepath.Join(dir, "daemon-*[0-9]"))
+		for _, f := range files {
+			b, _ := os.ReadFile(f)
+			if pid, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+				pids = append(pids, pid)
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d daemons started, want %d", len(pids), n)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Cleanup(func() {
+		for _, pid := range pids {
+			syscall.Kill(pid, syscall.SIGKILL) // if the test failed
+		}
+	})
+	return pids
+}
+
+// TestNoEscapedDaemons: a daemon a worker starts with setsid (out of the
+// worker's process group, so a group kill misses it) ends when the
+// worker's group ends, however it ends: the job succeeds, a worker fails
+// and the group restarts, gorun is stopped by a signal, a rank dies in
+// shrink mode. torchrun 1.13 leaves such daemons running.
+func TestNoEscapedDaemons(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	cases := []struct {
+		name  string
+		args  []string
+		tail  string
+		n     int // daemons to wait for before acting
+		act   func(p *agentProc)
+		code  int
+		extra int // daemons started after act (a restarted group's)
+	}{
+		{"success", []string{"--nproc-per-node", "2"}, "sleep 0.2; exit 0", 2, nil, 0, 0},
+		{"failure and restart", []string{"--nproc-per-node", "2", "--max-restarts", "1"},
+			`[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$LOCAL_RANK" = 1 ] && exit 3; sleep 0.3; exit 0`, 2, nil, 0, 0},
+		{"stopped by SIGTERM", []string{"--nproc-per-node", "2"}, "exec sleep 60", 2,
+			func(p *agentProc) { p.cmd.Process.Signal(syscall.SIGTERM) }, 128 + 15, 0},
+		{"shrink mode", []string{"--nproc-per-node", "3", "--on-failure", "shrink"},
+			`[ "$LOCAL_RANK" = 2 ] && exit 3; sleep 1; exit 0`, 3, nil, 0, 0},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			args := append(tc.args, "--log-dir", t.TempDir(), "--no-python", "sh", "-c", daemonWorker(dir, tc.tail))
+			p := startAgent(t, bin, args...)
+			pids := daemons(t, dir, tc.n)
+			if tc.act != nil {
+				tc.act(p)
+			}
+			if code := p.exitCode(t, 30*time.Second); code != tc.code {
+				t.Fatalf("exit %d, want %d; stderr:\n%s", code, tc.code, p.stderr)
+			}
+			// Every daemon any attempt started, the restarted group's too.
+			all := daemons(t, dir, tc.n)
+			waitGone(t, append(pids, all...), 3*time.Second)
+			if !strings.Contains(p.stderr.String(), "killed processes the workers left behind") {
+				t.Errorf("the log does not say it killed leftovers:\n%s", p.stderr)
+			}
+		})
+	}
+}
+
+// TestNoEscapeAfterAgentKilled: when the agent itself is SIGKILLed, nothing
+// of the job survives where gorun is PID 1 of a PID namespace (a
+// container's entrypoint): the kernel ends the namespace with it, daemons
+// included. (Elsewhere its workers die with it, Pdeathsig, but what they
+// started may not: see README, "What gorun guarantees".)
+func TestNoEscapeAfterAgentKilled(t *testing.T) {
+	unshare := requireUnshare(t)
+	bin := testutil.BuildGorun(t)
+	dir := t.TempDir()
+	// The pids the daemons could write are the namespace's, meaningless
+	// here: the test finds them by a command line of their own (GNU sleep
+	// sums its arguments).
+	marker := "0." + strconv.Itoa(os.Getpid())
+	worker := `setsid sleep 300 ` + marker + ` </dev/null >/dev/null 2>&1 & echo pid=$$; exec sleep 300`
+	cmd := exec.Command(unshare, "--pid", "--fork", "--kill-child", "--mount-proc", bin, "--log-dir", dir, "--nproc-per-node", "2", "--no-python", "sh", "-c", worker)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	p := startAgentCmd(t, cmd)
+	p.pids(t, 2)
+	var daemons []int
+	for deadline := time.Now().Add(10 * time.Second); len(daemons) < 2; time.Sleep(20 * time.Millisecond) {
+		if daemons = pidsNamed(marker); time.Now().After(deadline) {
+			t.Fatalf("%d daemons found, want 2", len(daemons))
+		}
+	}
+	// unshare --kill-child: SIGKILL to unshare is SIGKILL to gorun, PID 1
+	// of the namespace.
+	cmd.Process.Kill()
+	p.exitCode(t, 10*time.Second)
+	waitGone(t, daemons, 5*time.Second)
+}
+
+// pidsNamed lists the processes that have arg among their arguments.
+func pidsNamed(arg string) []int {
+	var pids []int
+	cmdlines, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, f := range cmdlines {
+		b, err := os.ReadFile(f)
+		if err != nil || !strings.Contains(string(b), "\x00"+arg+"\x00") {
+			continue
+		}
+		if pid, err := strconv.Atoi(filepath.Base(filepath.Dir(f))); err == nil {
+			pids = append(pids, pid)
+		}
+	}
+	return pids
+}
