@@ -114,10 +114,17 @@ func serveCommand() *cli.Command {
 				EnvVars: []string{"GORUN_STORE_MAX_KEY_COUNT"},
 			},
 			&cli.StringFlag{
-				Name:    "max-request-size",
-				Value:   formatSize(lim.MaxRequestSize),
-				Usage:   "largest request as a whole",
-				EnvVars: []string{"GORUN_STORE_MAX_REQUEST_SIZE"},
+				Name:        "max-request-size",
+				Usage:       "largest request as a whole; never less than a COMPARE_SET of the largest key and two of the largest values",
+				DefaultText: "that minimum",
+				EnvVars:     []string{"GORUN_STORE_MAX_REQUEST_SIZE"},
+			},
+			&cli.StringFlag{
+				Name:  "max-buffered",
+				Value: formatSize(int(tcpstore.DefaultMaxBuffered)),
+				Usage: "memory all connections together may hold in requests still arriving; " +
+					"a connection whose bytes would pass it is closed (buffers grow only as bytes arrive)",
+				EnvVars: []string{"GORUN_STORE_MAX_BUFFERED"},
 			},
 			&cli.StringFlag{
 				Name:    "legacy-table",
@@ -140,6 +147,7 @@ func runServe(c *cli.Context) error {
 	}
 	defer log.Sync()
 	cfg := tcpstore.ServerConfig{Logger: log}
+	var maxBuffered int
 	for _, f := range []struct {
 		flag string
 		dst  *int
@@ -147,11 +155,16 @@ func runServe(c *cli.Context) error {
 		{"max-key-size", &cfg.Limits.MaxKeySize},
 		{"max-value-size", &cfg.Limits.MaxValueSize},
 		{"max-request-size", &cfg.Limits.MaxRequestSize},
+		{"max-buffered", &maxBuffered},
 	} {
+		if !c.IsSet(f.flag) && c.String(f.flag) == "" {
+			continue // the library's default
+		}
 		if *f.dst, err = parseSize(c.String(f.flag)); err != nil {
 			return usageErrorf("--%s: %v", f.flag, err)
 		}
 	}
+	cfg.MaxBuffered = int64(maxBuffered)
 	if cfg.Limits.MaxKeyCount = c.Int("max-key-count"); cfg.Limits.MaxKeyCount <= 0 {
 		return usageErrorf("--max-key-count must be positive, got %d", cfg.Limits.MaxKeyCount)
 	}
