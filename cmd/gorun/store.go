@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
 	"os/signal"
 	"strconv"
@@ -210,7 +212,44 @@ func runVerb(c *cli.Context, fn verbFunc) error {
 	if p := c.String("prefix"); p != "" {
 		s = rendezvous.NewPrefixStore(p, s)
 	}
-	return fn(ctx, c, s)
+	err = fn(ctx, c, s)
+	if errors.Is(err, tcpstore.ErrHungUp) && storeAnswers(c.Context, c.String("store"), c.String("wire")) {
+		return &exitError{code: ExitStoreError, err: fmt.Errorf("the store refused the request: %w, "+
+			"and it still answers; a c10d server refuses by closing the connection "+
+			"(a key or value over its limits, a counter that is not an integer)", err)}
+	}
+	return err
+}
+
+// storeAnswers tells a store that refused a request (it closed the
+// connection on it, the only refusal c10d's wire has) from one that went
+// away: it reports whether the TCPStore at raw answers a GETNUMKEYS on a
+// fresh connection within a few seconds. A refused connection fails it at
+// once.
+func storeAnswers(ctx context.Context, raw, wire string) bool {
+	const probeTimeout = 5 * time.Second
+	u, err := url.Parse(raw)
+	if err != nil {
+		return false
+	}
+	nc, err := net.DialTimeout("tcp", u.Host, probeTimeout)
+	if err != nil {
+		return false
+	}
+	nc.Close()
+	gen, err := tcpstore.ParseGeneration(wire)
+	if err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	s, err := tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: probeTimeout})
+	if err != nil {
+		return false
+	}
+	defer s.Close()
+	_, err = s.NumKeys(ctx)
+	return err == nil
 }
 
 // openStore opens a store URL for the client verbs.
@@ -228,7 +267,10 @@ func openStore(ctx context.Context, raw, wire string, timeout time.Duration) (re
 		if err != nil {
 			return nil, usageErrorf("--wire: %v", err)
 		}
-		return tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: timeout})
+		// A c10d server refuses a write only by closing the connection,
+		// and SET has no reply: confirm every write, or a refused one
+		// would exit 0.
+		return tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: timeout, ConfirmWrites: true})
 	case "file":
 		if u.Host != "" || u.Path == "" {
 			return nil, usageErrorf("--store %q: want file:///ABSOLUTE/PATH", raw)

@@ -33,6 +33,13 @@ const (
 	maxReplyLen = 1 << 30
 )
 
+// ErrHungUp: the server closed the connection while a request was in
+// flight. c10d's protocol has no error reply, so a server refuses a request
+// that way — a key or value over its limits, ADD on a value that is not a
+// number, an unknown opcode — and it also happens when a server stops.
+// Errors that wrap it also wrap rendezvous.ErrUnavailable.
+var ErrHungUp = errors.New("connection closed by the server")
+
 // pastDeadline, set on a connection, fails its pending reads and writes at
 // once.
 var pastDeadline = time.Unix(1, 0)
@@ -389,6 +396,23 @@ func (k *call) send(b []byte) error {
 	return nil
 }
 
+// sendWrite sends b, a write without a reply, and with
+// ClientConfig.ConfirmWrites confirms it: a GETNUMKEYS goes out in the
+// same write, and its answer shows that the server read the write and did
+// not close the connection on it.
+func (k *call) sendWrite(b []byte) error {
+	if !k.c.cfg.ConfirmWrites {
+		return k.send(b)
+	}
+	if err := k.send(append(b, k.opcode(OpNumKeys))); err != nil {
+		return err
+	}
+	if _, err := k.i64(); err != nil {
+		return fmt.Errorf("write not confirmed: %w", err)
+	}
+	return nil
+}
+
 // readN reads n ≤ 8 bytes into the scratch buffer.
 func (c *Client) readN(n int) ([]byte, error) {
 	p := c.scratch[:n]
@@ -522,7 +546,9 @@ func (k *call) broken(err error) error {
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return k.timeout("", "")
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return fmt.Errorf("%w: connection closed by the server", rendezvous.ErrUnavailable)
+		return fmt.Errorf("%w: %w", rendezvous.ErrUnavailable, ErrHungUp)
+	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+		return fmt.Errorf("%w: %w (%w)", rendezvous.ErrUnavailable, ErrHungUp, err)
 	}
 	return fmt.Errorf("%w: %w", rendezvous.ErrUnavailable, err)
 }
