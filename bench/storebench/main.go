@@ -42,6 +42,8 @@ type config struct {
 	duration                              time.Duration
 	conns, storms                         []int
 	idleConns                             int
+	partialConns, partialSend             int
+	partialAnnounce                       int64
 	out                                   string
 }
 
@@ -57,6 +59,10 @@ func main() {
 	flag.StringVar(&conns, "conns", "1,64,256", "connection counts for the mixed load")
 	flag.StringVar(&storms, "storm", "4096,16384", "client counts for the connect storm")
 	flag.IntVar(&cfg.idleConns, "idle", 4096, "idle connections for the RSS measurement")
+	flag.IntVar(&cfg.partialConns, "partial", 16, "connections that announce a large value and send little (0: skip)")
+	flag.Int64Var(&cfg.partialAnnounce, "partial-announce", 64<<20, "value length each partial connection announces "+
+		"(PyTorch 1.13's server allocates it at once: mind the machine's memory)")
+	flag.IntVar(&cfg.partialSend, "partial-send", 4<<10, "bytes each partial connection sends")
 	flag.StringVar(&cfg.out, "out", "bench/results/store.jsonl", "raw results (JSON lines)")
 	flag.Parse()
 	cfg.conns, cfg.storms = ints(conns), ints(storms)
@@ -143,6 +149,16 @@ func runAll(cfg config) error {
 					return err
 				}
 				record("idle", s, r)
+			}
+		}
+		if cfg.partialConns > 0 {
+			for _, s := range servers {
+				r, err := measure(cfg, s, "partial", "-conns", strconv.Itoa(cfg.partialConns),
+					"-announce", strconv.FormatInt(cfg.partialAnnounce, 10), "-send", strconv.Itoa(cfg.partialSend))
+				if err != nil {
+					return err
+				}
+				record("partial", s, r)
 			}
 		}
 		fmt.Fprintf(os.Stderr, "storebench: repetition %d/%d done\n", rep, cfg.reps)
@@ -275,6 +291,21 @@ func printTable(cfg config, results map[string]map[string][]result) {
 	}
 	if cfg.idleConns > 0 {
 		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)
+	}
+	if cfg.partialConns > 0 {
+		row("partial", fmt.Sprintf("KiB RSS per connection announcing %d MiB, sending %d KiB (%d)",
+			cfg.partialAnnounce>>20, cfg.partialSend>>10, cfg.partialConns), "kib_per_conn", "%.1f", 1)
+		fmt.Printf("| partial | still answers a new client within 3 s (repetitions) |")
+		for _, s := range servers {
+			n := 0
+			for _, r := range results["partial"][s.name] {
+				if ok, _ := r["server_answers"].(bool); ok {
+					n++
+				}
+			}
+			fmt.Printf(" %d of %d |", n, len(results["partial"][s.name]))
+		}
+		fmt.Printf(" |\n")
 	}
 	var failures []string
 	for bench, bySrv := range results {
