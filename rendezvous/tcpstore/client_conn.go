@@ -1,6 +1,7 @@
 package tcpstore
 
 import (
+	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -457,12 +458,30 @@ func (k *call) bytes() ([]byte, error) {
 	if uint64(n) > maxReplyLen {
 		return nil, k.protocolError("reply announces a %d-byte string", uint64(n))
 	}
-	v := make([]byte, n)
-	if _, err := io.ReadFull(k.c.r, v); err != nil {
+	if n <= replyChunk {
+		v := make([]byte, n)
+		if _, err := io.ReadFull(k.c.r, v); err != nil {
+			return nil, k.broken(err)
+		}
+		return v, nil
+	}
+	// A large reply's buffer grows with the bytes that arrive, not with
+	// the length the stream announced (a desynchronised stream announces
+	// nonsense).
+	var b bytes.Buffer
+	b.Grow(replyChunk)
+	if _, err := io.CopyN(&b, k.c.r, n); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
 		return nil, k.broken(err)
 	}
-	return v, nil
+	return b.Bytes(), nil
 }
+
+// replyChunk is the largest reply string read into a buffer of its
+// announced size at once.
+const replyChunk = 1 << 20
 
 // Waiting.
 
