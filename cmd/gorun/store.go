@@ -129,6 +129,13 @@ func serveCommand() *cli.Command {
 				EnvVars: []string{"GORUN_STORE_MAX_BUFFERED"},
 			},
 			&cli.StringFlag{
+				Name:  "max-stored",
+				Value: "none",
+				Usage: "most bytes of keys and values the store holds (none: no limit, as PyTorch's server); " +
+					"a write past it is refused (the connection closed)",
+				EnvVars: []string{"GORUN_STORE_MAX_STORED"},
+			},
+			&cli.StringFlag{
 				Name:    "legacy-table",
 				Value:   "1.13",
 				Usage:   "opcode table for clients that skip VALIDATE: 1.13 (PyTorch 1.13–2.0) or 2.1",
@@ -167,6 +174,13 @@ func runServe(c *cli.Context) error {
 		}
 	}
 	cfg.MaxBuffered = int64(maxBuffered)
+	if v := c.String("max-stored"); v != "none" {
+		n, err := parseSize(v)
+		if err != nil {
+			return usageErrorf("--max-stored: %v (or none)", err)
+		}
+		cfg.MaxStored = int64(n)
+	}
 	if cfg.Limits.MaxKeyCount = c.Int("max-key-count"); cfg.Limits.MaxKeyCount <= 0 {
 		return usageErrorf("--max-key-count must be positive, got %d", cfg.Limits.MaxKeyCount)
 	}

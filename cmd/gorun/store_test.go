@@ -123,6 +123,8 @@ func TestStoreBadInput(t *testing.T) {
 		{[]string{"store", "get", "--bogus-flag", "k"}, ExitUsage, "bogus"},
 		{[]string{"store", "serve", "--max-key-size", "lots"}, ExitUsage, "max-key-size"},
 		{[]string{"store", "serve", "--legacy-table", "3.0"}, ExitUsage, "legacy-table"},
+		{[]string{"store", "serve", "--max-stored", "0"}, ExitUsage, "max-stored"},
+		{[]string{"store", "serve", "--max-buffered", "lots"}, ExitUsage, "max-buffered"},
 		{[]string{"--log-level", "loud", "store", "serve"}, ExitUsage, "log-level"},
 	}
 	for _, tc := range cases {
@@ -230,9 +232,14 @@ func TestStoreExitCodes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer small.Close()
+	full, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{MaxStored: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer full.Close()
 	key8k := strings.Repeat("k", 8192)
 	for _, wire := range []string{"new", "old"} {
-		url, smallURL := "tcp://"+srv.Addr().String(), "tcp://"+small.Addr().String()
+		url, smallURL, fullURL := "tcp://"+srv.Addr().String(), "tcp://"+small.Addr().String(), "tcp://"+full.Addr().String()
 		p := "codes-" + wire + "/"
 		cases := []struct {
 			name  string
@@ -250,6 +257,7 @@ func TestStoreExitCodes(t *testing.T) {
 			{"set of a key over the server's limit", smallURL, []string{"set", p + key8k, "v"}, ExitStoreError, "refused"},
 			{"delete of a key over the server's limit", smallURL, []string{"delete", p + key8k}, ExitStoreError, "refused"},
 			{"cas of a key over the server's limit", smallURL, []string{"cas", p + key8k, "", "v"}, ExitStoreError, "refused"},
+			{"set past the store's --max-stored", fullURL, []string{"set", p + "big", strings.Repeat("v", 2<<10)}, ExitStoreError, "refused"},
 		}
 		if wire == "old" {
 			cases = append(cases, struct {

@@ -16,8 +16,14 @@ import (
 // ServerConfig configures a Server. The zero value is usable: every field
 // has a documented default.
 type ServerConfig struct {
-	// Storage holds the keys. Default: a fresh NewMemoryStorage().
+	// Storage holds the keys. Default: a fresh MemoryStorage capped at
+	// MaxStored.
 	Storage Storage
+	// MaxStored caps the bytes of keys and values of the MemoryStorage the
+	// server creates when Storage is nil (MemoryStorageConfig.MaxBytes); a
+	// write past it closes that connection. Default 0: no cap, as
+	// PyTorch's server.
+	MaxStored int64
 	// Limits bound each request; zero fields take DefaultLimits().
 	Limits Limits
 	// LegacyTable reads opcodes on connections that do not open with
@@ -107,7 +113,7 @@ func NewServer(cfg ServerConfig) *Server {
 		conns:     make(map[*connTransport]struct{}),
 	}
 	if s.storage == nil {
-		s.storage = NewMemoryStorage()
+		s.storage = NewMemoryStorageConfig(MemoryStorageConfig{MaxBytes: cfg.MaxStored})
 	}
 	if s.log == nil {
 		s.log = zap.NewNop()
