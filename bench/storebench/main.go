@@ -26,7 +26,7 @@ import (
 
 type server struct {
 	name string // row label
-	kind string // "gorun" or "torch"
+	kind string // "gorun", "gorun-baseline" or "torch"
 	wire string // wire generation the load client speaks to it
 }
 
@@ -37,20 +37,23 @@ var servers = []server{
 }
 
 type config struct {
-	gorun, storeload, python, torchServer string
-	reps                                  int
-	duration                              time.Duration
-	conns, storms                         []int
-	idleConns                             int
-	partialConns, partialSend             int
-	partialAnnounce                       int64
-	out                                   string
+	gorun, gorunBaseline           string
+	storeload, python, torchServer string
+	reps                           int
+	duration                       time.Duration
+	conns, storms                  []int
+	idleConns                      int
+	partialConns, partialSend      int
+	partialAnnounce                int64
+	out                            string
 }
 
 func main() {
 	var cfg config
 	var conns, storms string
 	flag.StringVar(&cfg.gorun, "gorun", "bin/gorun", "gorun binary")
+	flag.StringVar(&cfg.gorunBaseline, "gorun-baseline", "", "another gorun binary (an earlier build) measured "+
+		"beside the first in the same run, on the old wire (default: none)")
 	flag.StringVar(&cfg.storeload, "storeload", "bin/storeload", "storeload binary")
 	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch")
 	flag.StringVar(&cfg.torchServer, "torch-server", "bench/torch_store_server.py", "PyTorch server script")
@@ -66,6 +69,10 @@ func main() {
 	flag.StringVar(&cfg.out, "out", "bench/results/store.jsonl", "raw results (JSON lines)")
 	flag.Parse()
 	cfg.conns, cfg.storms = ints(conns), ints(storms)
+	if cfg.gorunBaseline != "" {
+		torch := servers[len(servers)-1]
+		servers = append(servers[:len(servers)-1], server{"gorun baseline (old wire)", "gorun-baseline", "old"}, torch)
+	}
 	if err := runAll(cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "storebench:", err)
 		os.Exit(1)
@@ -194,8 +201,12 @@ func measure(cfg config, s server, mode string, args ...string) (result, error) 
 func startServer(cfg config, kind string) (addr string, pid int, stop func(), err error) {
 	var cmd *exec.Cmd
 	switch kind {
-	case "gorun":
-		cmd = exec.Command(cfg.gorun, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
+	case "gorun", "gorun-baseline":
+		bin := cfg.gorun
+		if kind == "gorun-baseline" {
+			bin = cfg.gorunBaseline
+		}
+		cmd = exec.Command(bin, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
 	case "torch":
 		cmd = exec.Command(cfg.python, cfg.torchServer)
 	}
@@ -231,7 +242,7 @@ func startServer(cfg config, kind string) (addr string, pid int, stop func(), er
 	}
 	line = strings.TrimSpace(line)
 	switch kind {
-	case "gorun":
+	case "gorun", "gorun-baseline":
 		return line, cmd.Process.Pid, stop, nil
 	default:
 		var port int
@@ -286,8 +297,9 @@ func printTable(cfg config, results map[string]map[string][]result) {
 		b := fmt.Sprintf("storm %d", n)
 		row(b, "seconds", "seconds", "%.2f", 1)
 		row(b, "server CPU (s)", "server_cpu_s", "%.2f", 1)
-		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f | | | |\n",
-			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"))
+		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f |%s\n",
+			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"),
+			strings.Repeat(" |", len(servers)))
 	}
 	if cfg.idleConns > 0 {
 		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)
