@@ -230,7 +230,8 @@ func runVerb(c *cli.Context, fn verbFunc) error {
 	if errors.Is(err, tcpstore.ErrHungUp) && storeAnswers(c.Context, c.String("store"), c.String("wire")) {
 		return &exitError{code: ExitStoreError, err: fmt.Errorf("the store refused the request: %w, "+
 			"and it still answers; a c10d server refuses by closing the connection "+
-			"(a key or value over its limits, a counter that is not an integer)", err)}
+			"(a key or value over its limits, a full store or buffer, a counter that is not an integer: "+
+			"the server's log says which)", err)}
 	}
 	return err
 }

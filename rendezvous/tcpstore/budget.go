@@ -35,7 +35,8 @@ func (b *budget) reserve(n int) error {
 	for {
 		u := b.used.Load()
 		if u+int64(n) > b.limit {
-			return fmt.Errorf("%w: %d more bytes for one connection, %d of %d held already", ErrBufferFull, n, u, b.limit)
+			return fmt.Errorf("%w: %d more bytes for one connection, %d of %d held already "+
+				"(ServerConfig.MaxBuffered; gorun store serve --max-buffered)", ErrBufferFull, n, u, b.limit)
 		}
 		if b.used.CompareAndSwap(u, u+int64(n)) {
 			return nil

@@ -114,7 +114,8 @@ func (m *MemoryStorage) room(key []byte, n int) error {
 // fits checks that grow more bytes stay within the cap; mu must be held.
 func (m *MemoryStorage) fits(grow int64) error {
 	if m.max != 0 && grow > 0 && m.held+grow > m.max {
-		return fmt.Errorf("%w: %d more bytes would pass its limit of %d (%d held)", ErrStorageFull, grow, m.max, m.held)
+		return fmt.Errorf("%w: %d more bytes would pass its limit of %d, %d held "+
+			"(MemoryStorageConfig.MaxBytes; gorun store serve --max-stored)", ErrStorageFull, grow, m.max, m.held)
 	}
 	return nil
 }
