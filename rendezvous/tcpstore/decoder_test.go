@@ -68,6 +68,74 @@ func decodeAll(t testing.TB, lim Limits, chunks ...[]byte) []string {
 	return out
 }
 
+// decodeLoop decodes chunks the way the event loop reads: a chunk that
+// arrives with nothing pending is parsed in place from a scratch buffer
+// (borrow), one that completes a partial request goes into the decoder's
+// own buffer, and every round ends with retain — after which the scratch
+// buffer is overwritten, so a request that kept pointing into it decodes
+// wrong. Buffer and budget checks as in decodeAll.
+func decodeLoop(t testing.TB, lim Limits, chunks ...[]byte) []string {
+	lim = lim.withDefaults()
+	mem := newBudget(1 << 40)
+	d := newDecoder(lim, Legacy113, mem)
+	defer func() {
+		d.drop()
+		if mem.held() != 0 {
+			t.Fatalf("budget holds %d bytes after drop", mem.held())
+		}
+	}()
+	var out []string
+	arrived := 0
+	for _, ch := range chunks {
+		for len(ch) > 0 {
+			var scratch []byte
+			if d.pending() {
+				sp, err := d.spare()
+				if err != nil {
+					t.Fatal(err)
+				}
+				n := copy(sp, ch)
+				d.commit(n)
+				ch, arrived = ch[n:], arrived+n
+			} else {
+				scratch = append([]byte(nil), ch...)
+				d.borrow(scratch)
+				ch, arrived = nil, arrived+len(scratch)
+			}
+			for {
+				req, err := d.next()
+				if err == errIncomplete {
+					break
+				}
+				if err != nil {
+					var pe *ProtocolError
+					if !errors.As(err, &pe) {
+						t.Fatalf("decoder returned a non-protocol error: %v", err)
+					}
+					return append(out, "error: "+pe.Reason)
+				}
+				out = append(out, render(req))
+			}
+			if err := d.retain(); err != nil {
+				t.Fatal(err)
+			}
+			for i := range scratch {
+				scratch[i] = 0xa5
+			}
+			if max := 2*arrived + initialBufSize; cap(d.buf) > max {
+				t.Fatalf("buffer grew to %d after %d bytes arrived", cap(d.buf), arrived)
+			}
+			if mem.held() != int64(cap(d.buf)) || d.borrowed {
+				t.Fatalf("budget holds %d for a buffer of %d (borrowed %v)", mem.held(), cap(d.buf), d.borrowed)
+			}
+		}
+	}
+	if d.pending() {
+		out = append(out, "incomplete")
+	}
+	return out
+}
+
 func render(r *request) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%v key=%q val=%q val2=%q n=%d u32=%#x", r.op, r.key, r.val, r.val2, r.n, r.u32)
@@ -155,8 +223,10 @@ var fuzzSeeds = []string{
 }
 
 // FuzzDecoder checks that the parser never panics, that any split of a
-// stream decodes exactly like the whole stream, and (in decodeAll) that its
-// buffer stays within the request limit.
+// stream decodes exactly like the whole stream, read either way the server
+// reads (decodeAll, decodeLoop), and that its buffer stays within the
+// request limit and twice the bytes that arrived, all reserved in the
+// budget.
 func FuzzDecoder(f *testing.F) {
 	for _, s := range fuzzSeeds {
 		b := h(f, s)
@@ -181,6 +251,10 @@ func FuzzDecoder(f *testing.F) {
 		split := decodeAll(t, lim, chunks...)
 		if strings.Join(whole, "\n") != strings.Join(split, "\n") {
 			t.Fatalf("split decode differs\nwhole:\n%s\nsplit:\n%s", strings.Join(whole, "\n"), strings.Join(split, "\n"))
+		}
+		loop := decodeLoop(t, lim, chunks...)
+		if strings.Join(whole, "\n") != strings.Join(loop, "\n") {
+			t.Fatalf("event-loop decode differs\nwhole:\n%s\nloop:\n%s", strings.Join(whole, "\n"), strings.Join(loop, "\n"))
 		}
 	})
 }
