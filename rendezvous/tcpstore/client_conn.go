@@ -1,7 +1,6 @@
 package tcpstore
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -10,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -458,25 +458,22 @@ func (k *call) bytes() ([]byte, error) {
 	if uint64(n) > maxReplyLen {
 		return nil, k.protocolError("reply announces a %d-byte string", uint64(n))
 	}
-	if n <= replyChunk {
-		v := make([]byte, n)
-		if _, err := io.ReadFull(k.c.r, v); err != nil {
+	// A large reply's buffer grows with the bytes that arrive (doubling,
+	// up to the announced length), not with the length alone: a
+	// desynchronised stream announces nonsense.
+	v := make([]byte, min(n, replyChunk))
+	filled := 0
+	for {
+		if _, err := io.ReadFull(k.c.r, v[filled:]); err != nil {
 			return nil, k.broken(err)
 		}
-		return v, nil
-	}
-	// A large reply's buffer grows with the bytes that arrive, not with
-	// the length the stream announced (a desynchronised stream announces
-	// nonsense).
-	var b bytes.Buffer
-	b.Grow(replyChunk)
-	if _, err := io.CopyN(&b, k.c.r, n); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
+		filled = len(v)
+		if int64(filled) == n {
+			return v, nil
 		}
-		return nil, k.broken(err)
+		next := int(min(n, 2*int64(filled)))
+		v = slices.Grow(v, next-filled)[:next]
 	}
-	return b.Bytes(), nil
 }
 
 // replyChunk is the largest reply string read into a buffer of its
