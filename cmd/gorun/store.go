@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/url"
+	"os"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/filestore"
@@ -216,8 +218,43 @@ func runVerb(c *cli.Context, fn verbFunc) error {
 	}
 	ctx, cancel := context.WithTimeout(c.Context, timeout)
 	defer cancel()
-	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
+	ctx, stopped := onStopSignal(ctx)
+	err := runVerbIn(ctx, c, timeout, fn)
+	if sig := stopped(); sig != 0 && err != nil {
+		// Not a timeout, whatever the store's error says: README, 128+N.
+		return &exitError{code: ExitSignalBase + int(sig), err: fmt.Errorf("stopped by %s: %w", unix.SignalName(sig), err)}
+	}
+	return err
+}
+
+// onStopSignal returns ctx, cancelled also by SIGTERM or SIGINT, and a
+// function that stops listening and returns the signal that cancelled it
+// (0 if none).
+func onStopSignal(ctx context.Context) (context.Context, func() syscall.Signal) {
+	ctx, cancel := context.WithCancel(ctx)
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	done := make(chan struct{})
+	var got syscall.Signal
+	go func() {
+		defer close(done)
+		select {
+		case s := <-sigs:
+			got, _ = s.(syscall.Signal)
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() syscall.Signal {
+		signal.Stop(sigs)
+		cancel()
+		<-done
+		return got
+	}
+}
+
+// runVerbIn opens the store and runs fn on it within ctx.
+func runVerbIn(ctx context.Context, c *cli.Context, timeout time.Duration, fn verbFunc) error {
 	s, err := openStore(ctx, c.String("store"), c.String("wire"), timeout)
 	if err != nil {
 		return err

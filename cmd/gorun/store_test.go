@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
@@ -354,5 +356,63 @@ import time; time.sleep(300)
 		if code != st.code || out != st.out {
 			t.Fatalf("gorun %s: exit %d stdout %q stderr %q; want %d %q", strings.Join(args, " "), code, out, errs, st.code, st.out)
 		}
+	}
+}
+
+// TestStoreVerbStoppedBySignal: a verb waiting on the store and stopped by
+// SIGTERM or SIGINT exits 128+N, as the README's table says, not with the
+// timeout code.
+func TestStoreVerbStoppedBySignal(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	for _, tc := range []struct {
+		sig  syscall.Signal
+		code int
+	}{{syscall.SIGTERM, 143}, {syscall.SIGINT, 130}} {
+		t.Run(unix.SignalName(tc.sig), func(t *testing.T) {
+			before := srv.Stats().Requests
+			cmd := exec.Command(bin, "store", "wait", "--store", "tcp://"+srv.Addr().String(), "--timeout", "60s", "never")
+			cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+			var stderr bytes.Buffer
+			cmd.Stderr = &stderr
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- cmd.Wait() }()
+			exited := false
+			defer func() {
+				if !exited {
+					cmd.Process.Kill()
+					<-done
+				}
+			}()
+			// VALIDATE, PING and the WAIT have arrived: the verb is waiting.
+			deadline := time.Now().Add(10 * time.Second)
+			for srv.Stats().Requests < before+3 {
+				if time.Now().After(deadline) {
+					t.Fatalf("the verb never reached its WAIT; stderr %s", &stderr)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			start := time.Now()
+			cmd.Process.Signal(tc.sig)
+			select {
+			case <-done:
+				exited = true
+			case <-time.After(10 * time.Second):
+				t.Fatal("the verb did not stop")
+			}
+			if code := cmd.ProcessState.ExitCode(); code != tc.code || !strings.Contains(stderr.String(), "stopped by SIG") {
+				t.Fatalf("exit %d, stderr %q; want %d and the signal named", code, &stderr, tc.code)
+			}
+			if d := time.Since(start); d > 2*time.Second {
+				t.Fatalf("stopping took %v", d)
+			}
+		})
 	}
 }
