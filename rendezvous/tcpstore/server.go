@@ -1,7 +1,6 @@
 package tcpstore
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"net"
@@ -38,7 +37,7 @@ type ServerConfig struct {
 	// protocol has no error reply), and counted in Stats.BufferFull; the
 	// others go on. Buffers grow only as bytes arrive, so this bounds what
 	// peers actually sent, not what they announced. Default
-	// DefaultMaxBuffered (2 GiB).
+	// DefaultMaxBuffered (2 GiB), also for values ≤ 0.
 	MaxBuffered int64
 	// GoroutinePerConn serves every connection from its own goroutine with
 	// blocking I/O instead of from the epoll event loops (one per CPU) used
@@ -108,9 +107,12 @@ func NewServer(cfg ServerConfig) *Server {
 		table:     cfg.LegacyTable,
 		log:       cfg.Logger,
 		perConn:   cfg.GoroutinePerConn,
-		mem:       newBudget(cmp.Or(cfg.MaxBuffered, DefaultMaxBuffered)),
+		mem:       newBudget(DefaultMaxBuffered),
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*connTransport]struct{}),
+	}
+	if cfg.MaxBuffered > 0 {
+		s.mem = newBudget(cfg.MaxBuffered)
 	}
 	if s.storage == nil {
 		s.storage = NewMemoryStorageConfig(MemoryStorageConfig{MaxBytes: cfg.MaxStored})
