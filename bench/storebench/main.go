@@ -26,7 +26,7 @@ import (
 
 type server struct {
 	name string // row label
-	kind string // "gorun" or "torch"
+	kind string // "gorun", "gorun-baseline" or "torch"
 	wire string // wire generation the load client speaks to it
 }
 
@@ -37,18 +37,23 @@ var servers = []server{
 }
 
 type config struct {
-	gorun, storeload, python, torchServer string
-	reps                                  int
-	duration                              time.Duration
-	conns, storms                         []int
-	idleConns                             int
-	out                                   string
+	gorun, gorunBaseline           string
+	storeload, python, torchServer string
+	reps                           int
+	duration                       time.Duration
+	conns, storms                  []int
+	idleConns                      int
+	partialConns, partialSend      int
+	partialAnnounce                int64
+	out                            string
 }
 
 func main() {
 	var cfg config
 	var conns, storms string
 	flag.StringVar(&cfg.gorun, "gorun", "bin/gorun", "gorun binary")
+	flag.StringVar(&cfg.gorunBaseline, "gorun-baseline", "", "another gorun binary (an earlier build) measured "+
+		"beside the first in the same run, on the old wire (default: none)")
 	flag.StringVar(&cfg.storeload, "storeload", "bin/storeload", "storeload binary")
 	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch")
 	flag.StringVar(&cfg.torchServer, "torch-server", "bench/torch_store_server.py", "PyTorch server script")
@@ -57,9 +62,17 @@ func main() {
 	flag.StringVar(&conns, "conns", "1,64,256", "connection counts for the mixed load")
 	flag.StringVar(&storms, "storm", "4096,16384", "client counts for the connect storm")
 	flag.IntVar(&cfg.idleConns, "idle", 4096, "idle connections for the RSS measurement")
+	flag.IntVar(&cfg.partialConns, "partial", 16, "connections that announce a large value and send little (0: skip)")
+	flag.Int64Var(&cfg.partialAnnounce, "partial-announce", 64<<20, "value length each partial connection announces "+
+		"(PyTorch 1.13's server allocates it at once: mind the machine's memory)")
+	flag.IntVar(&cfg.partialSend, "partial-send", 4<<10, "bytes each partial connection sends")
 	flag.StringVar(&cfg.out, "out", "bench/results/store.jsonl", "raw results (JSON lines)")
 	flag.Parse()
 	cfg.conns, cfg.storms = ints(conns), ints(storms)
+	if cfg.gorunBaseline != "" {
+		torch := servers[len(servers)-1]
+		servers = append(servers[:len(servers)-1], server{"gorun baseline (old wire)", "gorun-baseline", "old"}, torch)
+	}
 	if err := runAll(cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "storebench:", err)
 		os.Exit(1)
@@ -145,6 +158,16 @@ func runAll(cfg config) error {
 				record("idle", s, r)
 			}
 		}
+		if cfg.partialConns > 0 {
+			for _, s := range servers {
+				r, err := measure(cfg, s, "partial", "-conns", strconv.Itoa(cfg.partialConns),
+					"-announce", strconv.FormatInt(cfg.partialAnnounce, 10), "-send", strconv.Itoa(cfg.partialSend))
+				if err != nil {
+					return err
+				}
+				record("partial", s, r)
+			}
+		}
 		fmt.Fprintf(os.Stderr, "storebench: repetition %d/%d done\n", rep, cfg.reps)
 	}
 	printTable(cfg, results)
@@ -178,8 +201,12 @@ func measure(cfg config, s server, mode string, args ...string) (result, error) 
 func startServer(cfg config, kind string) (addr string, pid int, stop func(), err error) {
 	var cmd *exec.Cmd
 	switch kind {
-	case "gorun":
-		cmd = exec.Command(cfg.gorun, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
+	case "gorun", "gorun-baseline":
+		bin := cfg.gorun
+		if kind == "gorun-baseline" {
+			bin = cfg.gorunBaseline
+		}
+		cmd = exec.Command(bin, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
 	case "torch":
 		cmd = exec.Command(cfg.python, cfg.torchServer)
 	}
@@ -215,7 +242,7 @@ func startServer(cfg config, kind string) (addr string, pid int, stop func(), er
 	}
 	line = strings.TrimSpace(line)
 	switch kind {
-	case "gorun":
+	case "gorun", "gorun-baseline":
 		return line, cmd.Process.Pid, stop, nil
 	default:
 		var port int
@@ -270,11 +297,27 @@ func printTable(cfg config, results map[string]map[string][]result) {
 		b := fmt.Sprintf("storm %d", n)
 		row(b, "seconds", "seconds", "%.2f", 1)
 		row(b, "server CPU (s)", "server_cpu_s", "%.2f", 1)
-		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f | | | |\n",
-			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"))
+		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f |%s\n",
+			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"),
+			strings.Repeat(" |", len(servers)))
 	}
 	if cfg.idleConns > 0 {
 		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)
+	}
+	if cfg.partialConns > 0 {
+		row("partial", fmt.Sprintf("KiB RSS per connection announcing %d MiB, sending %d KiB (%d)",
+			cfg.partialAnnounce>>20, cfg.partialSend>>10, cfg.partialConns), "kib_per_conn", "%.1f", 1)
+		fmt.Printf("| partial | still answers a new client within 3 s (repetitions) |")
+		for _, s := range servers {
+			n := 0
+			for _, r := range results["partial"][s.name] {
+				if ok, _ := r["server_answers"].(bool); ok {
+					n++
+				}
+			}
+			fmt.Printf(" %d of %d |", n, len(results["partial"][s.name]))
+		}
+		fmt.Printf(" |\n")
 	}
 	var failures []string
 	for bench, bySrv := range results {

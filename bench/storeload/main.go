@@ -6,12 +6,14 @@
 //	storeload storm -addr A -wire old -clients 16384
 //	storeload idle  -addr A -conns 4096 -pid PID
 //	storeload connect -addr A -clients 16384
+//	storeload partial -addr A -conns 16 -announce 1073741824 -send 4096 -pid PID
 //
 // With -pid, every mode also reports the server process's CPU time.
 package main
 
 import (
 	"context"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"flag"
@@ -44,6 +46,8 @@ func main() {
 	duration := fs.Duration("duration", 5*time.Second, "how long to run (mixed)")
 	timeout := fs.Duration("timeout", 120*time.Second, "store timeout")
 	pid := fs.Int("pid", 0, "server PID whose RSS to read (idle)")
+	announce := fs.Int64("announce", 1<<30, "value length each connection announces (partial)")
+	send := fs.Int("send", 4<<10, "bytes of the value each connection sends (partial)")
 	label := fs.String("label", "", "free text copied into the result")
 	cpuprofile := fs.String("cpuprofile", "", "write the load client's CPU profile here")
 	fs.Parse(os.Args[2:])
@@ -80,6 +84,8 @@ func main() {
 		res, err = idle(*addr, gen, *conns, *pid)
 	case "connect":
 		res, err = connectFloor(*addr, *clients)
+	case "partial":
+		res, err = partial(*addr, gen, *conns, *announce, *send, *pid)
 	default:
 		err = fmt.Errorf("unknown mode %q", os.Args[1])
 	}
@@ -251,37 +257,16 @@ func storm(addr string, cfg tcpstore.ClientConfig, n int) (map[string]any, error
 // second socket, or any client between requests — and reports how much the
 // server's resident memory grew per connection.
 func idle(addr string, gen tcpstore.Generation, conns, pid int) (map[string]any, error) {
-	if pid == 0 {
-		return nil, errors.New("idle needs -pid of the server")
+	var first []byte
+	if gen == tcpstore.GenNew {
+		// VALIDATE, then idle: the server has seen one request.
+		first = []byte{0, 0xce, 0xf7, 0x85, 0x3c}
 	}
-	before, err := rss(pid)
+	before, after, release, err := holdConns(addr, pid, conns, first, false)
 	if err != nil {
 		return nil, err
 	}
-	var held []net.Conn
-	defer func() {
-		for _, c := range held {
-			c.Close()
-		}
-	}()
-	for range conns {
-		c, err := net.Dial("tcp", addr)
-		if err != nil {
-			return nil, err
-		}
-		held = append(held, c)
-		if gen == tcpstore.GenNew {
-			// VALIDATE, then idle: the server has seen one request.
-			if _, err := c.Write([]byte{0, 0xce, 0xf7, 0x85, 0x3c}); err != nil {
-				return nil, err
-			}
-		}
-	}
-	time.Sleep(2 * time.Second) // let the server settle (accepts, GC)
-	after, err := rss(pid)
-	if err != nil {
-		return nil, err
-	}
+	defer release()
 	return map[string]any{
 		"conns":             conns,
 		"rss_before_kib":    before >> 10,
@@ -290,6 +275,91 @@ func idle(addr string, gen tcpstore.Generation, conns, pid int) (map[string]any,
 		"kib_per_conn":      float64(after-before) / float64(conns) / 1024,
 		"server_pid":        pid,
 		"measured_with_gen": gen.String(),
+	}, nil
+}
+
+// holdConns opens conns connections to addr and writes first on each, lets
+// the server settle, and returns the server's RSS before and after and a
+// function that closes the connections. With lenient, a write the server
+// does not take within a second is left unfinished (a server that is stuck
+// on another connection reads nothing).
+func holdConns(addr string, pid, conns int, first []byte, lenient bool) (before, after int64, release func(), err error) {
+	if pid == 0 {
+		return 0, 0, nil, errors.New("needs -pid of the server")
+	}
+	if before, err = rss(pid); err != nil {
+		return 0, 0, nil, err
+	}
+	var held []net.Conn
+	release = func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}
+	for range conns {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			release()
+			return 0, 0, nil, err
+		}
+		held = append(held, c)
+		if len(first) == 0 {
+			continue
+		}
+		if lenient {
+			c.SetWriteDeadline(time.Now().Add(time.Second))
+		}
+		if _, err := c.Write(first); err != nil && !lenient {
+			release()
+			return 0, 0, nil, err
+		}
+	}
+	time.Sleep(2 * time.Second) // let the server settle (accepts, reads, GC)
+	if after, err = rss(pid); err != nil {
+		release()
+		return 0, 0, nil, err
+	}
+	return before, after, release, nil
+}
+
+// partial opens conns connections that each start a SET announcing a value
+// of announce bytes and send only send bytes of it, and reports how much
+// the server's resident memory grew per connection, and whether it still
+// answers a fresh client (a GETNUMKEYS within 3 s).
+func partial(addr string, gen tcpstore.Generation, conns int, announce int64, send, pid int) (map[string]any, error) {
+	var req []byte
+	if gen == tcpstore.GenNew {
+		req = append(req, 0, 0xce, 0xf7, 0x85, 0x3c) // VALIDATE
+		req = append(req, 1)                         // SET
+	} else {
+		req = append(req, 0) // SET
+	}
+	req = binary.LittleEndian.AppendUint64(req, 4)
+	req = append(req, "/big"...)
+	req = binary.LittleEndian.AppendUint64(req, uint64(announce))
+	req = append(req, make([]byte, send)...)
+	before, after, release, err := holdConns(addr, pid, conns, req, true)
+	if err != nil {
+		return nil, err
+	}
+	defer release()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	answers := false
+	if c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Wire: gen, Timeout: 3 * time.Second}); err == nil {
+		_, err = c.NumKeys(ctx)
+		answers = err == nil
+		c.Close()
+	}
+	return map[string]any{
+		"conns":          conns,
+		"announced":      announce,
+		"sent":           send,
+		"rss_before_kib": before >> 10,
+		"rss_after_kib":  after >> 10,
+		"kib_per_conn":   float64(after-before) / float64(conns) / 1024,
+		"server_answers": answers,
+		"server_pid":     pid,
 	}, nil
 }
 

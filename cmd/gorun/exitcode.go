@@ -25,11 +25,13 @@ const (
 	ExitUsage = 2
 	// ExitTimeout: a store operation or a connection attempt timed out.
 	ExitTimeout = 3
-	// ExitUnavailable: the store cannot be reached or dropped the
-	// connection.
+	// ExitUnavailable: the store cannot be reached, or dropped the
+	// connection and no longer answers.
 	ExitUnavailable = 4
 	// ExitStoreError: the store refused the operation (not supported by
-	// this backend, a non-integer counter, …).
+	// this backend, a non-integer counter, a key or value over a server's
+	// limits: a TCPStore server that closes the connection on a request
+	// and still answers a fresh one refused it).
 	ExitStoreError = 5
 	// ExitRendezvousTimeout: the multi-node rendezvous did not complete
 	// within join_timeout.

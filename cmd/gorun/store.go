@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/url"
+	"os"
 	"os/signal"
 	"strconv"
 	"strings"
@@ -13,6 +16,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
+	"golang.org/x/sys/unix"
 
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/filestore"
@@ -114,10 +118,24 @@ func serveCommand() *cli.Command {
 				EnvVars: []string{"GORUN_STORE_MAX_KEY_COUNT"},
 			},
 			&cli.StringFlag{
-				Name:    "max-request-size",
-				Value:   formatSize(lim.MaxRequestSize),
-				Usage:   "largest request as a whole",
-				EnvVars: []string{"GORUN_STORE_MAX_REQUEST_SIZE"},
+				Name:        "max-request-size",
+				Usage:       "largest request as a whole; never less than a COMPARE_SET of the largest key and two of the largest values",
+				DefaultText: "that minimum",
+				EnvVars:     []string{"GORUN_STORE_MAX_REQUEST_SIZE"},
+			},
+			&cli.StringFlag{
+				Name:  "max-buffered",
+				Value: formatSize(int(tcpstore.DefaultMaxBuffered)),
+				Usage: "memory all connections together may hold in requests still arriving; " +
+					"a connection whose bytes would pass it is closed (buffers grow only as bytes arrive)",
+				EnvVars: []string{"GORUN_STORE_MAX_BUFFERED"},
+			},
+			&cli.StringFlag{
+				Name:  "max-stored",
+				Value: "none",
+				Usage: "most bytes of keys and values the store holds (none: no limit, as PyTorch's server); " +
+					"a write past it is refused (the connection closed)",
+				EnvVars: []string{"GORUN_STORE_MAX_STORED"},
 			},
 			&cli.StringFlag{
 				Name:    "legacy-table",
@@ -140,6 +158,7 @@ func runServe(c *cli.Context) error {
 	}
 	defer log.Sync()
 	cfg := tcpstore.ServerConfig{Logger: log}
+	var maxBuffered int
 	for _, f := range []struct {
 		flag string
 		dst  *int
@@ -147,10 +166,22 @@ func runServe(c *cli.Context) error {
 		{"max-key-size", &cfg.Limits.MaxKeySize},
 		{"max-value-size", &cfg.Limits.MaxValueSize},
 		{"max-request-size", &cfg.Limits.MaxRequestSize},
+		{"max-buffered", &maxBuffered},
 	} {
+		if !c.IsSet(f.flag) && c.String(f.flag) == "" {
+			continue // the library's default
+		}
 		if *f.dst, err = parseSize(c.String(f.flag)); err != nil {
 			return usageErrorf("--%s: %v", f.flag, err)
 		}
+	}
+	cfg.MaxBuffered = int64(maxBuffered)
+	if v := c.String("max-stored"); v != "none" {
+		n, err := parseSize(v)
+		if err != nil {
+			return usageErrorf("--max-stored: %v (or none)", err)
+		}
+		cfg.MaxStored = int64(n)
 	}
 	if cfg.Limits.MaxKeyCount = c.Int("max-key-count"); cfg.Limits.MaxKeyCount <= 0 {
 		return usageErrorf("--max-key-count must be positive, got %d", cfg.Limits.MaxKeyCount)
@@ -187,8 +218,43 @@ func runVerb(c *cli.Context, fn verbFunc) error {
 	}
 	ctx, cancel := context.WithTimeout(c.Context, timeout)
 	defer cancel()
-	ctx, stop := signal.NotifyContext(ctx, syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
+	ctx, stopped := onStopSignal(ctx)
+	err := runVerbIn(ctx, c, timeout, fn)
+	if sig := stopped(); sig != 0 && err != nil {
+		// Not a timeout, whatever the store's error says: README, 128+N.
+		return &exitError{code: ExitSignalBase + int(sig), err: fmt.Errorf("stopped by %s: %w", unix.SignalName(sig), err)}
+	}
+	return err
+}
+
+// onStopSignal returns ctx, cancelled also by SIGTERM or SIGINT, and a
+// function that stops listening and returns the signal that cancelled it
+// (0 if none).
+func onStopSignal(ctx context.Context) (context.Context, func() syscall.Signal) {
+	ctx, cancel := context.WithCancel(ctx)
+	sigs := make(chan os.Signal, 1)
+	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT)
+	done := make(chan struct{})
+	var got syscall.Signal
+	go func() {
+		defer close(done)
+		select {
+		case s := <-sigs:
+			got, _ = s.(syscall.Signal)
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
+	return ctx, func() syscall.Signal {
+		signal.Stop(sigs)
+		cancel()
+		<-done
+		return got
+	}
+}
+
+// runVerbIn opens the store and runs fn on it within ctx.
+func runVerbIn(ctx context.Context, c *cli.Context, timeout time.Duration, fn verbFunc) error {
 	s, err := openStore(ctx, c.String("store"), c.String("wire"), timeout)
 	if err != nil {
 		return err
@@ -197,7 +263,45 @@ func runVerb(c *cli.Context, fn verbFunc) error {
 	if p := c.String("prefix"); p != "" {
 		s = rendezvous.NewPrefixStore(p, s)
 	}
-	return fn(ctx, c, s)
+	err = fn(ctx, c, s)
+	if errors.Is(err, tcpstore.ErrHungUp) && storeAnswers(c.Context, c.String("store"), c.String("wire")) {
+		return &exitError{code: ExitStoreError, err: fmt.Errorf("the store refused the request: %w, "+
+			"and it still answers; a c10d server refuses by closing the connection "+
+			"(a key or value over its limits, a full store or buffer, a counter that is not an integer: "+
+			"the server's log says which)", err)}
+	}
+	return err
+}
+
+// storeAnswers tells a store that refused a request (it closed the
+// connection on it, the only refusal c10d's wire has) from one that went
+// away: it reports whether the TCPStore at raw answers a GETNUMKEYS on a
+// fresh connection within a few seconds. A refused connection fails it at
+// once.
+func storeAnswers(ctx context.Context, raw, wire string) bool {
+	const probeTimeout = 5 * time.Second
+	u, err := url.Parse(raw)
+	if err != nil {
+		return false
+	}
+	nc, err := net.DialTimeout("tcp", u.Host, probeTimeout)
+	if err != nil {
+		return false
+	}
+	nc.Close()
+	gen, err := tcpstore.ParseGeneration(wire)
+	if err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	s, err := tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: probeTimeout})
+	if err != nil {
+		return false
+	}
+	defer s.Close()
+	_, err = s.NumKeys(ctx)
+	return err == nil
 }
 
 // openStore opens a store URL for the client verbs.
@@ -215,7 +319,10 @@ func openStore(ctx context.Context, raw, wire string, timeout time.Duration) (re
 		if err != nil {
 			return nil, usageErrorf("--wire: %v", err)
 		}
-		return tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: timeout})
+		// A c10d server refuses a write only by closing the connection,
+		// and SET has no reply: confirm every write, or a refused one
+		// would exit 0.
+		return tcpstore.Dial(ctx, u.Host, tcpstore.ClientConfig{Wire: gen, Timeout: timeout, ConfirmWrites: true})
 	case "file":
 		if u.Host != "" || u.Path == "" {
 			return nil, usageErrorf("--store %q: want file:///ABSOLUTE/PATH", raw)

@@ -12,7 +12,10 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/gorunhq/gorun/internal/testutil"
+	"github.com/gorunhq/gorun/internal/torchtest"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
@@ -122,6 +125,8 @@ func TestStoreBadInput(t *testing.T) {
 		{[]string{"store", "get", "--bogus-flag", "k"}, ExitUsage, "bogus"},
 		{[]string{"store", "serve", "--max-key-size", "lots"}, ExitUsage, "max-key-size"},
 		{[]string{"store", "serve", "--legacy-table", "3.0"}, ExitUsage, "legacy-table"},
+		{[]string{"store", "serve", "--max-stored", "0"}, ExitUsage, "max-stored"},
+		{[]string{"store", "serve", "--max-buffered", "lots"}, ExitUsage, "max-buffered"},
 		{[]string{"--log-level", "loud", "store", "serve"}, ExitUsage, "log-level"},
 	}
 	for _, tc := range cases {
@@ -211,5 +216,203 @@ func TestParseSize(t *testing.T) {
 		if got, _ := parseSize(formatSize(n)); got != n {
 			t.Errorf("formatSize(%d) = %q does not round-trip", n, formatSize(n))
 		}
+	}
+}
+
+// TestStoreExitCodes: every exit code a store verb can return, each from
+// the situation the README's table names, on both wire generations.
+func TestStoreExitCodes(t *testing.T) {
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	// A server with c10d's libuv key limit (8 KiB): the 8,192-character key
+	// is over it once the client prepends "/".
+	small, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{Limits: tcpstore.Limits{MaxKeySize: 8 << 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer small.Close()
+	full, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{MaxStored: 1 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer full.Close()
+	key8k := strings.Repeat("k", 8192)
+	for _, wire := range []string{"new", "old"} {
+		url, smallURL, fullURL := "tcp://"+srv.Addr().String(), "tcp://"+small.Addr().String(), "tcp://"+full.Addr().String()
+		p := "codes-" + wire + "/"
+		cases := []struct {
+			name  string
+			store string
+			args  []string
+			code  int
+			hint  string // in stderr when code != 0
+		}{
+			{"set stores", url, []string{"set", p + "s", "abc"}, ExitOK, ""},
+			{"an 8,192-character key within the default limits", url, []string{"set", p + key8k, "v"}, ExitOK, ""},
+			{"check with a key missing", url, []string{"check", p + "missing"}, ExitFalse, "not every key exists"},
+			{"a DELTA that is not a number", url, []string{"add", p + "n", "x"}, ExitUsage, "DELTA"},
+			{"get of a key that never comes", url, []string{"get", "--timeout", "300ms", p + "never"}, ExitTimeout, "timeout"},
+			{"add on a value that is not an integer", url, []string{"add", p + "s", "1"}, ExitStoreError, "refused"},
+			{"set of a key over the server's limit", smallURL, []string{"set", p + key8k, "v"}, ExitStoreError, "refused"},
+			{"delete of a key over the server's limit", smallURL, []string{"delete", p + key8k}, ExitStoreError, "refused"},
+			{"cas of a key over the server's limit", smallURL, []string{"cas", p + key8k, "", "v"}, ExitStoreError, "refused"},
+			{"set past the store's --max-stored", fullURL, []string{"set", p + "big", strings.Repeat("v", 2<<10)}, ExitStoreError, "refused"},
+		}
+		if wire == "old" {
+			cases = append(cases, struct {
+				name, store string
+				args        []string
+				code        int
+				hint        string
+			}{"keys, which the old wire has not", url, []string{"keys"}, ExitStoreError, "not supported"})
+		}
+		for _, tc := range cases {
+			t.Run(wire+"/"+tc.name, func(t *testing.T) {
+				args := append([]string{"store", tc.args[0], "--store", tc.store, "--wire", wire}, tc.args[1:]...)
+				code, _, errs := gorun(t, "", args...)
+				if code != tc.code {
+					t.Fatalf("exit %d, want %d; stderr %q", code, tc.code, errs)
+				}
+				if code != 0 && (!strings.Contains(errs, tc.hint) || strings.Count(errs, "\n") != 1) {
+					t.Fatalf("stderr %q should be one line mentioning %q", errs, tc.hint)
+				}
+			})
+		}
+		// What was refused was not stored; what exited 0 was.
+		if small.Stats().Rejected == 0 {
+			t.Fatal("the small server rejected nothing")
+		}
+		if keys, _ := small.Storage().Keys(); len(keys) != 0 {
+			t.Fatalf("the refusing server stored %d keys", len(keys))
+		}
+		if code, out, errs := gorun(t, "", "store", "get", "--store", url, "--wire", wire, p+key8k); code != 0 || out != "v" {
+			t.Fatalf("get of the 8,192-character key: exit %d %q %s", code, out, errs)
+		}
+	}
+	t.Run("a store that drops the connection and goes away", func(t *testing.T) {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			ln.Close()
+			nc.Read(make([]byte, 64))
+			nc.Close()
+		}()
+		defer ln.Close()
+		start := time.Now()
+		code, _, errs := gorun(t, "", "store", "add", "--store", "tcp://"+ln.Addr().String(), "--wire", "old", "n", "1")
+		if code != ExitUnavailable || !strings.Contains(errs, "connection closed by the server") || strings.Count(errs, "\n") != 1 {
+			t.Fatalf("exit %d stderr %q; want %d, one line saying the server closed the connection", code, errs, ExitUnavailable)
+		}
+		if d := time.Since(start); d > 5*time.Second {
+			t.Fatalf("took %v", d)
+		}
+	})
+}
+
+// TestStoreExitCodesOnTorchServer: against PyTorch 1.13's own server, a
+// refused ADD (the value is not an integer: the server closes the
+// connection) exits 5 as on gorun's, and a confirmed SET exits 0.
+func TestStoreExitCodesOnTorchServer(t *testing.T) {
+	torchtest.Python(t)
+	p := torchtest.Start(t, nil, `
+import datetime, sys
+import torch.distributed as dist
+s = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60))
+print(s.port, flush=True)
+import time; time.sleep(300)
+`)
+	var port string
+	deadline := time.Now().Add(60 * time.Second)
+	for port == "" {
+		port = strings.TrimSpace(p.Stdout())
+		if time.Now().After(deadline) {
+			t.Fatalf("the torch server printed no port; stderr %s", p.Stderr())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	url := "tcp://127.0.0.1:" + port
+	steps := []struct {
+		args []string
+		code int
+		out  string
+	}{
+		{[]string{"set", "s", "abc"}, ExitOK, ""},
+		{[]string{"add", "s", "1"}, ExitStoreError, ""},
+		{[]string{"get", "s"}, ExitOK, "abc"},
+		{[]string{"add", "n", "2"}, ExitOK, "2\n"},
+	}
+	for _, st := range steps {
+		args := append([]string{"store", st.args[0], "--store", url, "--wire", "old"}, st.args[1:]...)
+		code, out, errs := gorun(t, "", args...)
+		if code != st.code || out != st.out {
+			t.Fatalf("gorun %s: exit %d stdout %q stderr %q; want %d %q", strings.Join(args, " "), code, out, errs, st.code, st.out)
+		}
+	}
+}
+
+// TestStoreVerbStoppedBySignal: a verb waiting on the store and stopped by
+// SIGTERM or SIGINT exits 128+N, as the README's table says, not with the
+// timeout code.
+func TestStoreVerbStoppedBySignal(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	for _, tc := range []struct {
+		sig  syscall.Signal
+		code int
+	}{{syscall.SIGTERM, 143}, {syscall.SIGINT, 130}} {
+		t.Run(unix.SignalName(tc.sig), func(t *testing.T) {
+			before := srv.Stats().Requests
+			cmd := exec.Command(bin, "store", "wait", "--store", "tcp://"+srv.Addr().String(), "--timeout", "60s", "never")
+			cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+			var stderr bytes.Buffer
+			cmd.Stderr = &stderr
+			if err := cmd.Start(); err != nil {
+				t.Fatal(err)
+			}
+			done := make(chan error, 1)
+			go func() { done <- cmd.Wait() }()
+			exited := false
+			defer func() {
+				if !exited {
+					cmd.Process.Kill()
+					<-done
+				}
+			}()
+			// VALIDATE, PING and the WAIT have arrived: the verb is waiting.
+			deadline := time.Now().Add(10 * time.Second)
+			for srv.Stats().Requests < before+3 {
+				if time.Now().After(deadline) {
+					t.Fatalf("the verb never reached its WAIT; stderr %s", &stderr)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			start := time.Now()
+			cmd.Process.Signal(tc.sig)
+			select {
+			case <-done:
+				exited = true
+			case <-time.After(10 * time.Second):
+				t.Fatal("the verb did not stop")
+			}
+			if code := cmd.ProcessState.ExitCode(); code != tc.code || !strings.Contains(stderr.String(), "stopped by SIG") {
+				t.Fatalf("exit %d, stderr %q; want %d and the signal named", code, &stderr, tc.code)
+			}
+			if d := time.Since(start); d > 2*time.Second {
+				t.Fatalf("stopping took %v", d)
+			}
+		})
 	}
 }

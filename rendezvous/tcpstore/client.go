@@ -38,6 +38,15 @@ type ClientConfig struct {
 	// ConnectBackoffMax caps the pause between connection attempts.
 	// Default 2 s.
 	ConnectBackoffMax time.Duration
+	// ConfirmWrites ends every write that has no reply on the wire (SET,
+	// APPEND, MULTI_SET, QUEUE_PUSH) with a GETNUMKEYS on the same
+	// connection, in the same TCP write, and waits for its answer. A c10d
+	// server refuses a request only by closing the connection, so without
+	// a following round trip a refused write looks stored; with one, it
+	// fails with an error wrapping ErrHungUp. GETNUMKEYS is on both wire
+	// generations and every c10d server, and changes nothing. It costs a
+	// round trip per write. Default false, as c10d's own client.
+	ConfirmWrites bool
 }
 
 // Defaults of the ClientConfig fields.
@@ -176,7 +185,7 @@ func (c *Client) Set(ctx context.Context, key string, value []byte) (err error) 
 	b := k.request(OpSet)
 	b = appendKey(b, key)
 	b = appendBytes(b, value)
-	return k.send(b)
+	return k.sendWrite(b)
 }
 
 // Get waits for key and returns its value: WAIT then GET, as c10d's client
@@ -316,7 +325,7 @@ func (c *Client) Append(ctx context.Context, key string, value []byte) (err erro
 	b := k.request(OpAppend)
 	b = appendKey(b, key)
 	b = appendBytes(b, value)
-	return k.send(b)
+	return k.sendWrite(b)
 }
 
 // appendByCompareSet appends with a COMPARE_SET loop: read the current
@@ -428,7 +437,7 @@ func (c *Client) MultiSet(ctx context.Context, keys []string, values [][]byte) (
 			b = appendKey(b, key)
 			b = appendBytes(b, values[i])
 		}
-		return k.send(b)
+		return k.sendWrite(b)
 	}
 	b := k.request(OpMultiSet)
 	b = appendU64(b, uint64(len(keys)))
@@ -436,7 +445,7 @@ func (c *Client) MultiSet(ctx context.Context, keys []string, values [][]byte) (
 		b = appendKey(b, key)
 		b = appendBytes(b, values[i])
 	}
-	return k.send(b)
+	return k.sendWrite(b)
 }
 
 // ListKeys returns the keys that c10d clients set (those sent with
@@ -479,7 +488,7 @@ func (c *Client) QueuePush(ctx context.Context, key string, value []byte) (err e
 	b := k.request(OpQueuePush)
 	b = appendKey(b, key)
 	b = appendBytes(b, value)
-	return k.send(b)
+	return k.sendWrite(b)
 }
 
 // QueuePop removes and returns the head of the queue named key. With block

@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -32,6 +33,13 @@ const (
 	// libuv backend's own value limit is 8 MiB.
 	maxReplyLen = 1 << 30
 )
+
+// ErrHungUp: the server closed the connection while a request was in
+// flight. c10d's protocol has no error reply, so a server refuses a request
+// that way — a key or value over its limits, ADD on a value that is not a
+// number, an unknown opcode — and it also happens when a server stops.
+// Errors that wrap it also wrap rendezvous.ErrUnavailable.
+var ErrHungUp = errors.New("connection closed by the server")
 
 // pastDeadline, set on a connection, fails its pending reads and writes at
 // once.
@@ -389,6 +397,23 @@ func (k *call) send(b []byte) error {
 	return nil
 }
 
+// sendWrite sends b, a write without a reply, and with
+// ClientConfig.ConfirmWrites confirms it: a GETNUMKEYS goes out in the
+// same write, and its answer shows that the server read the write and did
+// not close the connection on it.
+func (k *call) sendWrite(b []byte) error {
+	if !k.c.cfg.ConfirmWrites {
+		return k.send(b)
+	}
+	if err := k.send(append(b, k.opcode(OpNumKeys))); err != nil {
+		return err
+	}
+	if _, err := k.i64(); err != nil {
+		return fmt.Errorf("write not confirmed: %w", err)
+	}
+	return nil
+}
+
 // readN reads n ≤ 8 bytes into the scratch buffer.
 func (c *Client) readN(n int) ([]byte, error) {
 	p := c.scratch[:n]
@@ -433,12 +458,27 @@ func (k *call) bytes() ([]byte, error) {
 	if uint64(n) > maxReplyLen {
 		return nil, k.protocolError("reply announces a %d-byte string", uint64(n))
 	}
-	v := make([]byte, n)
-	if _, err := io.ReadFull(k.c.r, v); err != nil {
-		return nil, k.broken(err)
+	// A large reply's buffer grows with the bytes that arrive (doubling,
+	// up to the announced length), not with the length alone: a
+	// desynchronised stream announces nonsense.
+	v := make([]byte, min(n, replyChunk))
+	filled := 0
+	for {
+		if _, err := io.ReadFull(k.c.r, v[filled:]); err != nil {
+			return nil, k.broken(err)
+		}
+		filled = len(v)
+		if int64(filled) == n {
+			return v, nil
+		}
+		next := int(min(n, 2*int64(filled)))
+		v = slices.Grow(v, next-filled)[:next]
 	}
-	return v, nil
 }
+
+// replyChunk is the largest reply string read into a buffer of its
+// announced size at once.
+const replyChunk = 1 << 20
 
 // Waiting.
 
@@ -522,7 +562,9 @@ func (k *call) broken(err error) error {
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return k.timeout("", "")
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		return fmt.Errorf("%w: connection closed by the server", rendezvous.ErrUnavailable)
+		return fmt.Errorf("%w: %w", rendezvous.ErrUnavailable, ErrHungUp)
+	case errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+		return fmt.Errorf("%w: %w (%w)", rendezvous.ErrUnavailable, ErrHungUp, err)
 	}
 	return fmt.Errorf("%w: %w", rendezvous.ErrUnavailable, err)
 }

@@ -839,3 +839,50 @@ func TestClientCloseDuringReconnect(t *testing.T) {
 		t.Fatal("Close did not end the reconnect")
 	}
 }
+
+// TestClientConfirmWrites: with ConfirmWrites a write the server refuses
+// (it closes the connection: here a key over its 1 KiB limit) fails with
+// ErrHungUp instead of returning nil; an accepted one returns nil and is
+// stored; and the client reconnects for the next operation.
+func TestClientConfirmWrites(t *testing.T) {
+	srv, err := Listen("127.0.0.1:0", ServerConfig{Limits: Limits{MaxKeySize: 1 << 10}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	long := strings.Repeat("k", 2<<10)
+	writes := []struct {
+		name string
+		new  bool // new wire generation only
+		fn   func(ctx context.Context, c *Client, key string) error
+	}{
+		{"set", false, func(ctx context.Context, c *Client, key string) error { return c.Set(ctx, key, []byte("v")) }},
+		{"multi_set", false, func(ctx context.Context, c *Client, key string) error {
+			return c.MultiSet(ctx, []string{key + "/m"}, [][]byte{[]byte("v")})
+		}},
+		{"append", true, func(ctx context.Context, c *Client, key string) error { return c.Append(ctx, key, []byte("v")) }},
+		{"queue_push", true, func(ctx context.Context, c *Client, key string) error { return c.QueuePush(ctx, key, []byte("v")) }},
+	}
+	for _, gen := range clGens {
+		for _, w := range writes {
+			if w.new && gen != GenNew {
+				continue
+			}
+			t.Run(gen.String()+"/"+w.name, func(t *testing.T) {
+				c := clDial(t, srv.Addr().String(), ClientConfig{Wire: gen, ConfirmWrites: true})
+				ctx := clCtx(t, 10*time.Second)
+				clIs(t, w.fn(ctx, c, long), ErrHungUp, rendezvous.ErrUnavailable)
+				key := "ok/" + gen.String() + "/" + w.name
+				clOK(t, w.fn(ctx, c, key))
+				if w.name != "queue_push" {
+					if w.name == "multi_set" {
+						key += "/m"
+					}
+					clWantValue(t, c, key, "v")
+				} else if n := clMust(c.QueueLen(ctx, key))(t); n != 1 {
+					t.Fatalf("queue length %d after a confirmed push", n)
+				}
+			})
+		}
+	}
+}

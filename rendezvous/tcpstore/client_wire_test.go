@@ -9,6 +9,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -581,5 +582,68 @@ func TestClientBackoff(t *testing.T) {
 			t.Fatalf("delay #%d = %v, want in [%v, %v)", i, d, nominal/2, nominal*3/2)
 		}
 		nominal = min(nominal*3/2, time.Second)
+	}
+}
+
+// TestClientWireConfirmWrites: with ConfirmWrites a SET goes out with a
+// GETNUMKEYS in the same write, and the SET returns only once it is
+// answered; a server that hangs up instead fails it with ErrHungUp.
+func TestClientWireConfirmWrites(t *testing.T) {
+	f := clFake(t)
+	ctx := clCtx(t, 10*time.Second)
+	errs := make(chan error, 2)
+	go func() {
+		c, err := Dial(ctx, f.addr, ClientConfig{Wire: GenOld, ConfirmWrites: true})
+		if err != nil {
+			errs <- err
+			return
+		}
+		defer c.Close()
+		errs <- c.Set(ctx, "k1", []byte("v1"))
+		errs <- c.Set(ctx, "k2", []byte("v2"))
+	}()
+	p := f.accept(t)
+	p.expect("00 0300000000000000 2f6b31 0200000000000000 7631 06") // SET /k1 v1, GETNUMKEYS
+	select {
+	case err := <-errs:
+		t.Fatalf("Set returned %v before its confirmation", err)
+	case <-time.After(50 * time.Millisecond):
+	}
+	p.reply("0100000000000000")
+	if err := <-errs; err != nil {
+		t.Fatalf("confirmed Set: %v", err)
+	}
+	p.expect("00 0300000000000000 2f6b32 0200000000000000 7632 06")
+	p.nc.Close() // refused
+	clIs(t, <-errs, ErrHungUp, rendezvous.ErrUnavailable)
+}
+
+// TestClientWireHugeReplyLength: a reply that announces 512 MiB and then
+// ends costs the client what arrived, not what was announced.
+func TestClientWireHugeReplyLength(t *testing.T) {
+	f := clFake(t)
+	ctx := clCtx(t, 10*time.Second)
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	errs := make(chan error, 1)
+	go func() {
+		c, err := Dial(ctx, f.addr, ClientConfig{Wire: GenOld})
+		if err != nil {
+			errs <- err
+			return
+		}
+		defer c.Close()
+		_, err = c.CompareSet(ctx, "k", nil, []byte("v"))
+		runtime.ReadMemStats(&after)
+		errs <- err
+	}()
+	p := f.accept(t)
+	p.expect("01 0200000000000000 2f6b 0000000000000000 0100000000000000 76")
+	p.reply("0000002000000000 7631") // 512 MiB announced, 2 bytes sent
+	p.nc.Close()
+	clIs(t, <-errs, ErrHungUp)
+	if grew := int64(after.TotalAlloc - before.TotalAlloc); grew > 64<<20 {
+		t.Fatalf("the client allocated %d bytes for a reply that announced 512 MiB and sent 2", grew)
 	}
 }

@@ -36,11 +36,17 @@ type request struct {
 const genUnknown Generation = 0xff
 
 // decoder parses one connection's byte stream into requests. It is a
-// streaming parser: bytes arrive in any split (fill/commit), complete
+// streaming parser: bytes arrive in any split (spare/commit), complete
 // requests come out (next), and a partial request is parsed again only when
-// enough bytes have arrived to make progress (need). Buffer growth follows
-// the bytes that actually arrived, so a huge length prefix costs nothing
-// until its data comes, and a prefix over the limits fails at once.
+// enough bytes have arrived to make progress (need).
+//
+// Memory follows the bytes that actually arrived, never a length prefix:
+// the buffer at most doubles what it holds (by a quarter past
+// growStepLimit) and never grows past the end of the field being read, so
+// a prefix announcing gigabytes costs nothing until its bytes come, and a
+// prefix over the Limits fails at once. Every byte of capacity the decoder
+// owns is reserved in the server's budget, which refuses growth past
+// ServerConfig.MaxBuffered.
 type decoder struct {
 	buf []byte // buf[r:] is unparsed
 	r   int
@@ -51,6 +57,8 @@ type decoder struct {
 	legacy   []Op
 	lim      Limits
 	req      request
+	mem      *budget // the server's; nil: unaccounted (tests)
+	held     int     // capacity of an owned buf, reserved in mem
 }
 
 // initialBufSize is the read buffer of a fresh or idle connection. Requests
@@ -58,38 +66,78 @@ type decoder struct {
 // connections cheap; larger requests grow it.
 const initialBufSize = 512
 
-func newDecoder(lim Limits, table LegacyTable) decoder {
-	return decoder{gen: genUnknown, legacy: oldOpcodes[table], lim: lim}
+// growStepLimit is the capacity past which the buffer grows by a quarter
+// instead of doubling, so that a large request's buffer holds at most 25%
+// more than has arrived (copying stays linear in the request's size).
+const growStepLimit = 64 << 20
+
+func newDecoder(lim Limits, table LegacyTable, mem *budget) decoder {
+	return decoder{gen: genUnknown, legacy: oldOpcodes[table], lim: lim, mem: mem}
+}
+
+// nextCap is the capacity to grow a full buffer to.
+func (d *decoder) nextCap() int {
+	c := cap(d.buf)
+	n := max(2*c, initialBufSize)
+	if c >= growStepLimit {
+		n = c + c/4
+	}
+	// The field being read ends at r+need: no room past it is useful yet.
+	if want := d.r + d.need; want > len(d.buf) && want < n {
+		n = max(want, min(n, initialBufSize))
+	}
+	return n
+}
+
+// own makes the decoder's buffer a fresh one of capacity n holding p,
+// moving the budget's reservation from the old buffer to the new.
+func (d *decoder) own(p []byte, n int) error {
+	if err := d.mem.reserve(n - d.held); err != nil {
+		return err
+	}
+	d.mem.free(d.held - n)
+	nb := make([]byte, len(p), n)
+	copy(nb, p)
+	d.buf, d.held, d.borrowed = nb, n, false
+	return nil
+}
+
+// drop lets go of the buffer and its reservation.
+func (d *decoder) drop() {
+	d.mem.free(d.held)
+	d.buf, d.held, d.r, d.borrowed = nil, 0, 0, false
 }
 
 // spare returns the free tail of the buffer for the next read, growing the
-// buffer when it is full.
-func (d *decoder) spare() []byte {
+// buffer when it is full. It fails with ErrBufferFull when the server's
+// budget has no room for the growth.
+func (d *decoder) spare() ([]byte, error) {
 	if d.r > 0 && len(d.buf) == cap(d.buf) {
 		d.compact()
 	}
 	if len(d.buf) == cap(d.buf) {
-		n := 2 * cap(d.buf)
-		if n < initialBufSize {
-			n = initialBufSize
+		if err := d.own(d.buf, d.nextCap()); err != nil {
+			return nil, err
 		}
-		nb := make([]byte, len(d.buf), n)
-		copy(nb, d.buf)
-		d.buf = nb
 	}
-	return d.buf[len(d.buf):cap(d.buf)]
+	return d.buf[len(d.buf):cap(d.buf)], nil
 }
 
 // commit records that n bytes were read into spare().
 func (d *decoder) commit(n int) { d.buf = d.buf[:len(d.buf)+n] }
 
 // feed appends p (for tests and the fuzzer, which have bytes in hand).
-func (d *decoder) feed(p []byte) {
+func (d *decoder) feed(p []byte) error {
 	for len(p) > 0 {
-		n := copy(d.spare(), p)
+		sp, err := d.spare()
+		if err != nil {
+			return err
+		}
+		n := copy(sp, p)
 		d.commit(n)
 		p = p[n:]
 	}
+	return nil
 }
 
 // compact drops parsed bytes. A connection with nothing pending gives a
@@ -98,7 +146,7 @@ func (d *decoder) feed(p []byte) {
 func (d *decoder) compact() {
 	if d.r == len(d.buf) {
 		if cap(d.buf) > 4*initialBufSize {
-			d.buf = nil
+			d.drop()
 		} else {
 			d.buf = d.buf[:0]
 		}
@@ -119,28 +167,38 @@ func (d *decoder) compact() {
 // common case of whole requests. retain must follow before p is reused.
 // The decoder must have nothing pending.
 func (d *decoder) borrow(p []byte) {
-	d.buf, d.r, d.borrowed = p, 0, true
+	d.drop()
+	d.buf, d.borrowed = p, true
 }
 
 // retain ends a parsing round of the event loop: a partial request's bytes
 // are copied out of a borrowed buffer, and with nothing pending the decoder
-// keeps no buffer at all, so an idle connection costs none.
-func (d *decoder) retain() {
-	rest := d.buf[d.r:]
-	switch {
-	case len(rest) == 0:
-		d.buf = nil
-	case d.borrowed:
-		nb := make([]byte, len(rest), max(2*len(rest), initialBufSize))
-		copy(nb, rest)
-		d.buf = nb
-	default:
-		d.buf = d.buf[:copy(d.buf, rest)]
-	}
-	d.r, d.borrowed = 0, false // need counts from r, so it stays valid
+// keeps no buffer at all, so an idle connection costs none. It fails with
+// ErrBufferFull when the server's budget has no room for the partial
+// request.
+func (d *decoder) retain() error {
 	if cap(d.req.keys) > 1024 {
 		d.req.keys, d.req.vals = nil, nil
 	}
+	rest := d.buf[d.r:]
+	switch {
+	case len(rest) == 0:
+		d.drop()
+		return nil
+	case d.borrowed:
+		n := max(2*len(rest), initialBufSize)
+		if want := d.need; want > len(rest) && want < n {
+			n = max(want, initialBufSize)
+		}
+		d.buf, d.r = rest, 0 // need counts from r, so it stays valid
+		if err := d.own(rest, n); err != nil {
+			d.buf, d.borrowed = nil, false
+			return err
+		}
+	default:
+		d.buf, d.r = d.buf[:copy(d.buf, rest)], 0
+	}
+	return nil
 }
 
 // pending reports whether part of a request is buffered.

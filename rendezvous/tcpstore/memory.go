@@ -2,6 +2,8 @@ package tcpstore
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
 	"sync"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -18,13 +20,34 @@ type MemoryStorage struct {
 	// barrier's own increments must not release them.
 	barriers map[string]map[*waiter]struct{}
 	watches  map[string][]*watch
+	// held counts the bytes of keys and values (queued values and queue
+	// names included); max caps it, 0 for no cap.
+	held, max int64
 }
 
 var _ Storage = (*MemoryStorage)(nil)
 
-// NewMemoryStorage returns an empty MemoryStorage.
-func NewMemoryStorage() *MemoryStorage {
+// MemoryStorageConfig configures a MemoryStorage. The zero value is
+// usable: every field has a documented default.
+type MemoryStorageConfig struct {
+	// MaxBytes caps the bytes of keys and values the storage holds, queued
+	// values and queue names included. A write that would pass it fails
+	// with an error wrapping ErrStorageFull and changes nothing; the server
+	// answers it by closing that connection, c10d's only refusal. Default
+	// 0: no cap, as PyTorch's own server.
+	MaxBytes int64
+}
+
+// ErrStorageFull: a write would take a MemoryStorage past its MaxBytes.
+var ErrStorageFull = errors.New("tcpstore: the store is full")
+
+// NewMemoryStorage returns an empty MemoryStorage with no cap.
+func NewMemoryStorage() *MemoryStorage { return NewMemoryStorageConfig(MemoryStorageConfig{}) }
+
+// NewMemoryStorageConfig returns an empty MemoryStorage configured by cfg.
+func NewMemoryStorageConfig(cfg MemoryStorageConfig) *MemoryStorage {
 	return &MemoryStorage{
+		max:      max(cfg.MaxBytes, 0),
 		kv:       make(map[string]*entry),
 		queues:   make(map[string]*fifo),
 		waiters:  make(map[string]map[*waiter]struct{}),
@@ -65,14 +88,48 @@ func (q *fifo) pop() []byte {
 
 func clone(b []byte) []byte { return append([]byte(nil), b...) }
 
+// Bytes returns the bytes of keys and values the storage holds now, what
+// MemoryStorageConfig.MaxBytes caps.
+func (m *MemoryStorage) Bytes() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.held
+}
+
+// room checks that key can hold a value of n bytes (replacing its current
+// value) within the cap; mu must be held.
+func (m *MemoryStorage) room(key []byte, n int) error {
+	if m.max == 0 {
+		return nil
+	}
+	grow := int64(n)
+	if e, ok := m.kv[string(key)]; ok {
+		grow -= int64(len(e.val))
+	} else {
+		grow += int64(len(key))
+	}
+	return m.fits(grow)
+}
+
+// fits checks that grow more bytes stay within the cap; mu must be held.
+func (m *MemoryStorage) fits(grow int64) error {
+	if m.max != 0 && grow > 0 && m.held+grow > m.max {
+		return fmt.Errorf("%w: %d more bytes would pass its limit of %d, %d held "+
+			"(MemoryStorageConfig.MaxBytes; gorun store serve --max-stored)", ErrStorageFull, grow, m.max, m.held)
+	}
+	return nil
+}
+
 // put writes v (already owned) under key without notifying anyone and
 // returns the previous value; mu must be held.
 func (m *MemoryStorage) put(key []byte, v []byte) (old []byte, existed bool) {
 	if e, ok := m.kv[string(key)]; ok {
 		old, e.val = e.val, v
+		m.held += int64(len(v) - len(old))
 		return old, true
 	}
 	m.kv[string(key)] = &entry{val: v}
+	m.held += int64(len(key) + len(v))
 	return nil, false
 }
 
@@ -119,6 +176,9 @@ func (m *MemoryStorage) wakeAll(key []byte) {
 func (m *MemoryStorage) Set(key, value []byte) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if err := m.room(key, len(value)); err != nil {
+		return err
+	}
 	m.store(key, clone(value))
 	return nil
 }
@@ -139,6 +199,9 @@ func (m *MemoryStorage) Add(key []byte, delta int64) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	if err := m.room(key, len(v)); err != nil {
+		return 0, err
+	}
 	m.store(key, v)
 	return n, nil
 }
@@ -154,6 +217,9 @@ func (m *MemoryStorage) CompareSet(key, expected, desired []byte) ([]byte, error
 	case ok && !bytes.Equal(e.val, expected):
 		return e.val, nil
 	}
+	if err := m.room(key, len(desired)); err != nil {
+		return nil, err
+	}
 	v := clone(desired)
 	m.store(key, v)
 	return v, nil
@@ -163,9 +229,15 @@ func (m *MemoryStorage) Append(key, value []byte) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	var v []byte
-	if e, ok := m.kv[string(key)]; ok {
+	e, ok := m.kv[string(key)]
+	if ok {
+		if err := m.room(key, len(e.val)+len(value)); err != nil {
+			return err
+		}
 		v = make([]byte, 0, len(e.val)+len(value))
 		v = append(v, e.val...)
+	} else if err := m.room(key, len(value)); err != nil {
+		return err
 	}
 	m.store(key, append(v, value...))
 	return nil
@@ -179,6 +251,7 @@ func (m *MemoryStorage) Delete(key []byte) (bool, error) {
 		return false, nil
 	}
 	delete(m.kv, string(key))
+	m.held -= int64(len(key) + len(e.val))
 	for _, w := range m.watches[string(key)] {
 		w.fn(WatchEvent{Type: KeyDeleted, Key: clone(key), Old: e.val})
 	}
@@ -225,11 +298,19 @@ func (m *MemoryStorage) QueuePush(key, value []byte) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	q, ok := m.queues[string(key)]
+	grow := int64(len(value))
+	if !ok {
+		grow += int64(len(key))
+	}
+	if err := m.fits(grow); err != nil {
+		return err
+	}
 	if !ok {
 		q = &fifo{}
 		m.queues[string(key)] = q
 	}
 	q.push(clone(value))
+	m.held += grow
 	// One element can satisfy one popper: wake a single waiter.
 	if set := m.waiters[string(key)]; len(set) > 0 {
 		for w := range set {
@@ -256,8 +337,10 @@ func (m *MemoryStorage) QueuePop(key []byte) ([]byte, int64, error) {
 	}
 	n := int64(q.len())
 	v := q.pop()
+	m.held -= int64(len(v))
 	if q.len() == 0 {
 		delete(m.queues, string(key))
+		m.held -= int64(len(key))
 	}
 	return v, n, nil
 }
@@ -330,6 +413,9 @@ func (m *MemoryStorage) Barrier(key []byte, worldSize int64, ready func()) (Canc
 	defer m.mu.Unlock()
 	n, v, err := m.counter(key, 1)
 	if err != nil {
+		return nil, false, err
+	}
+	if err := m.room(key, len(v)); err != nil {
 		return nil, false, err
 	}
 	m.put(key, v) // quietly: arrivals must not release earlier arrivals

@@ -15,8 +15,14 @@ import (
 // ServerConfig configures a Server. The zero value is usable: every field
 // has a documented default.
 type ServerConfig struct {
-	// Storage holds the keys. Default: a fresh NewMemoryStorage().
+	// Storage holds the keys. Default: a fresh MemoryStorage capped at
+	// MaxStored.
 	Storage Storage
+	// MaxStored caps the bytes of keys and values of the MemoryStorage the
+	// server creates when Storage is nil (MemoryStorageConfig.MaxBytes); a
+	// write past it closes that connection. Default 0: no cap, as
+	// PyTorch's server.
+	MaxStored int64
 	// Limits bound each request; zero fields take DefaultLimits().
 	Limits Limits
 	// LegacyTable reads opcodes on connections that do not open with
@@ -25,6 +31,14 @@ type ServerConfig struct {
 	// Logger receives connection-level problems (bad input, I/O errors).
 	// Default: no logging.
 	Logger *zap.Logger
+	// MaxBuffered caps the memory that all connections together may hold
+	// in requests still arriving (their read buffers). A connection whose
+	// next bytes would take more is closed, with a log line saying so (c10d's
+	// protocol has no error reply), and counted in Stats.BufferFull; the
+	// others go on. Buffers grow only as bytes arrive, so this bounds what
+	// peers actually sent, not what they announced. Default
+	// DefaultMaxBuffered (2 GiB), also for values ≤ 0.
+	MaxBuffered int64
 	// GoroutinePerConn serves every connection from its own goroutine with
 	// blocking I/O instead of from the epoll event loops (one per CPU) used
 	// for sockets on Linux. Default false. Connections that are not
@@ -46,6 +60,7 @@ type Server struct {
 	table   LegacyTable
 	log     *zap.Logger
 	perConn bool
+	mem     *budget
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -64,6 +79,7 @@ type serverStats struct {
 	open      atomic.Int64
 	requests  atomic.Int64
 	rejected  atomic.Int64
+	full      atomic.Int64
 	abandoned atomic.Int64
 }
 
@@ -72,7 +88,13 @@ type Stats struct {
 	Accepted int64 // connections accepted so far
 	Open     int64 // connections open now
 	Requests int64 // requests handled
-	Rejected int64 // connections closed for bad input
+	Rejected int64 // connections closed for bad input or for BufferFull
+	// BufferFull counts connections closed because their request would
+	// have taken the buffered bytes past ServerConfig.MaxBuffered.
+	BufferFull int64
+	// Buffered is the memory that connections hold now in read buffers
+	// (requests still arriving), the amount MaxBuffered caps.
+	Buffered int64
 	// AbandonedWaits counts WAITs a client gave up without CANCEL_WAIT
 	// (a PyTorch 1.13 wait that timed out), withdrawn unanswered.
 	AbandonedWaits int64
@@ -89,11 +111,15 @@ func NewServer(cfg ServerConfig) *Server {
 		table:     cfg.LegacyTable,
 		log:       cfg.Logger,
 		perConn:   cfg.GoroutinePerConn,
+		mem:       newBudget(DefaultMaxBuffered),
 		listeners: make(map[net.Listener]struct{}),
 		conns:     make(map[*connTransport]struct{}),
 	}
+	if cfg.MaxBuffered > 0 {
+		s.mem = newBudget(cfg.MaxBuffered)
+	}
 	if s.storage == nil {
-		s.storage = NewMemoryStorage()
+		s.storage = NewMemoryStorageConfig(MemoryStorageConfig{MaxBytes: cfg.MaxStored})
 	}
 	if s.log == nil {
 		s.log = zap.NewNop()
@@ -140,13 +166,24 @@ func (s *Server) Addr() net.Addr {
 // Stats returns the server's counters.
 func (s *Server) Stats() Stats {
 	return Stats{
-		Accepted: s.stats.accepted.Load(),
-		Open:     s.stats.open.Load(),
-		Requests: s.stats.requests.Load(),
-		Rejected: s.stats.rejected.Load(),
-
+		Accepted:       s.stats.accepted.Load(),
+		Open:           s.stats.open.Load(),
+		Requests:       s.stats.requests.Load(),
+		Rejected:       s.stats.rejected.Load(),
+		BufferFull:     s.stats.full.Load(),
+		Buffered:       s.mem.held(),
 		AbandonedWaits: s.stats.abandoned.Load(),
 	}
+}
+
+// refuse counts and logs a connection closed for a reason other than bad
+// input (which consume reports): its buffer had no room in the budget.
+func (s *Server) refuse(sess *session, err error) {
+	s.stats.rejected.Add(1)
+	if errors.Is(err, ErrBufferFull) {
+		s.stats.full.Add(1)
+	}
+	s.log.Warn("closing store connection", sess.logRemote(), zap.Error(err))
 }
 
 // Serve accepts connections on ln until Close, and then returns

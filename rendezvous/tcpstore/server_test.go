@@ -571,8 +571,8 @@ func testServerMalformedInput(t *testing.T, ns newStorage) {
 			send string
 		}{
 			{"huge key length", "00 ffffffff ffffffff"},
-			{"key just over the limit", validate + " 03 01200000 00000000"},
-			{"value over the limit", validate + " 01 " + str("/k") + "01008000 00000000"},
+			{"key just over the limit (64 MiB)", validate + " 03 01000004 00000000"},
+			{"value over the limit (1 GiB)", validate + " 01 " + str("/k") + "01000040 00000000"},
 			{"huge key count", validate + " 05 ffffffff ffffffff"},
 			{"key count over the limit", validate + " 0a 01000200 00000000"},
 			{"unknown new opcode", validate + " 7f"},
@@ -652,26 +652,30 @@ func testServerTruncatedFrameThenClose(t *testing.T, ns newStorage) {
 	})
 }
 
-// testServerPartialHugeValueIsBounded: a value announced at the limit but
-// sent slowly costs memory in proportion to what arrived, not to the prefix.
+// testServerPartialHugeValueIsBounded: a value announced at the limit
+// (1 GiB) but sent slowly costs memory in proportion to what arrived, not
+// to the prefix.
 func testServerPartialHugeValueIsBounded(t *testing.T, ns newStorage) {
 	eachTransport(t, func(t *testing.T) {
-		s := startServerOn(t, ns, ServerConfig{Limits: Limits{MaxValueSize: 64 << 20, MaxRequestSize: 256 << 20}})
+		s := startServerOn(t, ns, ServerConfig{})
 		var before runtime.MemStats
 		runtime.GC()
 		runtime.ReadMemStats(&before)
 		var conns []*rawConn
 		for range 16 {
 			c := dialRaw(t, s)
-			c.send(validate + " 01 " + str("/big") + "00000004 00000000 " + strings.Repeat("ab", 100))
+			c.send(validate + " 01 " + str("/big") + "00000040 00000000 " + strings.Repeat("ab", 100))
 			conns = append(conns, c)
 		}
-		time.Sleep(100 * time.Millisecond)
+		waitFor(t, "16 partial requests buffered", func() bool { return s.Stats().Buffered >= 16*100 })
 		var after runtime.MemStats
 		runtime.GC()
 		runtime.ReadMemStats(&after)
 		if grew := int64(after.HeapAlloc) - int64(before.HeapAlloc); grew > 2<<20 {
-			t.Fatalf("16 partial 64 MiB values cost %d bytes of heap", grew)
+			t.Fatalf("16 partial 1 GiB values cost %d bytes of heap", grew)
+		}
+		if b := s.Stats().Buffered; b > 16*initialBufSize {
+			t.Fatalf("16 partial 1 GiB values hold %d bytes of buffers", b)
 		}
 	})
 }

@@ -142,3 +142,55 @@ dist.destroy_process_group()
 		t.Fatalf("no key under //worker/attempt_0/default_pg/ in %q", keys)
 	}
 }
+
+// TestTorchLargeKeysAndValues: a PyTorch 1.13 client sets and reads back
+// values of 16 MB and 100 MB and keys of 9,000 bytes and 100 KB, through
+// PyTorch's own server and through ours, in the same test; both must store
+// all of them (issue 17: ours used to close the connection).
+func TestTorchLargeKeysAndValues(t *testing.T) {
+	torchtest.Python(t)
+	const script = `
+import sys, datetime, time
+import torch.distributed as dist
+T = datetime.timedelta(seconds=120)
+if sys.argv[1] == "torch":
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timeout=T)
+    port = master.port
+else:
+    port = int(sys.argv[1])
+a = dist.TCPStore("127.0.0.1", port, None, False, timeout=T)
+b = dist.TCPStore("127.0.0.1", port, None, False, timeout=T)
+cases = [("16 MB value", "v16", 16_000_000), ("100 MB value", "v100", 100_000_000),
+         ("9000-byte key", "k" * 9000, 10), ("100 KB key", "K" * 100_000, 10)]
+times = []
+for i, (name, key, n) in enumerate(cases):
+    val = bytes([97 + i]) * n
+    t0 = time.perf_counter()
+    a.set(key, val)
+    got = b.get(key)
+    times.append("%s %.0f ms" % (name, (time.perf_counter() - t0) * 1e3))
+    print(repr((name, len(got), got == val)), flush=True)
+    b.delete_key(key)
+print(repr(("num_keys", a.num_keys())), flush=True)
+print("set+get:", ", ".join(times), flush=True)
+`
+	s := startServer(t, ServerConfig{})
+	want := strings.Join([]string{
+		`('16 MB value', 16000000, True)`,
+		`('100 MB value', 100000000, True)`,
+		`('9000-byte key', 10, True)`,
+		`('100 KB key', 10, True)`,
+		`('num_keys', 0)`,
+	}, "\n")
+	for _, srv := range []struct{ name, arg string }{{"torch", "torch"}, {"gorun", port(s)}} {
+		out := strings.TrimSpace(torchtest.Run(t, 180*time.Second, nil, script, srv.arg))
+		got, times, _ := strings.Cut(out, "\nset+get:")
+		t.Logf("%s's server, set+get:%s", srv.name, times)
+		if got != want {
+			t.Errorf("through %s's server python printed\n%s\nwant\n%s", srv.name, got, want)
+		}
+	}
+	if st := s.Stats(); st.Rejected != 0 || st.Buffered > 4*4*initialBufSize {
+		t.Fatalf("gorun's server: %+v", st)
+	}
+}

@@ -34,7 +34,7 @@ type session struct {
 }
 
 func newSession(srv *Server, remote string) *session {
-	return &session{srv: srv, remote: remote, dec: newDecoder(srv.lim, srv.table)}
+	return &session{srv: srv, remote: remote, dec: newDecoder(srv.lim, srv.table, srv.mem)}
 }
 
 type waitState uint8

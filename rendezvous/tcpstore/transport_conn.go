@@ -35,12 +35,19 @@ func (t *connTransport) serve() {
 	defer func() {
 		t.nc.Close()
 		t.sess.release()
+		t.sess.dec.drop()
 		s.forget(t)
 		s.wg.Done()
 	}()
 	dec := &t.sess.dec
 	for {
-		n, rerr := t.nc.Read(dec.spare())
+		buf, err := dec.spare()
+		if err != nil {
+			s.refuse(t.sess, err)
+			t.flush() // answers to the requests before this one
+			return
+		}
+		n, rerr := t.nc.Read(buf)
 		dec.commit(n)
 		if err := t.sess.consume(); err != nil {
 			t.flush() // answers queued before the bad request still go out

@@ -249,7 +249,13 @@ func (l *eventLoop) readable(c *loopConn) {
 	var n int
 	var err error
 	if dec.pending() {
-		n, err = unix.Read(c.fd, dec.spare())
+		buf, serr := dec.spare()
+		if serr != nil {
+			l.srv.refuse(c.sess, serr)
+			l.close(c)
+			return
+		}
+		n, err = unix.Read(c.fd, buf)
 		if n > 0 {
 			dec.commit(n)
 		}
@@ -276,7 +282,10 @@ func (l *eventLoop) readable(c *loopConn) {
 		return
 	}
 	perr := c.sess.consume()
-	dec.retain()
+	if rerr := dec.retain(); rerr != nil && perr == nil {
+		l.srv.refuse(c.sess, rerr)
+		perr = rerr
+	}
 	l.flush(c)
 	if perr != nil {
 		l.close(c)
@@ -345,6 +354,7 @@ func (l *eventLoop) close(c *loopConn) {
 	}
 	c.out = nil
 	c.sess.release()
+	c.sess.dec.drop()
 	l.srv.stats.open.Add(-1)
 }
 

@@ -157,31 +157,50 @@ const (
 )
 
 // Limits bound what one request may carry. Exceeding one closes that
-// connection. The defaults are the libuv backend's.
+// connection (a c10d server's only way to refuse).
+//
+// The defaults accept whatever PyTorch's own servers store in practice:
+// 1.13's has no limits at all, and clients set values of hundreds of MB and
+// keys of 100 KB and more. Memory stays bounded regardless: a length prefix
+// allocates nothing; buffers grow only as the bytes arrive, and
+// ServerConfig.MaxBuffered caps what every connection together may hold in
+// requests still arriving.
 type Limits struct {
 	// MaxKeySize bounds every string that is not a value (keys). Default
-	// 8 KiB.
+	// 64 MiB.
 	MaxKeySize int
 	// MaxValueSize bounds a value (SET, APPEND, COMPARE_SET's expected and
-	// desired, MULTI_SET, QUEUE_PUSH). Default 8 MiB.
+	// desired, MULTI_SET, QUEUE_PUSH). Default 1 GiB.
 	MaxValueSize int
 	// MaxKeyCount bounds the number of keys in CHECK, WAIT, MULTI_GET and
-	// MULTI_SET. Default 131072.
+	// MULTI_SET. Default 131072 (the libuv backend's).
 	MaxKeyCount int
-	// MaxRequestSize bounds one request as a whole, so that MaxKeyCount
-	// values of MaxValueSize cannot exhaust memory. Default 64 MiB.
+	// MaxRequestSize bounds one request as a whole. It is raised to at
+	// least two values and a key (a COMPARE_SET). Default 2 GiB + 64 MiB +
+	// 64 bytes, that minimum for the default sizes.
 	MaxRequestSize int
 }
 
-// DefaultLimits returns the libuv backend's limits.
+// Default limits; see Limits.
+const (
+	DefaultMaxKeySize   = 64 << 20
+	DefaultMaxValueSize = 1 << 30
+	DefaultMaxKeyCount  = 128 << 10
+)
+
+// DefaultLimits returns the default Limits.
 func DefaultLimits() Limits {
 	return Limits{
-		MaxKeySize:     8 << 10,
-		MaxValueSize:   8 << 20,
-		MaxKeyCount:    128 << 10,
-		MaxRequestSize: 64 << 20,
+		MaxKeySize:     DefaultMaxKeySize,
+		MaxValueSize:   DefaultMaxValueSize,
+		MaxKeyCount:    DefaultMaxKeyCount,
+		MaxRequestSize: minRequestSize(DefaultMaxKeySize, DefaultMaxValueSize),
 	}
 }
+
+// minRequestSize is the smallest request limit that holds a COMPARE_SET of
+// the largest key and two of the largest values, with its lengths.
+func minRequestSize(maxKey, maxValue int) int { return maxValue*2 + maxKey + 64 }
 
 func (l Limits) withDefaults() Limits {
 	d := DefaultLimits()
@@ -194,13 +213,8 @@ func (l Limits) withDefaults() Limits {
 	if l.MaxKeyCount <= 0 {
 		l.MaxKeyCount = d.MaxKeyCount
 	}
-	if l.MaxRequestSize <= 0 {
-		l.MaxRequestSize = d.MaxRequestSize
-	}
 	// A request must be able to hold its largest value.
-	if min := l.MaxValueSize*2 + l.MaxKeySize + 64; l.MaxRequestSize < min {
-		l.MaxRequestSize = min
-	}
+	l.MaxRequestSize = max(l.MaxRequestSize, minRequestSize(l.MaxKeySize, l.MaxValueSize))
 	return l
 }
 
