@@ -114,7 +114,7 @@ func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
 		j.seenClosed(ctx)
 		return round, j.closedError(ctx)
 	case err != nil:
-		return round, fmt.Errorf("rendezvous: %w", err)
+		return round, err // it says "rendezvous: run …"
 	}
 	j.round = round
 	j.lastSeen = time.Now()

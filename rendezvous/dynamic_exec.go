@@ -466,7 +466,12 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 		case actErrClosed:
 			return nil, ErrRendezvousClosed
 		case actErrTimeout:
-			return nil, fmt.Errorf("%w: %s: round %d has %d of %d..%d nodes", ErrRendezvousTimeout, name, st.Round, st.participants(), d.cfg.MinNodes, d.cfg.MaxNodes)
+			others := st.participants()
+			if p, _ := st.role(d.me); p {
+				others--
+			}
+			return nil, fmt.Errorf("%w in round %d, which %d other node(s) had joined (it needs %d..%d)",
+				ErrRendezvousTimeout, st.Round, others, d.cfg.MinNodes, d.cfg.MaxNodes)
 		}
 		if err := d.await(ctx, snap, st, now, deadline); err != nil { // actSync
 			return nil, err
