@@ -47,13 +47,18 @@ const (
 	// agreement could not finish); the launcher restarts the whole group,
 	// torchrun's way.
 	ActionRestart Action = "restart"
+	// ActionGrow: newcomers fill launch slots lost earlier (a respawned
+	// rank, a replacement node, a spare); survivors keep their ranks and
+	// grow their group to take them in, never restarted.
+	ActionGrow Action = "grow"
 )
 
 // ErrNoSurvivors: every rank of the group would be excluded.
 var ErrNoSurvivors = errors.New("no surviving ranks")
 
 // Epoch is one agreed membership of the job. Epoch 0 is the group as it was
-// launched; each later epoch removes at least one rank.
+// launched; each later epoch removes at least one rank (a shrink, or a
+// restart) or brings back at least one lost launch slot (a grow).
 type Epoch struct {
 	Number int `json:"epoch"`
 	// Excluded are the global ranks this epoch removes, sorted.
@@ -61,8 +66,14 @@ type Epoch struct {
 	// Lost are all global ranks removed so far, this epoch's included,
 	// sorted.
 	Lost []int `json:"lost"`
-	// Ranks[g] is global rank g's rank in this epoch's group, -1 once lost:
-	// dense, in the launch order (pg.Survivors' renumbering).
+	// Added are the global ranks (launch slots) this epoch grows back in,
+	// sorted: the newcomers fill them, each keeping the slot's global
+	// rank for its data and its name.
+	Added []int `json:"added,omitempty"`
+	// Ranks[g] is global rank g's rank in this epoch's group, -1 while
+	// lost: dense. A shrink keeps the survivors' order (pg.Survivors'
+	// renumbering); a grow keeps every survivor's rank and appends the
+	// newcomers in slot order.
 	Ranks []int `json:"ranks"`
 	// WorldSize is the number of ranks left.
 	WorldSize int `json:"world_size"`
@@ -113,12 +124,18 @@ func (e Epoch) next(exclude map[int]string, minWorld int, coordinator string, no
 	slices.Sort(n.Excluded)
 	n.Lost = append(n.Lost, n.Excluded...)
 	slices.Sort(n.Lost)
-	next := 0
+	// Survivors keep their order: by their rank in e, which after a grow
+	// is not the slot order.
+	order := make([]int, 0, len(n.Ranks))
 	for g := range n.Ranks {
-		if n.Ranks[g] < 0 || slices.Contains(n.Excluded, g) {
-			n.Ranks[g] = -1
-			continue
+		if e.Alive(g) && !slices.Contains(n.Excluded, g) {
+			order = append(order, g)
 		}
+		n.Ranks[g] = -1
+	}
+	slices.SortFunc(order, func(a, b int) int { return e.Ranks[a] - e.Ranks[b] })
+	next := 0
+	for _, g := range order {
 		n.Ranks[g] = next
 		next++
 	}
@@ -132,6 +149,47 @@ func (e Epoch) next(exclude map[int]string, minWorld int, coordinator string, no
 	}
 	return n, nil
 }
+
+// grow returns the epoch after e that brings back the lost launch slots in
+// add (slots alive in e, or out of range, are ignored): survivors keep
+// their ranks, newcomers get the next ones in slot order.
+func (e Epoch) grow(add []int, coordinator string, now time.Time) (Epoch, error) {
+	n := Epoch{
+		Number:      e.Number + 1,
+		Excluded:    []int{},
+		Ranks:       slices.Clone(e.Ranks),
+		Coordinator: coordinator,
+		DecidedAt:   now,
+		Action:      ActionGrow,
+		WorldSize:   e.WorldSize,
+	}
+	for _, g := range add {
+		if g >= 0 && g < len(e.Ranks) && !e.Alive(g) && !slices.Contains(n.Added, g) {
+			n.Added = append(n.Added, g)
+		}
+	}
+	if len(n.Added) == 0 {
+		return Epoch{}, fmt.Errorf("shrink: epoch %d: no lost slot to grow back", n.Number)
+	}
+	slices.Sort(n.Added)
+	for _, g := range n.Added {
+		n.Ranks[g] = n.WorldSize
+		n.WorldSize++
+	}
+	for _, g := range e.Lost {
+		if !slices.Contains(n.Added, g) {
+			n.Lost = append(n.Lost, g)
+		}
+	}
+	if n.Lost == nil {
+		n.Lost = []int{}
+	}
+	return n, nil
+}
+
+// Newcomer reports whether global rank g joins the group in e (a slot e
+// grows back in): it has no group of its own to grow from.
+func (e Epoch) Newcomer(g int) bool { return slices.Contains(e.Added, g) }
 
 // ShrinkList returns the ranks that move a survivor from prev's group to e's:
 // e's excluded ranks in prev's numbering, sorted — the list to pass to
@@ -149,5 +207,8 @@ func (e Epoch) ShrinkList(prev Epoch) []int {
 }
 
 func (e Epoch) String() string {
+	if e.Action == ActionGrow {
+		return fmt.Sprintf("epoch %d (%s): added %v, world %d", e.Number, e.Action, e.Added, e.WorldSize)
+	}
 	return fmt.Sprintf("epoch %d (%s): excluded %v, world %d", e.Number, e.Action, e.Excluded, e.WorldSize)
 }

@@ -1,0 +1,131 @@
+package shrink
+
+import (
+	"slices"
+	"strings"
+	"testing"
+	"time"
+)
+
+// TestEpochGrow: a grow epoch brings lost slots back; survivors keep their
+// ranks, newcomers get the next ones in slot order; a shrink after it keeps
+// the order the group has, not the launch order.
+func TestEpochGrow(t *testing.T) {
+	now := time.Unix(2000, 0)
+	e1 := mustNext(t, Initial(4), 1, 2)                // ranks [0 -1 -1 1]
+	e2, err := e1.grow([]int{2, 1, 2, 0, 9}, "a", now) // 0 alive and 9 out of range: ignored
+	if err != nil {
+		t.Fatal(err)
+	}
+	if e2.Number != 2 || e2.Action != ActionGrow || !slices.Equal(e2.Added, []int{1, 2}) || !slices.Equal(e2.Ranks, []int{0, 2, 3, 1}) ||
+		e2.WorldSize != 4 || len(e2.Lost) != 0 || len(e2.Excluded) != 0 || !e2.Newcomer(1) || e2.Newcomer(3) {
+		t.Fatalf("grow = %+v", e2)
+	}
+	if !strings.Contains(e2.String(), "added [1 2], world 4") {
+		t.Errorf("String() = %q", e2.String())
+	}
+	// Slot 3 (rank 1) leaves: slot 1 (rank 2) and slot 2 (rank 3) keep
+	// their order after slot 0, as pg.Shrink renumbers them.
+	e3 := mustNext(t, e2, 3)
+	if !slices.Equal(e3.Ranks, []int{0, 1, 2, -1}) || !slices.Equal(e3.ShrinkList(e2), []int{1}) {
+		t.Errorf("shrink after grow: ranks %v, shrink list %v; want [0 1 2 -1], [1]", e3.Ranks, e3.ShrinkList(e2))
+	}
+	e4 := mustNext(t, e2, 0)
+	if !slices.Equal(e4.Ranks, []int{-1, 1, 2, 0}) {
+		t.Errorf("shrink of rank 0 after grow: ranks %v, want [-1 1 2 0] (slot 3 was rank 1, before the newcomers)", e4.Ranks)
+	}
+	if _, err := e2.grow([]int{0, 3}, "a", now); err == nil {
+		t.Error("a grow of live slots only was accepted")
+	}
+}
+
+// TestDeciderGrow walks the decision core through heal: joins are grown
+// back in once their settle window passes; newcomers are awaited until they
+// finish joining; one that never does is excluded after GrowTimeout; a
+// failure during a grow excludes whoever is missing; joins wait while a
+// grow is awaited.
+func TestDeciderGrow(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	cfg := Config{SettleWindow: 100 * time.Millisecond, GrowTimeout: 10 * time.Second}
+	lost := mustNext(t, Initial(4), 2, 3) // slots 2 and 3 lost: world 2
+
+	t.Run("join, grow, joined", func(t *testing.T) {
+		d := NewDecider("a", cfg, lost)
+		d.Join(t0, Join{Slots: []int{2}, From: "node1"})
+		if due := d.Join(t0.Add(50*time.Millisecond), Join{Slots: []int{3, 0}, From: "node1"}); !due.Equal(t0.Add(100 * time.Millisecond)) {
+			t.Fatalf("due %v, want the first join's settle window", due)
+		}
+		if _, ok, _ := d.Decide(t0.Add(99 * time.Millisecond)); ok {
+			t.Fatal("decided inside the settle window")
+		}
+		e, ok, err := d.Decide(t0.Add(100 * time.Millisecond))
+		if err != nil || !ok || e.Action != ActionGrow || !slices.Equal(e.Added, []int{2, 3}) || e.WorldSize != 4 {
+			t.Fatalf("Decide = %v %v %v, want a grow of slots 2 and 3", e, ok, err)
+		}
+		d.Adopt(e)
+		if !slices.Equal(d.Awaiting(), []int{2, 3}) || !d.Due().Equal(e.DecidedAt.Add(10*time.Second)) {
+			t.Fatalf("awaiting %v due %v", d.Awaiting(), d.Due())
+		}
+		d.Joined(2)
+		d.Joined(3)
+		if _, ok, _ := d.Decide(t0.Add(time.Hour)); ok || !d.Due().IsZero() {
+			t.Fatalf("an epoch after every newcomer joined (due %v)", d.Due())
+		}
+	})
+
+	t.Run("a newcomer that never joins is excluded again", func(t *testing.T) {
+		d := NewDecider("a", cfg, lost)
+		d.Join(t0, Join{Slots: []int{2, 3}})
+		e, _, _ := d.Decide(t0.Add(time.Second))
+		d.Adopt(e)
+		d.Joined(2)
+		if _, ok, _ := d.Decide(e.DecidedAt.Add(9 * time.Second)); ok {
+			t.Fatal("excluded before GrowTimeout")
+		}
+		s, ok, err := d.Decide(e.DecidedAt.Add(10 * time.Second))
+		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{3}) || s.WorldSize != 3 ||
+			!strings.Contains(s.Reasons[3], "did not finish joining") {
+			t.Fatalf("Decide = %v %v %v, want slot 3 excluded for not joining", s, ok, err)
+		}
+		d.Adopt(s)
+		if len(d.Awaiting()) != 0 {
+			t.Errorf("still awaiting %v", d.Awaiting())
+		}
+	})
+
+	t.Run("a failure during a grow excludes whoever is missing", func(t *testing.T) {
+		d := NewDecider("a", cfg, lost)
+		d.Join(t0, Join{Slots: []int{2, 3}})
+		e, _, _ := d.Decide(t0.Add(time.Second))
+		d.Adopt(e)
+		d.Joined(3)
+		d.Report(t0.Add(2*time.Second), Report{Ranks: []int{0}, Reason: "exit code 1"})
+		s, ok, err := d.Decide(t0.Add(2*time.Second + 100*time.Millisecond))
+		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{0, 2}) || s.Reasons[0] != "exit code 1" {
+			t.Fatalf("Decide = %v %v %v, want ranks 0 (failed) and 2 (not joined) excluded", s, ok, err)
+		}
+	})
+
+	t.Run("joins wait for the grow under way", func(t *testing.T) {
+		d := NewDecider("a", cfg, mustNext(t, Initial(4), 1, 2, 3))
+		d.Join(t0, Join{Slots: []int{1}})
+		e, _, _ := d.Decide(t0.Add(time.Second))
+		d.Adopt(e)
+		d.Join(t0.Add(time.Second), Join{Slots: []int{2, 3}})
+		if _, ok, _ := d.Decide(t0.Add(5 * time.Second)); ok {
+			t.Fatal("a second grow while the first is awaited")
+		}
+		d.Joined(1)
+		g, ok, err := d.Decide(t0.Add(5 * time.Second))
+		if err != nil || !ok || !slices.Equal(g.Added, []int{2, 3}) || !slices.Equal(g.Ranks, []int{0, 1, 2, 3}) {
+			t.Fatalf("Decide = %v %v %v, want a grow of 2 and 3", g, ok, err)
+		}
+	})
+
+	t.Run("a join of a live slot is ignored", func(t *testing.T) {
+		d := NewDecider("a", cfg, lost)
+		if due := d.Join(t0, Join{Slots: []int{0, 1, -1, 7}}); !due.IsZero() {
+			t.Fatalf("due %v for joins of live or unknown slots", due)
+		}
+	})
+}
