@@ -102,26 +102,35 @@ func (d *Decider) Current() Epoch { return d.current }
 // Report records r, received at now. Ranks already lost, or out of range,
 // are ignored. It returns when Decide is due (zero when nothing is pending).
 func (d *Decider) Report(now time.Time, r Report) time.Time {
-	seen := r.SeenAt
-	if seen.IsZero() || seen.After(now) {
-		seen = now
+	if d.record(d.pending, r.Ranks, r.Reason, d.current.Alive) {
+		d.settleBy(&d.due, r.SeenAt, now)
 	}
+	return d.due
+}
+
+// record adds the ranks that want admits to m, each with v unless already
+// there, and reports whether any was new.
+func (d *Decider) record(m map[int]string, ranks []int, v string, want func(int) bool) bool {
 	added := false
-	for _, g := range r.Ranks {
-		if !d.current.Alive(g) {
-			continue
-		}
-		if _, dup := d.pending[g]; !dup {
-			d.pending[g] = r.Reason
+	for _, g := range ranks {
+		if _, dup := m[g]; want(g) && !dup {
+			m[g] = v
 			added = true
 		}
 	}
-	if added {
-		if due := seen.Add(d.cfg.SettleWindow); d.due.IsZero() || due.Before(d.due) {
-			d.due = due
-		}
+	return added
+}
+
+// settleBy moves *due to the end of the settle window that began when the
+// news was seen (now, if seen is unset or in the future), unless *due is
+// earlier already.
+func (d *Decider) settleBy(due *time.Time, seen, now time.Time) {
+	if seen.IsZero() || seen.After(now) {
+		seen = now
 	}
-	return d.due
+	if t := seen.Add(d.cfg.SettleWindow); due.IsZero() || t.Before(*due) {
+		*due = t
+	}
 }
 
 // Join records j, received at now: lost slots it offers are grown back
@@ -129,24 +138,9 @@ func (d *Decider) Report(now time.Time, r Report) time.Time {
 // one epoch) and no earlier grow is still awaited. Slots alive in the
 // current epoch, or out of range, are ignored. It returns Due.
 func (d *Decider) Join(now time.Time, j Join) time.Time {
-	seen := j.SeenAt
-	if seen.IsZero() || seen.After(now) {
-		seen = now
-	}
-	added := false
-	for _, g := range j.Slots {
-		if g < 0 || g >= len(d.current.Ranks) || d.current.Alive(g) {
-			continue
-		}
-		if _, dup := d.joins[g]; !dup {
-			d.joins[g] = j.From
-			added = true
-		}
-	}
-	if added {
-		if due := seen.Add(d.cfg.SettleWindow); d.joinDue.IsZero() || due.Before(d.joinDue) {
-			d.joinDue = due
-		}
+	lost := func(g int) bool { return g >= 0 && g < len(d.current.Ranks) && !d.current.Alive(g) }
+	if d.record(d.joins, j.Slots, j.From, lost) {
+		d.settleBy(&d.joinDue, j.SeenAt, now)
 	}
 	return d.Due()
 }
