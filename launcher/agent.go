@@ -118,6 +118,11 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 	}
 	a.path = path
 	a.host, _ = os.Hostname()
+	if cfg.VirtualLocalRank {
+		if err := checkVirtualDevices(environ(), cfg.NProcPerNode); err != nil {
+			return nil, err
+		}
+	}
 	a.runID = cfg.Rendezvous.RunID
 	if cfg.Rendezvous.Standalone {
 		a.runID = randomID()

@@ -295,6 +295,23 @@ type Config struct {
 	// LocalRanksFilter lists the local ranks whose output reaches the
 	// console (files are unaffected); nil means all.
 	LocalRanksFilter []int
+	// LogLinePrefixTemplate is the prefix of each worker line on the
+	// console, torchrun 2.14's --log-line-prefix-template: ${role_name},
+	// ${local_rank}, ${rank} and ${hostname} are replaced (Python's
+	// string.Template, safe_substitute: $$ is $, an unknown name stays).
+	// Empty means "[${role_name}${local_rank}]:".
+	LogLinePrefixTemplate string
+	// DuplicateStdoutFilters and DuplicateStderrFilters copy the lines of
+	// tee'd streams that contain any of them, prefixed, to
+	// filtered_stdout.log and filtered_stderr.log in the attempt's log
+	// directory (torchrun 2.14's --duplicate-std*-filters). Empty: none.
+	DuplicateStdoutFilters, DuplicateStderrFilters []string
+	// VirtualLocalRank gives every worker LOCAL_RANK=0 and, as
+	// CUDA_VISIBLE_DEVICES, the one GPU of its local rank (the agent's
+	// CUDA_VISIBLE_DEVICES entry at that index, else the index itself):
+	// each worker sees its GPU as device 0 (torchrun 2.14's
+	// --virtual-local-rank).
+	VirtualLocalRank bool
 	// SignalsToHandle are the signals the agent catches and forwards to the
 	// worker groups; default SIGTERM, SIGINT, SIGHUP, SIGQUIT.
 	SignalsToHandle []syscall.Signal

@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/gorunhq/gorun/health"
@@ -51,6 +52,13 @@ type WorkerEnv struct {
 	// OMPThreads is set when torchrun would set OMP_NUM_THREADS ("1" when
 	// more than one worker runs per node and the user set none).
 	OMPThreads string
+	// SignalsToHandle is TORCHELASTIC_SIGNALS_TO_HANDLE, the signals the
+	// agent handles ("SIGTERM,SIGINT,SIGHUP,SIGQUIT"), which torchrun 2.14
+	// exports and its worker-side code reads.
+	SignalsToHandle string
+	// VirtualLocalRank: LOCAL_RANK=0 and one GPU in CUDA_VISIBLE_DEVICES
+	// per worker (Config.VirtualLocalRank).
+	VirtualLocalRank bool
 }
 
 // Environ returns the environment of the worker with assignment a: the
@@ -90,6 +98,13 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 		set[health.HeartbeatEnv] = w.Heartbeat
 	}
 	inherited := lookup(base)
+	if w.SignalsToHandle != "" {
+		set["TORCHELASTIC_SIGNALS_TO_HANDLE"] = w.SignalsToHandle
+	}
+	if w.VirtualLocalRank {
+		set["LOCAL_RANK"] = "0"
+		set["CUDA_VISIBLE_DEVICES"] = virtualDevice(inherited, a.LocalRank)
+	}
 	// torchrun keeps the user's value, else enables it (1.13 names it
 	// NCCL_ASYNC_ERROR_HANDLING; both are set so either generation of
 	// PyTorch sees it).
@@ -142,3 +157,38 @@ func ompThreads(nproc int) string {
 
 // environ is the agent's environment; a variable so tests can pin it.
 var environ = os.Environ
+
+// virtualDevice is the GPU of local rank lr under --virtual-local-rank: the
+// lr-th entry of the agent's CUDA_VISIBLE_DEVICES, or lr when that is not
+// set (checkVirtualDevices made sure the list is long enough).
+func virtualDevice(env map[string]string, lr int) string {
+	list, ok := env["CUDA_VISIBLE_DEVICES"]
+	if !ok {
+		return strconv.Itoa(lr)
+	}
+	return strings.TrimSpace(strings.Split(list, ",")[lr])
+}
+
+// checkVirtualDevices refuses --virtual-local-rank when the agent's
+// CUDA_VISIBLE_DEVICES lists fewer GPUs than it runs workers (torchrun
+// fails its worker start there).
+func checkVirtualDevices(env []string, nproc int) error {
+	list, ok := lookup(env)["CUDA_VISIBLE_DEVICES"]
+	if !ok {
+		return nil
+	}
+	if n := len(strings.Split(list, ",")); n < nproc {
+		return invalidf("--virtual-local-rank: %d workers, but CUDA_VISIBLE_DEVICES=%s lists %d GPU(s)", nproc, list, n)
+	}
+	return nil
+}
+
+// signalList is --signals-to-handle as torchrun writes it: names joined by
+// commas.
+func signalList(sigs []syscall.Signal) string {
+	names := make([]string, len(sigs))
+	for i, s := range sigs {
+		names[i] = signalString(s)
+	}
+	return strings.Join(names, ",")
+}

@@ -50,6 +50,9 @@ type spawnSpec struct {
 	base   []string // the agent's environment
 	dir    string   // the attempt's log directory
 	prefix func(Assignment) string
+	// filtered are the attempt's filtered_stdout.log and
+	// filtered_stderr.log (--duplicate-std*-filters), nil when not asked.
+	filtered [2]*filteredLog
 }
 
 // startGroup starts one worker per assignment. Each worker is the leader
@@ -83,7 +86,7 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
 		return nil, err
 	}
-	out, ends, err := openOutput(con, spec.prefix(a), routes(cfg, a.LocalRank, dir))
+	out, ends, err := openOutput(con, spec.prefix(a), routes(cfg, a.LocalRank, dir, spec.filtered))
 	if err != nil {
 		return nil, err
 	}

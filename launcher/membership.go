@@ -238,6 +238,8 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 		OnFailure:    cfg.OnFailure,
 
 		AgreementTimeout: cfg.AgreementTimeout,
+		SignalsToHandle:  signalList(cfg.SignalsToHandle),
+		VirtualLocalRank: cfg.VirtualLocalRank,
 	}
 }
 

@@ -51,10 +51,15 @@ type streamPlan struct {
 	stream    Std
 	toFile    string // "" for none
 	toConsole bool
+	// filtered, for a tee'd stream, takes the lines that match
+	// --duplicate-std*-filters; nil for none.
+	filtered *filteredLog
 }
 
-// routes decides where a worker's two streams go.
-func routes(cfg *Config, localRank int, dir string) [2]streamPlan {
+// routes decides where a worker's two streams go; filtered are the
+// attempt's filtered logs of stdout and stderr (nil when not asked for),
+// which take the tee'd streams' matching lines.
+func routes(cfg *Config, localRank int, dir string, filtered [2]*filteredLog) [2]streamPlan {
 	redirect, tee := cfg.Redirects.For(localRank), cfg.Tee.For(localRank)
 	shown := cfg.LocalRanksFilter == nil || contains(cfg.LocalRanksFilter, localRank)
 	var p [2]streamPlan
@@ -68,6 +73,7 @@ func routes(cfg *Config, localRank int, dir string) [2]streamPlan {
 		case tee&s != 0:
 			p[i].toFile = filepath.Join(dir, name)
 			p[i].toConsole = shown
+			p[i].filtered = filtered[i]
 		case redirect&s != 0:
 			p[i].toFile = filepath.Join(dir, name)
 		default:
@@ -131,6 +137,7 @@ func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPla
 			if p.toConsole {
 				con.writeLine(p.stream, prefix, line)
 			}
+			p.filtered.offer(prefix, line)
 		}
 		if err != nil {
 			return

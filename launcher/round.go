@@ -2,7 +2,6 @@ package launcher
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -206,9 +205,18 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 	if a.heartbeats != nil {
 		p.env.Heartbeat = a.heartbeats.Path()
 	}
-	spec := spawnSpec{
-		path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir,
-		prefix: func(as Assignment) string { return fmt.Sprintf("[%s%d]:", a.cfg.Role, as.LocalRank) },
+	spec := spawnSpec{path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir, prefix: a.linePrefix}
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return outcome{}, localf("log directory: %w", err)
+	}
+	for i, needles := range [][]string{a.cfg.DuplicateStdoutFilters, a.cfg.DuplicateStderrFilters} {
+		name := [...]string{"filtered_stdout.log", "filtered_stderr.log"}[i]
+		l, err := openFilteredLog(filepath.Join(dir, name), needles)
+		if err != nil {
+			return outcome{}, localf("--duplicate-std*-filters: %w", err)
+		}
+		defer l.close() // after the round: the copies are drained by then
+		spec.filtered[i] = l
 	}
 	first := p.assignments[0]
 	a.log.Info("starting workers",

@@ -120,6 +120,13 @@ func launchFlags() []cli.Flag {
 		torchString(catLogs, "redirects", "0", "streams sent to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or per local rank like 0:1,1:2", "r"),
 		torchString(catLogs, "tee", "0", "streams sent to log files and the console (same format as --redirects)", "t"),
 		torchString(catLogs, "local-ranks-filter", "", "only these local `RANKS` (e.g. 0,1) reach the console; files keep everything"),
+		&cli.StringFlag{Name: "log-line-prefix-template", Aliases: torchAliases("log-line-prefix-template"),
+			Usage:   "prefix of each worker line on the console; ${role_name}, ${local_rank}, ${rank}, ${hostname} are filled in (default \"[${role_name}${local_rank}]:\")",
+			EnvVars: []string{petVar("log-line-prefix-template"), "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"}, Category: catLogs},
+		torchString(catLogs, "duplicate-stdout-filters", "", "copy tee'd stdout lines containing any of these comma-separated `STRINGS` (\",,\" is a comma) to filtered_stdout.log in the attempt's log dir"),
+		torchString(catLogs, "duplicate-stderr-filters", "", "the same for stderr, to filtered_stderr.log"),
+		torchBool(catWorkers, "virtual-local-rank", "every worker gets LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES"),
+		torchString(catCompat, "print-completion", "", "print a completion script for `SHELL` (bash, zsh or tcsh) and exit"),
 
 		torchString(catCompat, "start-method", def.StartMethod, "spawn, fork or forkserver; only affects Python function entrypoints, so no effect here"),
 		torchString(catCompat, "event-log-handler", "null", "torchelastic event handler name; ignored (gorun logs events itself)"),
@@ -185,6 +192,9 @@ var numaModes = []string{"node", "socket", "exclusive", "core-complex"}
 // runLaunch is the root command's action: build the Config, then run the
 // agent until the job ends.
 func runLaunch(c *cli.Context) error {
+	if c.IsSet("print-completion") {
+		return printCompletion(c.App.Writer, c.String("print-completion"), c.App)
+	}
 	if launcher.IsEtcdBackend(c.String("rdzv-backend")) && !launcher.EtcdBackendLinked {
 		argv, _ := c.App.Metadata[argvKey].([]string)
 		return handOverToEtcdBuild(argv) // returns only if it could not
@@ -279,6 +289,10 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	if cfg.LocalRanksFilter, err = parseLocalRanks(c.String("local-ranks-filter")); err != nil {
 		return cfg, flagError(c, "local-ranks-filter", err)
 	}
+	cfg.LogLinePrefixTemplate = c.String("log-line-prefix-template")
+	cfg.DuplicateStdoutFilters = parseFilters(c.String("duplicate-stdout-filters"))
+	cfg.DuplicateStderrFilters = parseFilters(c.String("duplicate-stderr-filters"))
+	cfg.VirtualLocalRank = c.Bool("virtual-local-rank")
 	if m := c.String("numa-binding"); m != "" && !slices.Contains(numaModes, m) {
 		return cfg, usageErrorf("--numa-binding %q: want one of %s", m, strings.Join(numaModes, ", "))
 	}
@@ -399,4 +413,19 @@ func scanFlagSet(flags []cli.Flag) *flag.FlagSet {
 		}
 	}
 	return fs
+}
+
+// parseFilters reads a --duplicate-std*-filters list as torchrun's
+// comma_separated_list does: split at commas, ",," standing for a comma in
+// a filter. An empty value is no filter.
+func parseFilters(s string) []string {
+	if s == "" {
+		return nil
+	}
+	const placeholder = "\x00"
+	parts := strings.Split(strings.ReplaceAll(s, ",,", placeholder), ",")
+	for i, p := range parts {
+		parts[i] = strings.ReplaceAll(p, placeholder, ",")
+	}
+	return parts
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"io"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"reflect"
 	"runtime"
@@ -140,6 +141,13 @@ func TestLaunchFlags(t *testing.T) {
 		{[]string{"--local-addr", "--local_addr"}, "10.0.0.9", nil, func(c launcher.Config) any { return c.Rendezvous.LocalAddr }, "10.0.0.9"},
 		{[]string{"--logs-specs", "--logs_specs"}, "my_specs", nil, accepted, nil},
 		{[]string{"--numa-binding", "--numa_binding"}, "node", nil, accepted, nil},
+		{[]string{"--log-line-prefix-template", "--log_line_prefix_template"}, "${hostname}:${rank}: ", nil,
+			func(c launcher.Config) any { return c.LogLinePrefixTemplate }, "${hostname}:${rank}: "},
+		{[]string{"--duplicate-stdout-filters", "--duplicate_stdout_filters"}, "apple,or,,ange", nil,
+			func(c launcher.Config) any { return c.DuplicateStdoutFilters }, []string{"apple", "or,ange"}},
+		{[]string{"--duplicate-stderr-filters", "--duplicate_stderr_filters"}, "loss", nil,
+			func(c launcher.Config) any { return c.DuplicateStderrFilters }, []string{"loss"}},
+		{[]string{"--virtual-local-rank", "--virtual_local_rank"}, "", nil, func(c launcher.Config) any { return c.VirtualLocalRank }, true},
 		{[]string{"--signals-to-handle", "--signals_to_handle"}, "SIGTERM,SIGUSR1", nil, func(c launcher.Config) any { return c.SignalsToHandle },
 			[]syscall.Signal{syscall.SIGTERM, syscall.SIGUSR1}},
 		{[]string{"--shutdown-timeout", "--shutdown_timeout"}, "120", nil, func(c launcher.Config) any { return c.ShutdownTimeout }, 120 * time.Second},
@@ -508,5 +516,34 @@ func TestUnknownFlagSuggests(t *testing.T) {
 		if res.code != ExitUsage || strings.TrimSpace(res.stderr) != tc.want {
 			t.Errorf("gorun %v: code %d, stderr %q; want %d, %q", tc.args, res.code, res.stderr, ExitUsage, tc.want)
 		}
+	}
+}
+
+// TestPrintCompletion: --print-completion writes a script for bash, zsh
+// or tcsh and runs nothing; bash's completes gorun's flags.
+func TestPrintCompletion(t *testing.T) {
+	for _, shell := range []string{"bash", "zsh", "tcsh"} {
+		var out, errb bytes.Buffer
+		code := run(context.Background(), []string{"gorun", "--print-completion", shell}, strings.NewReader(""), &out, &errb)
+		if code != ExitOK || !strings.Contains(out.String(), "nproc") || !strings.Contains(out.String(), shell) {
+			t.Errorf("%s: code %d, script %q, stderr %q", shell, code, out.String(), errb.String())
+		}
+		if shell != "bash" {
+			continue
+		}
+		bash, err := exec.LookPath("bash")
+		if err != nil {
+			t.Fatalf("bash: %v", err)
+		}
+		script := out.String() + `COMP_WORDS=(gorun --nproc); COMP_CWORD=1; _gorun; echo "${COMPREPLY[@]}"`
+		got, err := exec.Command(bash, "-c", script).Output()
+		if err != nil || strings.TrimSpace(string(got)) != "--nproc-per-node --nproc_per_node" {
+			t.Errorf("bash completes --nproc to %q (%v)", got, err)
+		}
+	}
+	var errb bytes.Buffer
+	code := run(context.Background(), []string{"gorun", "--print-completion", "fish"}, strings.NewReader(""), io.Discard, &errb)
+	if code != ExitUsage || !strings.Contains(errb.String(), "want one of bash, zsh, tcsh") {
+		t.Errorf("fish: code %d, stderr %q", code, errb.String())
 	}
 }

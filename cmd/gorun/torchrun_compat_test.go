@@ -89,6 +89,8 @@ func TestTorchrunSameEnvironment(t *testing.T) {
 var gorunExtras = map[string]bool{
 	"GORUN_STORE": true, "GORUN_RUN_ID": true, "GORUN_GENERATION": true, "GORUN_ON_FAILURE": true,
 	"TORCH_NCCL_ASYNC_ERROR_HANDLING": true,
+	// torchrun 2.14's; 1.13 has none.
+	"TORCHELASTIC_SIGNALS_TO_HANDLE": true,
 }
 
 func mergeKeys(a, b map[string]string) map[string]string {
