@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/gorunhq/gorun/rendezvous"
 )
@@ -19,8 +20,10 @@ const DefaultPrefix = "gorun/shrink"
 //
 //	epoch/<n>     the JSON Epoch n, written once (n ≥ 1)
 //	ack/<n>       counter: survivors that have moved to epoch n
-//	report/next   counter: failure reports filed so far
-//	report/<i>    the JSON Report i (i ≥ 1)
+//	report/next   counter: notices filed so far
+//	report/<i>    the JSON Notice i (i ≥ 1): a failure Report, a Join
+//	              (newcomers ready for lost slots) or a Joined (a newcomer
+//	              finished joining a grow epoch's group)
 //
 // Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
 // on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
@@ -116,56 +119,82 @@ func (b *Board) Acks(ctx context.Context, n int) (int64, error) {
 	return c, nil
 }
 
-// File adds a failure report and returns its index (1, 2, …).
+// Notice is one entry of the Board's log, the news every agent's Decider
+// follows: exactly one of its fields is set.
+type Notice struct {
+	Failure *Report `json:"failure,omitempty"`
+	Join    *Join   `json:"join,omitempty"`
+	Joined  *Joined `json:"joined,omitempty"`
+}
+
+// Joined is a newcomer's word that it has finished joining the group of
+// grow epoch Epoch, in launch slot Slot.
+type Joined struct {
+	Epoch int       `json:"epoch"`
+	Slot  int       `json:"slot"`
+	At    time.Time `json:"at"`
+}
+
+// File adds a failure report to the log and returns its index (1, 2, …).
 func (b *Board) File(ctx context.Context, r Report) (int, error) {
-	rec, err := json.Marshal(r)
+	return b.file(ctx, Notice{Failure: &r})
+}
+
+// FileJoin adds a Join to the log and returns its index.
+func (b *Board) FileJoin(ctx context.Context, j Join) (int, error) {
+	return b.file(ctx, Notice{Join: &j})
+}
+
+// FileJoined adds a Joined to the log and returns its index.
+func (b *Board) FileJoined(ctx context.Context, j Joined) (int, error) {
+	return b.file(ctx, Notice{Joined: &j})
+}
+
+func (b *Board) file(ctx context.Context, n Notice) (int, error) {
+	rec, err := json.Marshal(n)
 	if err != nil {
-		return 0, fmt.Errorf("shrink: encode report: %w", err)
+		return 0, fmt.Errorf("shrink: encode notice: %w", err)
 	}
 	i, err := b.store.Add(ctx, reportNext, 1)
 	if err != nil {
-		return 0, fmt.Errorf("shrink: file report: %w", err)
+		return 0, fmt.Errorf("shrink: file notice: %w", err)
 	}
 	if err := b.store.Set(ctx, reportKey(int(i)), rec); err != nil {
-		return 0, fmt.Errorf("shrink: file report %d: %w", i, err)
+		return 0, fmt.Errorf("shrink: file notice %d: %w", i, err)
 	}
 	return int(i), nil
 }
 
-// Reports returns the reports filed after index after, and the index of
-// the last one returned (after, when there is none). A report whose index
+// Notices returns the notices filed after index after, and the index of
+// the last one returned (after, when there is none). A notice whose index
 // was taken but whose body is not written yet ends the batch: it is read
 // next time.
-func (b *Board) Reports(ctx context.Context, after int) ([]Report, int, error) {
+func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 	n, err := b.store.Add(ctx, reportNext, 0)
 	if err != nil {
-		return nil, after, fmt.Errorf("shrink: read reports: %w", err)
+		return nil, after, fmt.Errorf("shrink: read notices: %w", err)
 	}
-	var out []Report
+	var out []Notice
 	for i := after + 1; i <= int(n); i++ {
 		ok, err := b.store.Check(ctx, reportKey(i))
 		if err != nil {
-			return out, i - 1, fmt.Errorf("shrink: read report %d: %w", i, err)
+			return out, i - 1, fmt.Errorf("shrink: read notice %d: %w", i, err)
 		}
 		if !ok {
 			return out, i - 1, nil
 		}
-		rec, err := b.store.Get(ctx, reportKey(i))
+		no, err := b.readNotice(ctx, i)
 		if err != nil {
-			return out, i - 1, fmt.Errorf("shrink: read report %d: %w", i, err)
+			return out, i - 1, err
 		}
-		var r Report
-		if err := json.Unmarshal(rec, &r); err != nil {
-			return out, i - 1, fmt.Errorf("shrink: report %d: %w", i, err)
-		}
-		out = append(out, r)
+		out = append(out, no)
 	}
 	return out, int(n), nil
 }
 
-// AwaitReport blocks until report i is filed and returns it: a store wait
+// AwaitNotice blocks until notice i is filed and returns it: a store wait
 // on its key, like Await.
-func (b *Board) AwaitReport(ctx context.Context, i int) (Report, error) {
+func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
 	key := reportKey(i)
 	for {
 		err := b.store.Wait(ctx, key)
@@ -173,18 +202,31 @@ func (b *Board) AwaitReport(ctx context.Context, i int) (Report, error) {
 			break
 		}
 		if !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
-			return Report{}, fmt.Errorf("shrink: await report %d: %w", i, err)
+			return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
 		}
 	}
-	rec, err := b.store.Get(ctx, key)
+	return b.readNotice(ctx, i)
+}
+
+func (b *Board) readNotice(ctx context.Context, i int) (Notice, error) {
+	rec, err := b.store.Get(ctx, reportKey(i))
 	if err != nil {
-		return Report{}, fmt.Errorf("shrink: read report %d: %w", i, err)
+		return Notice{}, fmt.Errorf("shrink: read notice %d: %w", i, err)
 	}
-	var r Report
-	if err := json.Unmarshal(rec, &r); err != nil {
-		return Report{}, fmt.Errorf("shrink: report %d: %w", i, err)
+	var n Notice
+	if err := json.Unmarshal(rec, &n); err != nil {
+		return Notice{}, fmt.Errorf("shrink: notice %d: %w", i, err)
 	}
-	return r, nil
+	set := 0
+	for _, present := range []bool{n.Failure != nil, n.Join != nil, n.Joined != nil} {
+		if present {
+			set++
+		}
+	}
+	if set != 1 {
+		return Notice{}, fmt.Errorf("shrink: notice %d: want exactly one of failure, join, joined: %s", i, rec)
+	}
+	return n, nil
 }
 
 func decodeEpoch(n int, rec []byte) (Epoch, error) {

@@ -164,8 +164,8 @@ func testAcksReports(t *testing.T, open func() rendezvous.Store) {
 		t.Errorf("Acks(2) = %d %v, want 0", n, err)
 	}
 
-	if rs, last, err := b.Reports(ctx, 0); err != nil || len(rs) != 0 || last != 0 {
-		t.Fatalf("Reports on an empty board = %v %d %v", rs, last, err)
+	if ns, last, err := b.Notices(ctx, 0); err != nil || len(ns) != 0 || last != 0 {
+		t.Fatalf("Notices on an empty board = %v %d %v", ns, last, err)
 	}
 	seen := time.Unix(1700000000, 0).UTC()
 	for i, r := range []Report{{Ranks: []int{3}, Reason: "exit code 1", From: "node1", SeenAt: seen}, {Ranks: []int{4, 5}, Reason: "node lost", From: "node0"}} {
@@ -173,12 +173,22 @@ func testAcksReports(t *testing.T, open func() rendezvous.Store) {
 			t.Fatalf("File #%d = %d %v", i+1, idx, err)
 		}
 	}
-	rs, last, err := b.Reports(ctx, 0)
-	if err != nil || last != 2 || len(rs) != 2 || !slices.Equal(rs[1].Ranks, []int{4, 5}) || !rs[0].SeenAt.Equal(seen) || rs[0].From != "node1" {
-		t.Fatalf("Reports(0) = %+v %d %v", rs, last, err)
+	if idx, err := b.FileJoin(ctx, Join{Slots: []int{3}, From: "node1"}); err != nil || idx != 3 {
+		t.Fatalf("FileJoin = %d %v", idx, err)
 	}
-	if rs, last, err := b.Reports(ctx, 2); err != nil || len(rs) != 0 || last != 2 {
-		t.Errorf("Reports(2) = %v %d %v, want none after 2", rs, last, err)
+	if idx, err := b.FileJoined(ctx, Joined{Epoch: 2, Slot: 3}); err != nil || idx != 4 {
+		t.Fatalf("FileJoined = %d %v", idx, err)
+	}
+	ns, last, err := b.Notices(ctx, 0)
+	if err != nil || last != 4 || len(ns) != 4 || !slices.Equal(ns[1].Failure.Ranks, []int{4, 5}) || !ns[0].Failure.SeenAt.Equal(seen) ||
+		ns[0].Failure.From != "node1" || !slices.Equal(ns[2].Join.Slots, []int{3}) || *ns[3].Joined != (Joined{Epoch: 2, Slot: 3}) {
+		t.Fatalf("Notices(0) = %+v %d %v", ns, last, err)
+	}
+	if ns, last, err := b.Notices(ctx, 4); err != nil || len(ns) != 0 || last != 4 {
+		t.Errorf("Notices(4) = %v %d %v, want none after 4", ns, last, err)
+	}
+	if n, err := b.AwaitNotice(ctx, 3); err != nil || n.Join == nil || n.Failure != nil {
+		t.Errorf("AwaitNotice(3) = %+v %v, want the join", n, err)
 	}
 }
 

@@ -50,7 +50,7 @@ type Coordinator struct {
 	log *zap.Logger
 
 	lead    chan bool
-	reports chan Report
+	notices chan Notice
 	epochs  chan Epoch // from the epoch watcher to the loop
 	adopted chan Epoch // from the loop to the launcher
 	errs    chan error
@@ -61,8 +61,9 @@ type Coordinator struct {
 
 // NewCoordinator starts an agent's Coordinator. ops, reportWatch and
 // epochWatch must be Boards on three different connections to the same
-// store: the two watchers each hold a blocking wait on theirs. Close stops
-// it; the Boards' stores stay the caller's.
+// store: the two watchers (of the notice log and of the epochs) each hold
+// a blocking wait on theirs. Close stops it; the Boards' stores stay the
+// caller's.
 func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) *Coordinator {
 	if cfg.AgreementTimeout <= 0 {
 		cfg.AgreementTimeout = DefaultAgreementTimeout
@@ -74,16 +75,16 @@ func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) 
 	c := &Coordinator{
 		cfg: cfg, ops: ops, log: cfg.Logger,
 		lead:    make(chan bool),
-		reports: make(chan Report),
+		notices: make(chan Notice),
 		epochs:  make(chan Epoch),
-		// An epoch excludes at least one rank, so there are fewer than
-		// World of them: the loop never blocks handing one over.
+		// Room for a burst; the loop also stops waiting on a reader
+		// when closed.
 		adopted: make(chan Epoch, max(cfg.World, 1)),
 		errs:    make(chan error, 1),
 		cancel:  cancel,
 	}
 	c.wg.Add(3)
-	go c.watchReports(ctx, reportWatch)
+	go c.watchNotices(ctx, reportWatch)
 	go c.watchEpochs(ctx, epochWatch)
 	go c.loop(ctx)
 	return c
@@ -91,14 +92,27 @@ func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) 
 
 // File adds a failure report to the Board, for every agent's Decider.
 func (c *Coordinator) File(ctx context.Context, r Report) error {
-	if r.From == "" {
-		r.From = c.cfg.Name
-	}
-	if r.SeenAt.IsZero() {
-		r.SeenAt = time.Now()
-	}
+	c.stamp(&r.From, &r.SeenAt)
 	_, err := c.ops.File(ctx, r)
 	return err
+}
+
+// FileJoin adds a Join to the Board: newcomers on this agent's node are
+// ready to fill lost launch slots, and the leader grows them in.
+func (c *Coordinator) FileJoin(ctx context.Context, j Join) error {
+	c.stamp(&j.From, &j.SeenAt)
+	_, err := c.ops.FileJoin(ctx, j)
+	return err
+}
+
+// stamp fills in who files news and when it was seen, where unset.
+func (c *Coordinator) stamp(from *string, seen *time.Time) {
+	if *from == "" {
+		*from = c.cfg.Name
+	}
+	if seen.IsZero() {
+		*seen = time.Now()
+	}
 }
 
 // Lead makes this agent the one that decides (true) or stops it (false).
@@ -133,17 +147,17 @@ func (c *Coordinator) fail(ctx context.Context, err error) {
 	}
 }
 
-// watchReports feeds the report log, in order, to the loop.
-func (c *Coordinator) watchReports(ctx context.Context, b *Board) {
+// watchNotices feeds the notice log, in order, to the loop.
+func (c *Coordinator) watchNotices(ctx context.Context, b *Board) {
 	defer c.wg.Done()
 	for i := 1; ; i++ {
-		r, err := b.AwaitReport(ctx, i)
+		n, err := b.AwaitNotice(ctx, i)
 		if err != nil {
 			c.fail(ctx, err)
 			return
 		}
 		select {
-		case c.reports <- r:
+		case c.notices <- n:
 		case <-ctx.Done():
 			return
 		}
@@ -212,15 +226,26 @@ func (c *Coordinator) loop(ctx context.Context) {
 				c.log.Debug("agreement leadership", zap.Bool("leading", on))
 				arm()
 			}
-		case r := <-c.reports:
+		case n := <-c.notices:
 			before := dec.Due()
-			dec.Report(time.Now(), r)
+			switch {
+			case n.Failure != nil:
+				dec.Report(time.Now(), *n.Failure)
+			case n.Join != nil:
+				dec.Join(time.Now(), *n.Join)
+			case n.Joined != nil:
+				dec.Joined(n.Joined.Epoch, n.Joined.Slot)
+			}
 			if !dec.Due().Equal(before) {
 				arm()
 			}
 		case e := <-c.epochs:
 			dec.Adopt(e)
-			c.adopted <- e
+			select {
+			case c.adopted <- e:
+			case <-ctx.Done():
+				return
+			}
 			arm()
 		case <-timerC(decide):
 			decide = nil
@@ -233,8 +258,8 @@ func (c *Coordinator) loop(ctx context.Context) {
 				arm() // woken early: wait for the window's end again
 			}
 		case <-timerC(giveUp):
-			c.fail(ctx, fmt.Errorf("shrink: failed ranks %v pending for %v past the settle window %v: %w",
-				dec.Pending(), c.cfg.AgreementTimeout, settle, ErrAgreementTimeout))
+			c.fail(ctx, fmt.Errorf("shrink: failed ranks %v (newcomers %v awaited) pending for %v past their due time (settle window %v): %w",
+				dec.Pending(), dec.Awaiting(), c.cfg.AgreementTimeout, settle, ErrAgreementTimeout))
 			return
 		}
 	}

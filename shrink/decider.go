@@ -87,6 +87,8 @@ type Decider struct {
 	// awaiting are the newcomers of the current grow epoch that have not
 	// finished joining, with the time they must have by (GrowTimeout).
 	awaiting map[int]time.Time
+	// early are Joined news (epoch, slot) of epochs not adopted yet.
+	early [][2]int
 }
 
 // NewDecider returns a decider for the coordinator called name, starting
@@ -145,9 +147,18 @@ func (d *Decider) Join(now time.Time, j Join) time.Time {
 	return d.Due()
 }
 
-// Joined records that newcomer g finished joining the group of the grow
-// epoch that added it: it is no longer awaited.
-func (d *Decider) Joined(g int) { delete(d.awaiting, g) }
+// Joined records that newcomer g finished joining the group of grow epoch
+// epoch: it is no longer awaited. News of an epoch not adopted yet (the
+// newcomer was quicker than this agent's view of the board) is kept until
+// that epoch is; news of an older epoch is stale and dropped.
+func (d *Decider) Joined(epoch, g int) {
+	switch {
+	case epoch == d.current.Number:
+		delete(d.awaiting, g)
+	case epoch > d.current.Number:
+		d.early = append(d.early, [2]int{epoch, g})
+	}
+}
 
 // Awaiting returns the newcomers of the current grow epoch that have not
 // finished joining, sorted.
@@ -249,6 +260,16 @@ func (d *Decider) Adopt(e Epoch) {
 	for _, g := range e.Added {
 		d.awaiting[g] = e.DecidedAt.Add(d.cfg.GrowTimeout)
 	}
+	early := d.early[:0]
+	for _, j := range d.early {
+		switch {
+		case j[0] == e.Number:
+			delete(d.awaiting, j[1])
+		case j[0] > e.Number:
+			early = append(early, j)
+		}
+	}
+	d.early = early
 	for g := range d.joins {
 		if e.Alive(g) {
 			delete(d.joins, g)

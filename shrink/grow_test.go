@@ -1,6 +1,7 @@
 package shrink
 
 import (
+	"context"
 	"slices"
 	"strings"
 	"testing"
@@ -66,8 +67,12 @@ func TestDeciderGrow(t *testing.T) {
 		if !slices.Equal(d.Awaiting(), []int{2, 3}) || !d.Due().Equal(e.DecidedAt.Add(10*time.Second)) {
 			t.Fatalf("awaiting %v due %v", d.Awaiting(), d.Due())
 		}
-		d.Joined(2)
-		d.Joined(3)
+		d.Joined(e.Number, 2)
+		d.Joined(e.Number-1, 3) // stale: of an older epoch
+		if !slices.Equal(d.Awaiting(), []int{3}) {
+			t.Fatalf("awaiting %v after slot 2 joined", d.Awaiting())
+		}
+		d.Joined(e.Number, 3)
 		if _, ok, _ := d.Decide(t0.Add(time.Hour)); ok || !d.Due().IsZero() {
 			t.Fatalf("an epoch after every newcomer joined (due %v)", d.Due())
 		}
@@ -78,7 +83,7 @@ func TestDeciderGrow(t *testing.T) {
 		d.Join(t0, Join{Slots: []int{2, 3}})
 		e, _, _ := d.Decide(t0.Add(time.Second))
 		d.Adopt(e)
-		d.Joined(2)
+		d.Joined(e.Number, 2)
 		if _, ok, _ := d.Decide(e.DecidedAt.Add(9 * time.Second)); ok {
 			t.Fatal("excluded before GrowTimeout")
 		}
@@ -97,8 +102,8 @@ func TestDeciderGrow(t *testing.T) {
 		d := NewDecider("a", cfg, lost)
 		d.Join(t0, Join{Slots: []int{2, 3}})
 		e, _, _ := d.Decide(t0.Add(time.Second))
+		d.Joined(e.Number, 3) // before this agent adopted the epoch
 		d.Adopt(e)
-		d.Joined(3)
 		d.Report(t0.Add(2*time.Second), Report{Ranks: []int{0}, Reason: "exit code 1"})
 		s, ok, err := d.Decide(t0.Add(2*time.Second + 100*time.Millisecond))
 		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{0, 2}) || s.Reasons[0] != "exit code 1" {
@@ -115,7 +120,7 @@ func TestDeciderGrow(t *testing.T) {
 		if _, ok, _ := d.Decide(t0.Add(5 * time.Second)); ok {
 			t.Fatal("a second grow while the first is awaited")
 		}
-		d.Joined(1)
+		d.Joined(e.Number, 1)
 		g, ok, err := d.Decide(t0.Add(5 * time.Second))
 		if err != nil || !ok || !slices.Equal(g.Added, []int{2, 3}) || !slices.Equal(g.Ranks, []int{0, 1, 2, 3}) {
 			t.Fatalf("Decide = %v %v %v, want a grow of 2 and 3", g, ok, err)
@@ -128,4 +133,64 @@ func TestDeciderGrow(t *testing.T) {
 			t.Fatalf("due %v for joins of live or unknown slots", due)
 		}
 	})
+}
+
+// TestCoordinatorHeals: through a real store, a rank fails and is shrunk
+// away; its respawn joins and is grown back in; once it says it joined,
+// nothing more happens. A second respawn that never says so is excluded
+// again after GrowTimeout. A second agent, following, sees the same epochs.
+func TestCoordinatorHeals(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	cfg := CoordinatorConfig{Config: Config{SettleWindow: 20 * time.Millisecond, GrowTimeout: 500 * time.Millisecond}, World: 4}
+	cfg.Name = "a"
+	a := agentSide(t, dial, cfg)
+	cfg.Name = "b"
+	b := agentSide(t, dial, cfg)
+	a.Lead(ctx, true)
+	both := func(want func(Epoch) bool, what string) Epoch {
+		t.Helper()
+		e := nextEpoch(t, a, 10*time.Second)
+		if f := nextEpoch(t, b, 10*time.Second); f.Number != e.Number || !slices.Equal(f.Ranks, e.Ranks) {
+			t.Fatalf("the follower saw %v, the leader %v", f, e)
+		}
+		if !want(e) {
+			t.Fatalf("epoch %v, want %s", e, what)
+		}
+		return e
+	}
+	if err := b.File(ctx, Report{Ranks: []int{2}, Reason: "exited"}); err != nil {
+		t.Fatal(err)
+	}
+	both(func(e Epoch) bool { return e.Number == 1 && slices.Equal(e.Excluded, []int{2}) }, "rank 2 excluded")
+	if err := b.FileJoin(ctx, Join{Slots: []int{2}}); err != nil {
+		t.Fatal(err)
+	}
+	g := both(func(e Epoch) bool {
+		return e.Action == ActionGrow && slices.Equal(e.Added, []int{2}) && slices.Equal(e.Ranks, []int{0, 1, 3, 2})
+	}, "slot 2 grown back as rank 3")
+	if _, err := NewBoard(dial(), "").FileJoined(ctx, Joined{Epoch: g.Number, Slot: 2}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case e := <-a.Epochs():
+		t.Fatalf("an epoch after the newcomer joined: %v", e)
+	case err := <-a.Err():
+		t.Fatalf("agreement failed: %v", err)
+	case <-time.After(time.Second): // two GrowTimeouts
+	}
+	// Rank 0 fails; its respawn is grown in but never finishes joining.
+	if err := a.File(ctx, Report{Ranks: []int{0}, Reason: "exited"}); err != nil {
+		t.Fatal(err)
+	}
+	both(func(e Epoch) bool { return slices.Equal(e.Excluded, []int{0}) }, "rank 0 excluded")
+	if err := a.FileJoin(ctx, Join{Slots: []int{0}}); err != nil {
+		t.Fatal(err)
+	}
+	grown := both(func(e Epoch) bool { return e.Action == ActionGrow && slices.Equal(e.Added, []int{0}) }, "slot 0 grown back")
+	out := both(func(e Epoch) bool { return e.Action == ActionShrink && slices.Equal(e.Excluded, []int{0}) }, "slot 0 excluded again")
+	if d := out.DecidedAt.Sub(grown.DecidedAt); d < 500*time.Millisecond || d > 5*time.Second {
+		t.Errorf("excluded %v after the grow, want about GrowTimeout (500 ms)", d)
+	}
 }
