@@ -17,9 +17,19 @@ func factory(base cpu.Config) pgtest.Factory {
 			cfg.Bootstrap = b
 			return cpu.New(ctx, cfg)
 		},
+		JoinGrow: func(ctx context.Context, b pg.Bootstrap, spec pg.GrowSpec) (pg.ProcessGroup, error) {
+			cfg := base
+			cfg.Bootstrap = b
+			g, err := cpu.JoinGrow(ctx, cfg, spec)
+			if err != nil {
+				return nil, err // not a typed nil in the interface
+			}
+			return g, nil
+		},
 		Caps: pgtest.Capabilities{
 			Unsupported: []pg.DType{pg.Float16, pg.BFloat16},
 			Shrink:      true,
+			Grow:        true,
 			SmallBytes:  base.SmallBytes,
 		},
 	}

@@ -81,7 +81,7 @@ type peer struct {
 // (see ioErr).
 const ctrlGrace = 100 * time.Millisecond
 
-var _ pg.ProcessGroup = (*Group)(nil)
+var _ pg.Grower = (*Group)(nil)
 
 // New forms a group: this rank listens on cfg.ListenAddr, publishes its
 // address in cfg.Store under cfg.Namespace ("pgcpu/addr/<rank>"), reads
@@ -554,6 +554,46 @@ func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags)
 		return nil, fmt.Errorf("pg/cpu: shrink without ranks %v: %w", sorted, err)
 	}
 	return child, nil
+}
+
+// Grow returns this group grown by spec.Added newcomers (pg.Grower): a
+// new mesh under spec.Namespace of Size()+spec.Added ranks, where every
+// member keeps its rank and the newcomers, formed with JoinGrow, take the
+// next ones. The group stays usable: a grow that does not complete (a
+// newcomer that never comes, within ctx or the group's timeout) leaves it
+// as it was.
+func (g *Group) Grow(ctx context.Context, spec pg.GrowSpec) (pg.ProcessGroup, error) {
+	if err := pg.ValidateGrow(g.size, spec); err != nil {
+		return nil, fmt.Errorf("pg/cpu: %w", err)
+	}
+	g.mu.Lock()
+	closed := g.closed
+	g.mu.Unlock()
+	if closed {
+		return nil, fmt.Errorf("pg/cpu: grow: %w", pg.ErrClosed)
+	}
+	cfg := g.cfg
+	cfg.Namespace, cfg.Size = spec.Namespace, g.size+spec.Added
+	child, err := New(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("pg/cpu: grow by %d: %w", spec.Added, err)
+	}
+	return child, nil
+}
+
+// JoinGrow forms a newcomer's side of a Grow: cfg.Rank is its rank in the
+// grown group and cfg.Size that group's size (the members' Size() plus
+// spec.Added); it meets the members under spec.Namespace, which replaces
+// cfg.Namespace.
+func JoinGrow(ctx context.Context, cfg Config, spec pg.GrowSpec) (*Group, error) {
+	if err := pg.ValidateGrow(cfg.Size-spec.Added, spec); err != nil {
+		return nil, fmt.Errorf("pg/cpu: %w", err)
+	}
+	if cfg.Rank < cfg.Size-spec.Added || cfg.Rank >= cfg.Size {
+		return nil, fmt.Errorf("pg/cpu: join grow: %w: rank %d is not a newcomer's (%d to %d)", pg.ErrInvalidArgument, cfg.Rank, cfg.Size-spec.Added, cfg.Size-1)
+	}
+	cfg.Namespace = spec.Namespace
+	return New(ctx, cfg)
 }
 
 // shrinkNamespace is where the survivors of shrink number k of a group in

@@ -24,6 +24,10 @@ type Factory struct {
 	// for every rank of a group, with the same Store (each rank its own
 	// client) and Namespace, and with a Timeout.
 	New func(ctx context.Context, b pg.Bootstrap) (pg.ProcessGroup, error)
+	// JoinGrow forms a newcomer's side of a pg.Grower's Grow: rank b.Rank
+	// of the grown group of b.Size, meeting the members under
+	// spec.Namespace. Required with Caps.Grow.
+	JoinGrow func(ctx context.Context, b pg.Bootstrap, spec pg.GrowSpec) (pg.ProcessGroup, error)
 	// Memory moves test data in and out of the backend's buffers. Default
 	// HostMemory.
 	Memory Memory
@@ -44,6 +48,8 @@ type Capabilities struct {
 	Unsupported []pg.DType
 	// Shrink: the backend implements Shrink.
 	Shrink bool
+	// Grow: the backend's groups are pg.Growers (Factory.JoinGrow set).
+	Grow bool
 	// SmallBytes is the buffer size in bytes at which the backend switches
 	// from its small-message algorithm to its large one (0: it has one
 	// algorithm). Buffer lengths on both sides of it are checked.

@@ -36,6 +36,11 @@ func Run(t *testing.T, f Factory) {
 		t.Run("Shrink", h.shrink)
 		t.Run("ShrinkAbortWhileBlocked", h.shrinkAbortWhileBlocked)
 	}
+	if f.Caps.Grow && f.Caps.Shrink {
+		t.Run("ShrinkThenGrow", h.shrinkThenGrow)
+		t.Run("GrowThatDoesNotComplete", h.growIncomplete)
+		t.Run("GrowValidation", h.growValidation)
+	}
 }
 
 // lengths are the buffer lengths checked for dtype d, where per is the
