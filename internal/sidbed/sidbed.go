@@ -414,3 +414,18 @@ func isDebianArchive(u string) bool {
 	u = strings.TrimSuffix(u, "/")
 	return strings.HasSuffix(u, "/debian") && !strings.Contains(u, "security")
 }
+
+// ResolvePython resolves a command-line choice of the bed's interpreter, as
+// the benchmarks take it: "auto" is the bed's python3 when a bed is built,
+// else "" with the reason; any other value is returned as it is ("" for
+// none).
+func ResolvePython(choice string) (string, error) {
+	if choice != "auto" {
+		return choice, nil
+	}
+	bed, err := Find()
+	if err != nil {
+		return "", err
+	}
+	return bed.Python(), nil
+}
