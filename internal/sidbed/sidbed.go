@@ -64,7 +64,8 @@ type Config struct {
 	Mirror string
 	// Suite is the Debian suite. Default "sid".
 	Suite string
-	// Log receives the tools' output. Default io.Discard.
+	// Log receives the tools' output, which Build also keeps in Dir+".log"
+	// (named in its errors). Default: the file only.
 	Log io.Writer
 }
 
@@ -194,6 +195,13 @@ func Build(ctx context.Context, cfg Config) (*Bed, error) {
 	if bed, err := FindAt(cfg.Dir); err == nil {
 		return bed, nil
 	}
+	logPath := cfg.Dir + ".log"
+	logFile, err := os.Create(logPath)
+	if err != nil {
+		return nil, fmt.Errorf("sidbed: %w", err)
+	}
+	defer logFile.Close()
+	cfg.Log = io.MultiWriter(cfg.Log, logFile)
 	start := time.Now()
 	tmp := cfg.Dir + ".building"
 	if err := os.RemoveAll(tmp); err != nil {
@@ -202,7 +210,7 @@ func Build(ctx context.Context, cfg Config) (*Bed, error) {
 	stamp, err := build(ctx, cfg, tmp)
 	if err != nil {
 		_ = os.RemoveAll(tmp)
-		return nil, err
+		return nil, fmt.Errorf("%w (log: %s)", err, logPath)
 	}
 	stamp.Built = time.Now().UTC().Truncate(time.Second)
 	stamp.BuildMS = time.Since(start).Milliseconds()
