@@ -20,27 +20,33 @@ import (
 // directory, so the job's script is copied there. These tests skip without
 // the bed and fail without it in CI.
 
-// bedJob returns bin/gorun's build and examples/torch/name copied where the
-// bed sees it, made to fail unless it runs under the bed's torch.
-func bedJob(t *testing.T, bed *sidbed.Bed, name string) (bin, script string) {
+// bedScript returns examples/torch/name copied where the bed sees it, made
+// to fail unless it runs under the bed's torch.
+func bedScript(t *testing.T, bed *sidbed.Bed, name string) string {
 	t.Helper()
 	b, err := os.ReadFile(filepath.Join("..", "..", "examples", "torch", name))
 	if err != nil {
 		t.Fatal(err)
 	}
 	guard := fmt.Sprintf("import torch\nassert torch.__version__ == %q, torch.__version__\n", bed.Stamp.Torch)
-	script = filepath.Join(t.TempDir(), name)
+	script := filepath.Join(t.TempDir(), name)
 	if err := os.WriteFile(script, append([]byte(guard), b...), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	return testutil.BuildGorunAs(t, filepath.Join(t.TempDir(), "gorun"), "gorun_noetcd"), script
+	return script
+}
+
+// lightGorun builds gorun as `make build` builds bin/gorun.
+func lightGorun(t *testing.T) string {
+	t.Helper()
+	return testutil.BuildGorunAs(t, filepath.Join(t.TempDir(), "gorun"), "gorun_noetcd")
 }
 
 // TestTorch214GlooStandalone: one node, three PyTorch 2.14 workers join a
 // gloo group through gorun's embedded store and all_reduce.
 func TestTorch214GlooStandalone(t *testing.T) {
 	bed := sidbed.Require(t)
-	bin, script := bedJob(t, bed, "allreduce.py")
+	bin, script := lightGorun(t), bedScript(t, bed, "allreduce.py")
 	p := startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + bed.Python()},
 		"--standalone", "--nproc-per-node", "3", "--log-dir", t.TempDir(), script)
 	expectGlooAllreduce(t, []*agentProc{p}, 3, nil)
@@ -51,7 +57,7 @@ func TestTorch214GlooStandalone(t *testing.T) {
 // of four through group rank 0's worker store.
 func TestTorch214GlooTwoNodes(t *testing.T) {
 	bed := sidbed.Require(t)
-	bin, script := bedJob(t, bed, "allreduce.py")
+	bin, script := lightGorun(t), bedScript(t, bed, "allreduce.py")
 	port := freePort(t)
 	var agents []*agentProc
 	for range 2 {
