@@ -163,7 +163,9 @@ a.set("k1", b"v1"); out.append(("get", b.get("k1")))
 out.append(("add", a.add("cnt", 5), b.add("cnt", -2), b.get("cnt")))
 out.append(("cas", a.compare_set("c", "", "x"), a.compare_set("c", "x", "y"),
             a.compare_set("c", "z", "w"), a.compare_set("absent", "e", "d"), b.get("c")))
-a.append("ap", b"po"); b.append("ap", b"tato"); out.append(("append", a.get("ap")))
+# APPEND has no reply: two connections' appends may reach the server in
+# either order, so one client appends and the other reads after it
+a.append("ap", b"po"); a.append("ap", b"tato"); out.append(("append", a.get("ap"), b.get("ap")))
 a.multi_set(["m1", "m2"], [b"1", b"2"]); out.append(("multi_get", b.multi_get(["m2", "m1"])))
 out.append(("check", a.check(["k1", "m1"]), a.check(["k1", "nope"])))
 out.append(("num_keys", a.num_keys()))  # init/, k1, cnt, c, ap, m1, m2
@@ -207,7 +209,7 @@ for o in out: print(repr(o))
 		`('get', b'v1')`,
 		`('add', 5, 3, b'3')`,
 		`('cas', b'x', b'y', b'y', b'e', b'y')`,
-		`('append', b'potato')`,
+		`('append', b'potato', b'potato')`,
 		`('multi_get', [b'2', b'1'])`,
 		`('check', True, False)`,
 		`('num_keys', 7)`,
@@ -263,8 +265,8 @@ import sys, datetime
 import torch, torch.distributed as dist
 me, other = sys.argv[2], sys.argv[3]
 s = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timeout=datetime.timedelta(seconds=30))
-s.set("from/" + me, torch.__version__.encode())
 s.add("both", 1)
+s.set("from/" + me, torch.__version__.encode())  # after the add: whoever reads it sees both
 s.wait(["from/" + other])
 print(me, "read", s.get("from/" + other).decode().split("+")[0], "both", s.add("both", 0))
 `
