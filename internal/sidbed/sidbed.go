@@ -7,7 +7,10 @@
 // host's apt uses, and caches it at a stable path (DefaultDir) with a stamp
 // recording what was installed; `make test-deps` runs it (go run
 // ./internal/sidbed/cmd/sidbed build). Find and Require only read the
-// stamp: they never build.
+// stamp: they never build. Measured on a 2-core machine shared with other
+// work: a cold build took 249 s and 244 s (debootstrap about 110 s, apt the
+// rest; 1.9 GB); a warm check is the stamp read (5 ms), and
+// scripts/test-deps.sh with a warm bed about 2 s, mostly `go run`.
 //
 // Programs run inside the bed through its enter script, in a private mount
 // namespace per run (unshare -m, then chroot): /proc, /dev, /sys, the host's
