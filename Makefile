@@ -33,7 +33,7 @@ test: test-deps
 	CGO_ENABLED=0 $(GO) test $(GOFLAGS) -timeout 2m ./pg/nccl/
 
 test-deps:
-	./scripts/test-deps.sh
+	GO=$(GO) ./scripts/test-deps.sh
 
 # test-short skips nothing but runs without the race detector.
 test-short: test-deps

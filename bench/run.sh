@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `make bench`: gorun's store beside PyTorch 1.13's, same machine, same run,
+# `make bench`: gorun's store beside PyTorch 1.13's (and 2.14's, from the sid bed
+# built by `make test-deps`), same machine, same run,
 # same load client. Writes raw results to bench/results/ and prints the
 # tables that BENCHMARKS.md records. Knobs (env): REPS, DURATION, CONNS,
 # STORM, IDLE, PARTIAL, PYTHON.
@@ -13,7 +14,7 @@ echo "## Server allocations per request (go test -bench, in-process, no sockets)
 go test ./rendezvous/tcpstore/ -run '^$' -bench 'BenchmarkServerHandle' -benchmem -count 5 | tee bench/results/allocs.txt
 
 echo
-echo "## TCPStore: gorun vs torch 1.13 ($(nproc) cores, $(date -u +%F))"
+echo "## TCPStore: gorun vs torch 1.13, and 2.14 when the sid bed is built ($(nproc) cores, $(date -u +%F))"
 bin/storebench -reps "${REPS:-3}" -duration "${DURATION:-5s}" -conns "${CONNS:-1,64,256}" \
   -storm "${STORM:-4096,16384}" -idle "${IDLE:-4096}" -partial "${PARTIAL:-16}" -python "${PYTHON:-/usr/bin/python3}" \
   -out bench/results/store.jsonl | tee bench/results/store.md
@@ -22,7 +23,7 @@ bin/storebench -reps "${REPS:-3}" -duration "${DURATION:-5s}" -conns "${CONNS:-1
 # Knob (env): LAUNCH_REPS. Uses bin/gorun (`make bench` builds it).
 go build -o bin/launchbench ./bench/launchbench
 echo
-echo "## Launcher: gorun vs torchrun 1.13 ($(nproc) cores, $(date -u +%F))"
+echo "## Launcher: gorun vs torchrun 1.13, and 2.14 when the sid bed is built ($(nproc) cores, $(date -u +%F))"
 bin/launchbench -reps "${LAUNCH_REPS:-5}" -python "${PYTHON:-/usr/bin/python3}" \
   -out bench/results/launch.jsonl | tee bench/results/launch.md
 

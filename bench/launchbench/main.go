@@ -1,9 +1,14 @@
 // Command launchbench measures gorun's launcher beside torchrun 1.13 (Debian's
-// PyTorch), in the same run, with the same workers, and prints a markdown
-// table of medians and ratios for BENCHMARKS.md.
+// PyTorch) and torchrun 2.14 (Debian sid's, in the sid bed: internal/sidbed),
+// in the same run, with the same workers, and prints a markdown table of
+// medians and ratios for BENCHMARKS.md.
 //
-// Three launchers are measured: gorun, torchrun with --monitor_interval 0.1,
-// and torchrun at its 1.13 default (5 s). All run single-node with
+// The launchers measured: gorun, torchrun 1.13 with --monitor_interval 0.1,
+// torchrun 1.13 at its default (5 s), and, when the sid bed is built (or
+// -python214 names an interpreter), torchrun 2.14 at its default (0.1 s).
+// torchrun 2.14 and its workers run in the bed: its wall times include
+// entering the bed (a mount namespace, a few mounts, chroot; see the
+// "bed floor" row). All run single-node with
 // --standalone, -nproc workers, --redirects 1 --tee 1 (Debian's torchrun 1.13
 // on Python 3.11 crashes without them; gorun gets the same for fairness) and
 // a fresh --log-dir per run. Launchers are interleaved within each
@@ -47,25 +52,31 @@ import (
 
 	"github.com/gorunhq/gorun/bench/internal/procs"
 	"github.com/gorunhq/gorun/bench/internal/stats"
+	"github.com/gorunhq/gorun/internal/sidbed"
 
 	"golang.org/x/sys/unix"
 )
 
 type launcher struct {
 	name    string // column label
-	kind    string // "gorun" or "torchrun"
+	kind    string // "gorun", "torchrun" (1.13) or "torchrun214"
 	monitor string // torchrun --monitor_interval; "" = its default
 }
 
 type config struct {
 	gorun, python   string
+	python214       string // Python with torch 2.14 ("": no torchrun 2.14 column)
 	reps, nproc     int
 	monitor         string
 	timeout         time.Duration
 	out, tmp, self  string
 	launchers       []launcher
 	torchrunVersion string
+	torch214Version string
 }
+
+// torchrun214 is torchrun 2.14's column.
+var torchrun214 = launcher{"torchrun 2.14 (default: monitor 0.1)", "torchrun214", ""}
 
 // torchrunPort is where torchrun 1.13 --standalone always puts its
 // rendezvous store (run.py: "localhost:29400").
@@ -95,11 +106,20 @@ func main() {
 	flag.StringVar(&cfg.monitor, "monitor", "0.1", "torchrun's --monitor_interval for its fast column")
 	flag.DurationVar(&cfg.timeout, "timeout", 60*time.Second, "bound on each run; then its process group is killed")
 	flag.StringVar(&cfg.out, "out", "bench/results/launch.jsonl", "raw results (JSON lines)")
+	flag.StringVar(&cfg.python214, "python214", "auto", `Python with torch 2.14 for torchrun 2.14's column ("auto": the sid bed's, when built; "": none)`)
 	flag.Parse()
 	cfg.launchers = []launcher{
 		{"gorun", "gorun", ""},
 		{"torchrun (monitor " + cfg.monitor + ")", "torchrun", cfg.monitor},
 		{"torchrun (default)", "torchrun", ""},
+	}
+	py214, err := sidbed.ResolvePython(cfg.python214)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "launchbench: no torchrun 2.14 column: %v\n", err)
+	}
+	cfg.python214 = py214
+	if cfg.python214 != "" {
+		cfg.launchers = append(cfg.launchers, torchrun214)
 	}
 	if err := runAll(&cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "launchbench:", err)
@@ -136,6 +156,13 @@ func runAll(cfg *config) error {
 		return fmt.Errorf("%s cannot import torch: %w", cfg.python, err)
 	}
 	cfg.torchrunVersion = strings.TrimSpace(string(v))
+	if cfg.python214 != "" {
+		v, err := exec.Command(cfg.python214, "-c", "import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
+		if err != nil {
+			return fmt.Errorf("%s cannot import torch: %w", cfg.python214, err)
+		}
+		cfg.torch214Version = strings.TrimSpace(string(v))
+	}
 	// Orphans of a launcher are reparented to us, so none escapes the count.
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
 		return fmt.Errorf("become a subreaper: %w", err)
@@ -179,7 +206,10 @@ func runAll(cfg *config) error {
 		for _, m := range []struct {
 			l     launcher
 			bench string
-		}{{floor, "floor"}, {gorunStartup, "startup"}} {
+		}{{floor, "floor"}, {gorunStartup, "startup"}, {bedFloor, "bed floor"}} {
+			if m.l.kind == "bed" && cfg.python214 == "" {
+				continue
+			}
 			for i := 0; i <= startupRuns; i++ {
 				r := runOnce(cfg, m.l, m.bench, trueWorker, 0, false)
 				if i == 0 {
@@ -218,6 +248,10 @@ const startupRuns = 5
 // floor is no launcher: the worker command alone.
 var floor = launcher{"exec floor", "none", ""}
 
+// bedFloor is /bin/true run in the sid bed (its enter script: a mount
+// namespace, a few mounts, chroot), what every torchrun 2.14 run pays on top.
+var bedFloor = launcher{"bed floor", "bed", ""}
+
 // gorunStartup is `gorun --version`: the binary's start-up (process
 // creation, runtime and package initialisation) and nothing else.
 var gorunStartup = launcher{"gorun start-up", "version", ""}
@@ -241,8 +275,12 @@ func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []str
 			a = append(a, "--max-restarts", strconv.Itoa(maxRestarts))
 		}
 		a = append(a, "--no-python")
-	case "torchrun":
-		a = []string{cfg.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, "--redirects", "1", "--tee", "1", "--log_dir", logDir}
+	case "torchrun", "torchrun214":
+		py := cfg.python
+		if l.kind == "torchrun214" {
+			py = cfg.python214
+		}
+		a = []string{py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", n, "--redirects", "1", "--tee", "1", "--log_dir", logDir}
 		if l.monitor != "" {
 			a = append(a, "--monitor_interval", l.monitor)
 		}
@@ -252,6 +290,9 @@ func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []str
 		a = append(a, "--no_python")
 	case "version":
 		return []string{cfg.gorun, "--version"}
+	case "bed":
+		// The bed's python3 wrapper is bin/python3 next to its enter script.
+		a = []string{filepath.Join(filepath.Dir(filepath.Dir(cfg.python214)), "enter")}
 	case "none":
 	}
 	return append(a, worker...)
@@ -274,7 +315,7 @@ func runOnce(cfg *config, l launcher, bench string, worker func(string) []string
 	r.Argv = strings.Join(argv, " ")
 	defer func() { r.LeftBehind = procs.ReapOrphans() }()
 
-	if l.kind == "torchrun" {
+	if l.kind == "torchrun" || l.kind == "torchrun214" {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 		err := procs.WaitPortFree(ctx, torchrunPort)
 		cancel()
@@ -509,19 +550,25 @@ func printTable(cfg *config, all []result) {
 	}
 
 	g, t := cfg.launchers[0], cfg.launchers[1]
+	ratios := []launcher{t}
+	if cfg.python214 != "" {
+		ratios = append(ratios, torchrun214)
+	}
 	fmt.Printf("Command: `%s`\n\n", strings.Join(os.Args, " "))
 	fmt.Printf("gorun: %s. torchrun: `%s -m torch.distributed.run`, %s. %d CPUs.\n", cfg.gorun, cfg.python, cfg.torchrunVersion, runtime.NumCPU())
+	if cfg.python214 != "" {
+		fmt.Printf("torchrun 2.14: `%s -m torch.distributed.run` (the sid bed), %s.\n", cfg.python214, cfg.torch214Version)
+	}
 	fmt.Printf("All launchers: `--standalone`, %d workers, `--redirects 1 --tee 1` (torchrun 1.13 needs it on Python 3.11; gorun gets the same).\n", cfg.nproc)
 	fmt.Printf("Medians of %d repetitions, launchers interleaved within each.\n\n", cfg.reps)
 	fmt.Printf("| benchmark | metric |")
 	for _, l := range cfg.launchers {
 		fmt.Printf(" %s |", l.name)
 	}
-	fmt.Printf(" gorun ÷ %s |\n|---|---|", t.name)
-	for range cfg.launchers {
-		fmt.Printf("---|")
+	for _, r := range ratios {
+		fmt.Printf(" gorun ÷ %s |", r.name)
 	}
-	fmt.Printf("---|\n")
+	fmt.Printf("\n|---|---|%s\n", strings.Repeat("---|", len(cfg.launchers)+len(ratios)))
 	medians := map[string]float64{} // "row/launcher" → median, for the goals
 	row := func(bench, metric string, get func(name string) []float64, format string) {
 		fmt.Printf("| %s | %s |", bench, metric)
@@ -534,13 +581,17 @@ func printTable(cfg *config, all []result) {
 			}
 			fmt.Printf(" "+format+" |", stats.Median(v))
 		}
-		gv, tv := medians[metric+"/"+g.name], medians[metric+"/"+t.name]
-		if tv != 0 && len(get(g.name)) > 0 {
-			fmt.Printf(" %.3f× |\n", gv/tv)
-		} else {
-			fmt.Printf(" — |\n")
+		for _, r := range ratios {
+			gv, tv := medians[metric+"/"+g.name], medians[metric+"/"+r.name]
+			if tv != 0 && len(get(g.name)) > 0 {
+				fmt.Printf(" %.3f× |", gv/tv)
+			} else {
+				fmt.Printf(" — |")
+			}
 		}
+		fmt.Println()
 	}
+	blank := strings.Repeat(" |", len(cfg.launchers)-1+len(ratios))
 	launch := fmt.Sprintf("launch: %d × /bin/true", cfg.nproc)
 	restart := fmt.Sprintf("restart: %d × sh, --max-restarts 1", cfg.nproc)
 	row(launch, "wall, start to exit (ms)", func(n string) []float64 { return values("launch", n, wall) }, "%.1f")
@@ -548,10 +599,14 @@ func printTable(cfg *config, all []result) {
 	row(restart, "wall, no failure (ms)", func(n string) []float64 { return values("clean", n, wall) }, "%.1f")
 	row(restart, "wall, rank 0 exits 3 on attempt 0 (ms)", func(n string) []float64 { return values("restart", n, wall) }, "%.1f")
 	row(restart, "added by the restart (ms)", added, "%.1f")
-	fmt.Printf("| exec floor | one /bin/true started and reaped by this harness, no launcher (ms) | %.1f | | | |\n",
-		stats.Median(values("floor", floor.name, wall)))
-	fmt.Printf("| gorun start-up | `gorun --version` started and reaped: the binary's own start-up (ms) | %.1f | | | |\n",
-		stats.Median(values("startup", gorunStartup.name, wall)))
+	fmt.Printf("| exec floor | one /bin/true started and reaped by this harness, no launcher (ms) | %.1f |%s\n",
+		stats.Median(values("floor", floor.name, wall)), blank)
+	fmt.Printf("| gorun start-up | `gorun --version` started and reaped: the binary's own start-up (ms) | %.1f |%s\n",
+		stats.Median(values("startup", gorunStartup.name, wall)), blank)
+	if cfg.python214 != "" {
+		fmt.Printf("| bed floor | one /bin/true run in the sid bed (mount namespace, mounts, chroot), no launcher (ms) | %.1f |%s\n",
+			stats.Median(values("bed floor", bedFloor.name, wall)), blank)
+	}
 
 	left, failed := 0, []string{}
 	for _, r := range all {

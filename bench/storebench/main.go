@@ -1,5 +1,6 @@
 // Command storebench measures gorun's TCPStore server beside PyTorch's own
-// C++ server, in the same run, with the same load client (bench/storeload),
+// C++ servers (1.13 on the host; 2.14's classic backend in the sid bed,
+// internal/sidbed, when it is built), in the same run, with the same load client (bench/storeload),
 // and prints a markdown table of medians and ratios for BENCHMARKS.md.
 //
 // Each measurement starts a fresh server process and a separate load
@@ -22,30 +23,40 @@ import (
 	"time"
 
 	"github.com/gorunhq/gorun/bench/internal/stats"
+	"github.com/gorunhq/gorun/internal/sidbed"
 )
 
 type server struct {
 	name string // row label
-	kind string // "gorun", "gorun-baseline" or "torch"
+	kind string // "gorun", "gorun-baseline", "torch" (1.13 on the host) or "torch214" (the sid bed's)
 	wire string // wire generation the load client speaks to it
 }
 
-var servers = []server{
-	{"gorun (old wire)", "gorun", "old"},
-	{"gorun (new wire)", "gorun", "new"},
-	{"torch 1.13 C++ server", "torch", "old"},
-}
+// The servers measured, in this order; torch 2.14's joins when the sid bed
+// (internal/sidbed) is there or -python214 names an interpreter.
+var (
+	servers = []server{
+		{"gorun (old wire)", "gorun", "old"},
+		{"gorun (new wire)", "gorun", "new"},
+		{"torch 1.13 C++ server", "torch", "old"},
+	}
+	torch214 = server{"torch 2.14 C++ server (classic)", "torch214", "new"}
+)
 
 type config struct {
 	gorun, gorunBaseline           string
 	storeload, python, torchServer string
-	reps                           int
-	duration                       time.Duration
-	conns, storms                  []int
-	idleConns                      int
-	partialConns, partialSend      int
-	partialAnnounce                int64
-	out                            string
+	// python214 runs torch 2.14's server: an interpreter that runs in the
+	// sid bed, which sees only the temporary directory, so the server
+	// script is copied there (torchServer214).
+	python214, torchServer214 string
+	reps                      int
+	duration                  time.Duration
+	conns, storms             []int
+	idleConns                 int
+	partialConns, partialSend int
+	partialAnnounce           int64
+	out                       string
 }
 
 func main() {
@@ -57,6 +68,7 @@ func main() {
 	flag.StringVar(&cfg.storeload, "storeload", "bin/storeload", "storeload binary")
 	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch")
 	flag.StringVar(&cfg.torchServer, "torch-server", "bench/torch_store_server.py", "PyTorch server script")
+	flag.StringVar(&cfg.python214, "python214", "auto", `Python with torch 2.14 for a second PyTorch server ("auto": the sid bed's, when built; "": none)`)
 	flag.IntVar(&cfg.reps, "reps", 3, "repetitions (medians are reported)")
 	flag.DurationVar(&cfg.duration, "duration", 5*time.Second, "length of each mixed-load run")
 	flag.StringVar(&conns, "conns", "1,64,256", "connection counts for the mixed load")
@@ -72,6 +84,21 @@ func main() {
 	if cfg.gorunBaseline != "" {
 		torch := servers[len(servers)-1]
 		servers = append(servers[:len(servers)-1], server{"gorun baseline (old wire)", "gorun-baseline", "old"}, torch)
+	}
+	py214, err := sidbed.ResolvePython(cfg.python214)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "storebench: no torch 2.14 row: %v\n", err)
+	}
+	cfg.python214 = py214
+	if cfg.python214 != "" {
+		script, err := copyToTemp(cfg.torchServer)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "storebench:", err)
+			os.Exit(1)
+		}
+		defer os.Remove(script)
+		cfg.torchServer214 = script
+		servers = append(servers, torch214)
 	}
 	if err := runAll(cfg); err != nil {
 		fmt.Fprintln(os.Stderr, "storebench:", err)
@@ -209,6 +236,8 @@ func startServer(cfg config, kind string) (addr string, pid int, stop func(), er
 		cmd = exec.Command(bin, "--log-level", "error", "store", "serve", "--listen", "127.0.0.1:0")
 	case "torch":
 		cmd = exec.Command(cfg.python, cfg.torchServer)
+	case "torch214":
+		cmd = exec.Command(cfg.python214, cfg.torchServer214)
 	}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -254,6 +283,24 @@ func startServer(cfg config, kind string) (addr string, pid int, stop func(), er
 	}
 }
 
+// copyToTemp copies path into the temporary directory (which the sid bed
+// sees) and returns the copy.
+func copyToTemp(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	f, err := os.CreateTemp("", "storebench-*-"+filepath.Base(path))
+	if err != nil {
+		return "", err
+	}
+	if _, err := f.Write(b); err != nil {
+		f.Close()
+		return "", err
+	}
+	return f.Name(), f.Close()
+}
+
 func median(rs []result, key string) float64 {
 	v := make([]float64, len(rs))
 	for i, r := range rs {
@@ -262,29 +309,45 @@ func median(rs []result, key string) float64 {
 	return stats.Median(v)
 }
 
+// ratio is a column of quotients of two servers' medians.
+type ratio struct{ label, num, den string }
+
 func printTable(cfg config, results map[string]map[string][]result) {
-	torch := servers[len(servers)-1].name
+	named := func(kind, wire string) string {
+		for _, sv := range servers {
+			if sv.kind == kind && sv.wire == wire {
+				return sv.name
+			}
+		}
+		return ""
+	}
+	ratios := []ratio{{"gorun old wire ÷ torch 1.13", named("gorun", "old"), named("torch", "old")}}
+	if cfg.python214 != "" {
+		ratios = append(ratios, ratio{"gorun new wire ÷ torch 2.14", named("gorun", "new"), torch214.name})
+	}
 	fmt.Printf("Medians of %d repetitions; mixed runs last %v each.\n\n", cfg.reps, cfg.duration)
 	fmt.Printf("| benchmark | metric |")
 	for _, s := range servers {
 		fmt.Printf(" %s |", s.name)
 	}
-	fmt.Printf(" gorun old wire ÷ torch |\n|---|---|")
-	for range servers {
-		fmt.Printf("---|")
+	for _, r := range ratios {
+		fmt.Printf(" %s |", r.label)
 	}
-	fmt.Printf("---|\n")
+	fmt.Printf("\n|---|---|%s\n", strings.Repeat("---|", len(servers)+len(ratios)))
 	row := func(bench, metric, key, format string, scale float64) {
 		fmt.Printf("| %s | %s |", bench, metric)
 		for _, s := range servers {
 			fmt.Printf(" "+format+" |", median(results[bench][s.name], key)*scale)
 		}
-		g, t := median(results[bench][servers[0].name], key), median(results[bench][torch], key)
-		if t != 0 {
-			fmt.Printf(" %.2f× |\n", g/t)
-		} else {
-			fmt.Printf(" — |\n")
+		for _, r := range ratios {
+			g, t := median(results[bench][r.num], key), median(results[bench][r.den], key)
+			if t != 0 {
+				fmt.Printf(" %.2f× |", g/t)
+			} else {
+				fmt.Printf(" — |")
+			}
 		}
+		fmt.Println()
 	}
 	for _, n := range cfg.conns {
 		b := fmt.Sprintf("mixed %d", n)
@@ -299,7 +362,7 @@ func printTable(cfg config, results map[string]map[string][]result) {
 		row(b, "server CPU (s)", "server_cpu_s", "%.2f", 1)
 		fmt.Printf("| connect floor %d | seconds for %d bare connects (no requests, one thread) | %.2f |%s\n",
 			n, n, median(results[fmt.Sprintf("connect floor %d", n)][servers[0].name], "seconds"),
-			strings.Repeat(" |", len(servers)))
+			strings.Repeat(" |", len(servers)-1+len(ratios)))
 	}
 	if cfg.idleConns > 0 {
 		row("idle", fmt.Sprintf("KiB RSS per idle connection (%d)", cfg.idleConns), "kib_per_conn", "%.1f", 1)

@@ -92,7 +92,13 @@ type Proc struct {
 // cleanup kills the group if the process is still running.
 func Start(t testing.TB, env []string, script string, args ...string) *Proc {
 	t.Helper()
-	py := Python(t)
+	return StartWith(t, Python(t), env, script, args...)
+}
+
+// StartWith is Start with a given interpreter (for instance the sid bed's,
+// internal/sidbed).
+func StartWith(t testing.TB, py string, env []string, script string, args ...string) *Proc {
+	t.Helper()
 	cmd := exec.Command(py, append([]string{"-c", script}, args...)...)
 	cmd.Env = append(os.Environ(), env...)
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}

@@ -32,7 +32,8 @@ type ncclAPI interface {
 	// path is the library as it was asked for, for messages.
 	path() string
 	// has reports whether an optional entry point (ncclCommInitRankConfig,
-	// ncclGetLastError, ncclCommShrink, ncclCommRevoke) was found.
+	// ncclGetLastError, ncclCommShrink, ncclCommRevoke, ncclCommGrow) was
+	// found.
 	has(symbol string) bool
 
 	getVersion() (int, Result)

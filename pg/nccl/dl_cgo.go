@@ -18,20 +18,7 @@ package nccl
 typedef int gr_res;
 typedef struct { char internal[128]; } gr_uid;
 
-// ncclConfig_t as of NCCL 2.17 (version code 21700). NCCL copies
-// min(size, sizeof its own ncclConfig_t) bytes, keeps its defaults for the
-// rest, and ignores fields newer than the version given, so every library
-// from 2.14 on accepts it.
-typedef struct {
-	size_t size;
-	unsigned int magic;
-	unsigned int version;
-	int blocking;
-	int cgaClusterSize;
-	int minCTAs;
-	int maxCTAs;
-	const char *netName;
-} gr_config;
+#include "gr_config.h"
 
 static void *gr_open(const char *path, char *err, size_t n) {
 	void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
@@ -88,7 +75,7 @@ static gr_res gr_initRank(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid 
 }
 static gr_res gr_initRankConfig(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid *id, int rank, int blocking) {
 	GR_USE(ctx);
-	gr_config cfg = {sizeof(gr_config), 0xcafebeef, 21700, blocking, INT_MIN, INT_MIN, INT_MIN, NULL};
+	gr_config cfg = {sizeof(gr_config), GR_CONFIG_MAGIC, GR_CONFIG_VERSION, blocking, INT_MIN, INT_MIN, INT_MIN, NULL};
 	void *c = NULL;
 	gr_res r = ((gr_res (*)(void **, int, gr_uid, int, gr_config *))f)(&c, n, *id, rank, &cfg);
 	*out = (uintptr_t)c;
@@ -282,11 +269,43 @@ var (
 // dlNCCL is libnccl.so.2 opened with dlopen.
 type dlNCCL struct {
 	lib *dlLibrary
-	f   struct {
-		getVersion, getUniqueID, errorString, lastError                            unsafe.Pointer
-		initRank, initRankConfig, asyncError, abort, destroy, shrink, revoke       unsafe.Pointer
-		groupStart, groupEnd, allReduce, broadcast, allGather, reduceScatter, send unsafe.Pointer
-		recv                                                                       unsafe.Pointer
+	f   ncclFuncs
+}
+
+// ncclFuncs are the entry points of NCCL that pg/nccl calls or probes.
+type ncclFuncs struct {
+	getVersion, getUniqueID, errorString, lastError                            unsafe.Pointer
+	initRank, initRankConfig, asyncError, abort, destroy, shrink, revoke, grow unsafe.Pointer
+	groupStart, groupEnd, allReduce, broadcast, allGather, reduceScatter, send unsafe.Pointer
+	recv                                                                       unsafe.Pointer
+}
+
+// ncclEntries is the symbol table: every entry point pg/nccl looks up in
+// NCCL, where each goes, and which may be missing (older libraries).
+func ncclEntries(f *ncclFuncs) []entry {
+	return []entry{
+		{"ncclGetVersion", &f.getVersion, false},
+		{"ncclGetUniqueId", &f.getUniqueID, false},
+		{"ncclGetErrorString", &f.errorString, false},
+		{"ncclCommInitRank", &f.initRank, false},
+		{"ncclCommGetAsyncError", &f.asyncError, false},
+		{"ncclCommAbort", &f.abort, false},
+		{"ncclCommDestroy", &f.destroy, false},
+		{"ncclGroupStart", &f.groupStart, false},
+		{"ncclGroupEnd", &f.groupEnd, false},
+		{"ncclAllReduce", &f.allReduce, false},
+		{"ncclBroadcast", &f.broadcast, false},
+		{"ncclAllGather", &f.allGather, false},
+		{"ncclReduceScatter", &f.reduceScatter, false},
+		{"ncclSend", &f.send, false},
+		{"ncclRecv", &f.recv, false},
+
+		{"ncclCommInitRankConfig", &f.initRankConfig, true},
+		{"ncclGetLastError", &f.lastError, true},
+		{"ncclCommShrink", &f.shrink, true},
+		{"ncclCommRevoke", &f.revoke, true},
+		// Probed only (Probe's grow=yes|no): no Group call uses it yet.
+		{"ncclCommGrow", &f.grow, true},
 	}
 }
 
@@ -311,6 +330,23 @@ func load[T any](cache map[string]T, name string, bind func(*dlLibrary) (T, erro
 	return l, nil
 }
 
+// probeSymbols opens name and reports, for every entry of the symbol
+// table, whether the library has it (required ones included: a library
+// missing one cannot be bound, but the probe still counts).
+func probeSymbols(name string) ([]probedSymbol, error) {
+	lib, err := dlOpen(name)
+	if err != nil {
+		return nil, err
+	}
+	var f ncclFuncs
+	var out []probedSymbol
+	for _, e := range ncclEntries(&f) {
+		_, err := lib.first(e.names)
+		out = append(out, probedSymbol{Name: e.names, Optional: e.optional, Found: err == nil})
+	}
+	return out, nil
+}
+
 func openNCCL(name string) (ncclAPI, error) {
 	return load(loadedNCCL, name, bindNCCL)
 }
@@ -318,28 +354,7 @@ func openNCCL(name string) (ncclAPI, error) {
 func bindNCCL(lib *dlLibrary) (*dlNCCL, error) {
 	n := &dlNCCL{lib: lib}
 	f := &n.f
-	err := lib.resolve([]entry{
-		{"ncclGetVersion", &f.getVersion, false},
-		{"ncclGetUniqueId", &f.getUniqueID, false},
-		{"ncclGetErrorString", &f.errorString, false},
-		{"ncclCommInitRank", &f.initRank, false},
-		{"ncclCommGetAsyncError", &f.asyncError, false},
-		{"ncclCommAbort", &f.abort, false},
-		{"ncclCommDestroy", &f.destroy, false},
-		{"ncclGroupStart", &f.groupStart, false},
-		{"ncclGroupEnd", &f.groupEnd, false},
-		{"ncclAllReduce", &f.allReduce, false},
-		{"ncclBroadcast", &f.broadcast, false},
-		{"ncclAllGather", &f.allGather, false},
-		{"ncclReduceScatter", &f.reduceScatter, false},
-		{"ncclSend", &f.send, false},
-		{"ncclRecv", &f.recv, false},
-
-		{"ncclCommInitRankConfig", &f.initRankConfig, true},
-		{"ncclGetLastError", &f.lastError, true},
-		{"ncclCommShrink", &f.shrink, true},
-		{"ncclCommRevoke", &f.revoke, true},
-	})
+	err := lib.resolve(ncclEntries(f))
 	if err != nil {
 		return nil, err
 	}
@@ -358,6 +373,8 @@ func (n *dlNCCL) has(symbol string) bool {
 		return n.f.shrink != nil
 	case "ncclCommRevoke":
 		return n.f.revoke != nil
+	case "ncclCommGrow":
+		return n.f.grow != nil
 	}
 	return false
 }

@@ -10,4 +10,5 @@ var errNoCgo = errors.New("pg/nccl needs cgo (it loads libnccl.so.2 and libcuda.
 
 func openNCCL(string) (ncclAPI, error) { return nil, errNoCgo }
 
-func openCUDA(string) (cudaAPI, error) { return nil, errNoCgo }
+func openCUDA(string) (cudaAPI, error)            { return nil, errNoCgo }
+func probeSymbols(string) ([]probedSymbol, error) { return nil, errNoCgo }

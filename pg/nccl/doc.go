@@ -29,7 +29,15 @@
 //   - Shrink is ncclCommShrink (NCCL ≥ 2.27.3) with NCCL_SHRINK_DEFAULT or
 //     NCCL_SHRINK_ABORT; Revoke is ncclCommRevoke (NCCL ≥ 2.28.7).
 //
+// Probe (and `gpusmoke -probe`) checks a library without a GPU: it resolves
+// every entry point the package uses and calls ncclGetVersion and
+// ncclGetUniqueId.
+//
 // The bindings sit behind two small interfaces (api.go), so the group's
 // logic is tested without a GPU against a test double: a small C library
 // built from testdata that exports the same entry points. It is not NCCL.
+// The real NCCL (2.29.7, from the sid bed, internal/sidbed) is tested too,
+// as far as it goes without a device: its symbol table and version gates, a
+// unique id exchanged through a store, ncclCommInitRankConfig's failure, and
+// the ncclConfig_t prefix (gr_config.h) compiled against its nccl.h.
 package nccl

@@ -70,49 +70,7 @@ s.wait(["go/bye"])
 	c := clDial(t, "127.0.0.1:"+port, ClientConfig{Wire: GenOld, Timeout: 30 * time.Second})
 	ctx := clCtx(t, 60*time.Second)
 
-	// Python's keys, read from Go.
-	clWantValue(t, c, "py/ready", "1")
-	clWantValue(t, c, "py/key", "from-python")
-	clWantValue(t, c, "py/cas", "first")
-	if n := clMust(c.Add(ctx, "py/cnt", 0))(t); n != 5 {
-		t.Errorf("Add(py/cnt, 0) = %d, want 5", n)
-	}
-
-	// Every op, checked from Go and (below) from Python.
-	clOK(t, c.Set(ctx, "go/key", []byte("from-go")))
-	clMust(c.Add(ctx, "go/cnt", 3))(t)
-	if n := clMust(c.Add(ctx, "go/cnt", 4))(t); n != 7 {
-		t.Errorf("Add(go/cnt) = %d, want 7", n)
-	}
-	for _, tc := range []struct{ key, expected, desired, want string }{
-		{"go/cas", "", "x", "x"},
-		{"go/cas", "wrong", "y", "x"},
-		{"go/cas", "x", "y", "y"},
-		{"go/absent", "e", "d", "e"},
-	} {
-		if got := clMust(c.CompareSet(ctx, tc.key, []byte(tc.expected), []byte(tc.desired)))(t); string(got) != tc.want {
-			t.Errorf("CompareSet(%s, %q, %q) = %q, want %q", tc.key, tc.expected, tc.desired, got, tc.want)
-		}
-	}
-	n0 := clMust(c.NumKeys(ctx))(t)
-	clOK(t, c.Set(ctx, "go/deleted", nil))
-	if n := clMust(c.NumKeys(ctx))(t); n != n0+1 {
-		t.Errorf("NumKeys after a Set = %d, want %d", n, n0+1)
-	}
-	if !clMust(c.Delete(ctx, "go/deleted"))(t) || clMust(c.Delete(ctx, "go/deleted"))(t) {
-		t.Error("Delete did not report true, then false")
-	}
-	if !clMust(c.Check(ctx, "go/key", "py/key"))(t) || clMust(c.Check(ctx, "go/absent"))(t) {
-		t.Error("Check is wrong")
-	}
-	clOK(t, c.Append(ctx, "go/append", []byte("po")))
-	clOK(t, c.Append(ctx, "go/append", []byte("tato")))
-	clOK(t, c.Append(ctx, "go/twice", []byte("ab")))
-	clOK(t, c.Append(ctx, "go/twice", []byte("ab")))
-	clOK(t, c.MultiSet(ctx, []string{"go/m1", "go/m2"}, [][]byte{[]byte("1"), []byte("2")}))
-	if got := clMust(c.MultiGet(ctx, "go/m2", "go/m1"))(t); string(got[0]) != "2" || string(got[1]) != "1" {
-		t.Errorf("MultiGet = %q", got)
-	}
+	clTorchPeerOps(ctx, t, c)
 
 	// A timed-out wait costs the connection (spec §2.3: a 1.13 server
 	// would answer the abandoned wait later), and the client goes on.

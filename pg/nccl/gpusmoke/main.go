@@ -25,7 +25,17 @@ func main() {
 	flag.IntVar(&cfg.Device, "device", 0, "CUDA device ordinal")
 	flag.BoolVar(&cfg.NonBlocking, "nonblocking", false, "non-blocking communicator")
 	n := flag.Int("n", 1<<20, "float32 elements to allreduce")
+	probe := flag.Bool("probe", false, "only load NCCL and check it (no GPU needed)")
 	flag.Parse()
+	if *probe {
+		rep, err := nccl.Probe(cfg.NCCLLibrary)
+		if err != nil {
+			fmt.Printf("FAIL nccl probe: %v\n", err)
+			os.Exit(1)
+		}
+		fmt.Println(rep)
+		return
+	}
 	detail, err := smoke(cfg, *n)
 	if err != nil {
 		fmt.Printf("FAIL gpu-smoke: %v\n", err)
