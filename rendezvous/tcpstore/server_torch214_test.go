@@ -80,7 +80,7 @@ func (s *opSpy) accept() {
 		go func() { // client to server: forwarded, then decoded
 			defer s.wg.Done()
 			defer up.Close()
-			d := newDecoder(DefaultLimits(), Legacy113)
+			d := newDecoder(DefaultLimits(), Legacy113, nil) // nil: no memory account
 			buf := make([]byte, 64<<10)
 			for {
 				n, err := c.Read(buf)
