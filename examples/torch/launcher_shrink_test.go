@@ -2,6 +2,7 @@ package torch_test
 
 import (
 	"context"
+	"os"
 	"path/filepath"
 	"runtime"
 	"strconv"
@@ -9,38 +10,65 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/sidbed"
 	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
 )
+
+// killTimes are when shrink-mode tests kill a rank, from every rank
+// training: early, and late, after the helper's watcher has timed out its
+// store waits a few times (the case that once hung PyTorch 1.13's
+// survivors; 2.14 cancels timed-out waits with CANCEL_WAIT).
+var killTimes = []struct {
+	name  string
+	after time.Duration
+	steps int // long enough to outlast the kill
+}{
+	{"early", 300 * time.Millisecond, 150},
+	{"late", 3500 * time.Millisecond, 400},
+}
 
 // TestGorunShrinksTorchGloo is the whole of shrink mode with real PyTorch
 // 1.13 gloo workers: gorun --on-failure shrink runs four ranks of
 // train_elastic.py; the test SIGKILLs rank 2 mid-training; the agent
 // reports it, decides and publishes epoch 1, the three survivors shrink
 // and finish with the same model, and gorun exits 0 naming the lost rank.
-// The kill comes early, and late: after the helper's watcher has timed out
-// its store waits a few times (the case that once hung the survivors).
 func TestGorunShrinksTorchGloo(t *testing.T) {
-	for _, tc := range []struct {
-		name  string
-		after time.Duration // from every rank training to the kill
-		steps int
-	}{
-		{"early", 300 * time.Millisecond, 150},
-		{"late", 3500 * time.Millisecond, 400},
-	} {
-		t.Run(tc.name, func(t *testing.T) { testGorunShrinksTorchGloo(t, tc.after, tc.steps) })
+	py := torchtest.Python(t)
+	_, self, _, _ := runtime.Caller(0)
+	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
+	for _, tc := range killTimes {
+		t.Run(tc.name, func(t *testing.T) { testGorunShrinksTorchGloo(t, py, script, tc.after, tc.steps) })
 	}
 }
 
-func testGorunShrinksTorchGloo(t *testing.T, after time.Duration, steps int) {
-	py := torchtest.Python(t)
-	gorun := testutil.BuildGorun(t)
+// TestGorunShrinksTorch214Gloo is the same with PyTorch 2.14 gloo workers
+// (the sid bed's python, internal/sidbed). The bed sees only the temporary
+// directory, so the script and its helper are copied there.
+func TestGorunShrinksTorch214Gloo(t *testing.T) {
+	bed := sidbed.Require(t)
 	_, self, _, _ := runtime.Caller(0)
-	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
+	dir := t.TempDir()
+	for _, name := range []string{"train_elastic.py", "gorun_ft.py"} {
+		b, err := os.ReadFile(filepath.Join(filepath.Dir(self), name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, tc := range killTimes {
+		t.Run(tc.name, func(t *testing.T) {
+			testGorunShrinksTorchGloo(t, bed.Python(), filepath.Join(dir, "train_elastic.py"), tc.after, tc.steps)
+		})
+	}
+}
+
+func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Duration, steps int) {
+	gorun := testutil.BuildGorun(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-
 	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
 		"--on-failure", "shrink", "--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
 	g.AwaitLines(ctx, t, ": training, world 4", 4)
@@ -56,7 +84,7 @@ func testGorunShrinksTorchGloo(t *testing.T, after time.Duration, steps int) {
 	}
 	out := g.Stdout.String()
 	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
-		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, out)
+		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, g.Output())
 	}
 	dones := doneLine.FindAllStringSubmatch(out, -1)
 	if len(dones) != 3 {
