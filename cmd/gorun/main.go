@@ -46,7 +46,7 @@ func runApp(ctx context.Context, app *cli.App, args []string) int {
 	if err == nil {
 		return ExitOK
 	}
-	err = explainUnknownFlag(err, allFlags(app.Flags, app.Commands))
+	err = explainUnknownFlag(err, func() []cli.Flag { return allFlags(app.Flags, app.Commands) })
 	fmt.Fprintf(app.ErrWriter, "gorun: %v\n", err)
 	var ee *exitError
 	if errors.As(err, &ee) {

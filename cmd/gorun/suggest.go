@@ -14,15 +14,15 @@ const undefinedFlagPrefix = "flag provided but not defined: -"
 
 // explainUnknownFlag rewrites the parser's error for an unknown flag as
 // "unknown flag --NAME", with the nearest known flag when one is close
-// (torchrun's argparse names the flag and suggests too). Other errors pass
-// through.
-func explainUnknownFlag(err error, flags []cli.Flag) error {
+// (torchrun's argparse names the flag and suggests too); flags lists the
+// known ones, asked for only then. Other errors pass through.
+func explainUnknownFlag(err error, flags func() []cli.Flag) error {
 	name, ok := strings.CutPrefix(err.Error(), undefinedFlagPrefix)
 	if !ok {
 		return err
 	}
 	name = strings.TrimLeft(name, "-")
-	if best := nearestFlag(name, flags); best != "" {
+	if best := nearestFlag(name, flags()); best != "" {
 		return fmt.Errorf("unknown flag --%s (did you mean --%s?)", name, best)
 	}
 	return fmt.Errorf("unknown flag --%s (gorun --help lists them)", name)
@@ -54,11 +54,23 @@ func nearestFlag(name string, flags []cli.Flag) string {
 }
 
 // allFlags returns flags and those of every command under cmds: the error
-// does not say which command's parser refused the flag.
+// does not say which command's parser refused the flag. Each command is
+// visited once: urfave/cli gives commands a help subcommand that can lead
+// back to itself.
 func allFlags(flags []cli.Flag, cmds []*cli.Command) []cli.Flag {
 	all := append([]cli.Flag(nil), flags...)
-	for _, c := range cmds {
-		all = allFlags(append(all, c.Flags...), c.Subcommands)
+	seen := map[*cli.Command]bool{}
+	var walk func([]*cli.Command)
+	walk = func(cs []*cli.Command) {
+		for _, c := range cs {
+			if c == nil || seen[c] {
+				continue
+			}
+			seen[c] = true
+			all = append(all, c.Flags...)
+			walk(c.Subcommands)
+		}
 	}
+	walk(cmds)
 	return all
 }
