@@ -324,7 +324,9 @@ type Config struct {
 	// lost node; default 300s.
 	ExitBarrierTimeout time.Duration
 	// Init makes the agent do a PID 1's duties (become a subreaper and reap
-	// orphaned descendants) even when it is not PID 1; gorun's --init.
+	// orphaned descendants) even when it is not PID 1, and fail if it
+	// cannot; gorun's --init. ContainDescendants, on by default, does the
+	// same but only warns when the agent cannot become a subreaper.
 	Init bool
 	// ContainDescendants makes the agent a child subreaper that kills what
 	// its workers leave behind — their descendants re-parented to it, a
@@ -437,9 +439,10 @@ const (
 )
 
 // DefaultConfig returns torchrun's defaults: one node, one worker, static
-// rendezvous at 127.0.0.1:29500 with run id "none", no restarts. It reads
-// no environment; the CLI applies PET_*, PYTHON_EXEC and
-// TORCH_ELASTIC_SHUTDOWN_TIMEOUT on top of it.
+// rendezvous at 127.0.0.1:29500 with run id "none", no restarts; and
+// gorun's own (restart on failure, ContainDescendants on, the agreement's
+// and node liveness's timings). It reads no environment; the CLI applies
+// PET_*, PYTHON_EXEC and TORCH_ELASTIC_SHUTDOWN_TIMEOUT on top of it.
 func DefaultConfig() Config {
 	return Config{
 		Entrypoint:   Entrypoint{Python: defaultPython},

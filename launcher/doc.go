@@ -8,9 +8,12 @@
 //
 //   - config.go: the typed configuration, its defaults and Validate;
 //     cmd/gorun turns flags and PET_* variables into a Config with the
-//     parsers here and in signals.go, nproc.go and endpoint.go.
+//     parsers here and in signals.go, nproc.go and endpoint.go;
+//     rdzv_settings.go: --rdzv-conf and the rendezvous flags, parsed once.
 //   - agent.go: Run and the agent's loop: rendezvous, run a round,
-//     decide (the next round, a restart, or the end).
+//     decide (the next round, a restart, or the end); stop.go: the one
+//     path from a stop signal to every wait; waitnotice.go: long waits
+//     saying what they wait for.
 //   - round.go: a round's mechanism: starting the workers, and the one
 //     loop that turns what happens while they run into events.
 //   - restart_mode.go, shrink_mode.go: the two failure policies, each a
@@ -21,8 +24,9 @@
 //     (the rendezvous handle, the job's restart count, outcome and exit
 //     barrier).
 //   - survivors.go: shrink mode's agreement, the agent's side.
-//   - group.go, output.go, failure.go, env.go: the worker processes, their
-//     output, their failures, their environment.
+//   - group.go, output.go, prefix.go, failure.go, env.go: the worker
+//     processes, their output (console prefixes, filtered logs), their
+//     failures, their environment.
 //   - health.go: the HTTP endpoint (/healthz, /readyz, /metrics);
 //     gossip.go: node liveness (package health) among the agents.
 package launcher

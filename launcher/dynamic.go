@@ -121,8 +121,11 @@ func (d *dynamicNode) connect(ctx context.Context, static bool, joinTimeout time
 	}
 	dctx, cancel := context.WithTimeout(ctx, joinTimeout)
 	defer cancel()
-	deadline, _ := dctx.Deadline()
-	stop := announceWait(d.job.log, "the rendezvous store", deadline, zap.String("endpoint", endpoint))
+	stop := func() {}
+	if d.storeHost == nil { // the host's own store answers at once
+		deadline, _ := dctx.Deadline()
+		stop = announceWait(d.job.log, "the rendezvous store", deadline, zap.String("endpoint", endpoint))
+	}
 	c, err := tcpstore.Dial(dctx, endpoint, tcpstore.ClientConfig{Timeout: rs.readTimeout})
 	stop()
 	if errors.Is(err, rendezvous.ErrTimeout) {

@@ -1,10 +1,8 @@
 package launcher
 
 import (
-	"os"
 	"strconv"
 	"strings"
-	"sync"
 )
 
 // defaultLinePrefix is torchrun's console prefix of a worker's lines.
@@ -82,49 +80,3 @@ func identifierLen(s string) int {
 }
 
 func isIdentifier(s string) bool { return s != "" && identifierLen(s) == len(s) }
-
-// filteredLog is an attempt's filtered_stdout.log or filtered_stderr.log:
-// the lines of tee'd streams that contain one of the needles, prefixed as
-// on the console, from every worker of the attempt.
-type filteredLog struct {
-	needles []string
-	mu      sync.Mutex
-	f       *os.File
-}
-
-// openFilteredLog creates path for needles; nil, nil when there are none.
-func openFilteredLog(path string, needles []string) (*filteredLog, error) {
-	if len(needles) == 0 {
-		return nil, nil
-	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644)
-	if err != nil {
-		return nil, err
-	}
-	return &filteredLog{needles: needles, f: f}, nil
-}
-
-// offer writes line, prefixed, when it contains a needle.
-func (l *filteredLog) offer(prefix string, line []byte) {
-	if l == nil {
-		return
-	}
-	for _, n := range l.needles {
-		if strings.Contains(string(line), n) {
-			buf := append([]byte(prefix), line...)
-			if len(line) == 0 || line[len(line)-1] != '\n' {
-				buf = append(buf, '\n')
-			}
-			l.mu.Lock()
-			l.f.Write(buf)
-			l.mu.Unlock()
-			return
-		}
-	}
-}
-
-func (l *filteredLog) close() {
-	if l != nil {
-		l.f.Close()
-	}
-}

@@ -38,12 +38,13 @@ type CoordinatorConfig struct {
 const DefaultAgreementTimeout = 10 * time.Second
 
 // Coordinator is one agent's side of the agreement. Every agent runs one:
-// each files the failures it sees, follows the report log and the epochs
-// on the Board, and keeps a Decider in step with them, so that whichever
-// agent leads can decide at once. Only the leader publishes; who leads is
-// the launcher's choice (the first live agent in the rendezvous's order),
-// given with Lead. Reports live on the Board, not in the leader's memory,
-// so a successor decides on the same reports when the leader dies.
+// each files the failures it sees (and the newcomers ready on its node),
+// follows the Board's notice log and its epochs, and keeps a Decider in
+// step with them, so that whichever agent leads can decide at once. Only
+// the leader publishes; who leads is the launcher's choice (the first live
+// agent in the rendezvous's order), given with Lead. Notices live on the
+// Board, not in the leader's memory, so a successor decides on the same
+// news when the leader dies.
 type Coordinator struct {
 	cfg CoordinatorConfig
 	ops *Board // filing and publishing

@@ -133,7 +133,7 @@ func launchFlags() []cli.Flag {
 		torchString(catCompat, "logs-specs", "", "torchrun.logs_specs plugin name; ignored (Python plugins only)"),
 		torchString(catCompat, "numa-binding", "", "node, socket, exclusive or core-complex; not supported yet, ignored with a warning"),
 
-		&cli.BoolFlag{Name: "init", Usage: "do PID 1's duties (subreaper, reap orphans) even when not PID 1",
+		&cli.BoolFlag{Name: "init", Usage: "insist on PID 1's duties when not PID 1: gorun always becomes a child subreaper that reaps and, when a worker group ends, kills what the workers leave behind; with --init, failing to become one is an error, not a warning",
 			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
 		&cli.StringFlag{Name: "health-addr", Usage: "serve /healthz, /readyz and /metrics (Prometheus) on `HOST:PORT`, e.g. :8080 " +
 			"(default: :$" + healthPortVar + " when that is set, else no endpoint)",

@@ -18,7 +18,7 @@ each one:
   is destroyed and initialised anew among the survivors, on a fresh
   PrefixStore, with the new rank and world size.
 
-Only the gloo path is tested (with PyTorch 1.13, in CI); the NCCL paths need
+Only the gloo path is tested (with PyTorch 1.13 and 2.14, in CI); the NCCL paths need
 a GPU and have not run yet.
 
 Use::

@@ -8,6 +8,20 @@ import (
 	"testing"
 )
 
+// accountedDecoder is a decoder with a memory account of its own; done
+// drops it and checks that the account is back to zero.
+func accountedDecoder(t testing.TB, lim Limits) (*decoder, *budget, func()) {
+	mem := newBudget(1 << 40)
+	d := new(decoder)
+	*d = newDecoder(lim, Legacy113, mem)
+	return d, mem, func() {
+		d.drop()
+		if mem.held() != 0 {
+			t.Fatalf("budget holds %d bytes after drop", mem.held())
+		}
+	}
+}
+
 // decodeAll feeds chunks to a fresh decoder the way the server reads (into
 // the decoder's spare room, parsing after every read) and renders every
 // request it yields, then the terminal state ("incomplete" or the protocol
@@ -16,14 +30,8 @@ import (
 // and that dropping the decoder gives the budget back.
 func decodeAll(t testing.TB, lim Limits, chunks ...[]byte) []string {
 	lim = lim.withDefaults()
-	mem := newBudget(1 << 40)
-	d := newDecoder(lim, Legacy113, mem)
-	defer func() {
-		d.drop()
-		if mem.held() != 0 {
-			t.Fatalf("budget holds %d bytes after drop", mem.held())
-		}
-	}()
+	d, mem, done := accountedDecoder(t, lim)
+	defer done()
 	var out []string
 	arrived := 0
 	for _, ch := range chunks {
@@ -76,14 +84,8 @@ func decodeAll(t testing.TB, lim Limits, chunks ...[]byte) []string {
 // wrong. Buffer and budget checks as in decodeAll.
 func decodeLoop(t testing.TB, lim Limits, chunks ...[]byte) []string {
 	lim = lim.withDefaults()
-	mem := newBudget(1 << 40)
-	d := newDecoder(lim, Legacy113, mem)
-	defer func() {
-		d.drop()
-		if mem.held() != 0 {
-			t.Fatalf("budget holds %d bytes after drop", mem.held())
-		}
-	}()
+	d, mem, done := accountedDecoder(t, lim)
+	defer done()
 	var out []string
 	arrived := 0
 	for _, ch := range chunks {
