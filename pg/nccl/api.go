@@ -27,13 +27,17 @@ const uniqueIDBytes = 128
 // uniqueID is ncclUniqueId: 128 opaque bytes.
 type uniqueID [uniqueIDBytes]byte
 
+// commConfig is the ncclConfig_t pg/nccl passes: only blocking is set,
+// every other field keeps NCCL's default.
+type commConfig struct{ blocking bool }
+
 // ncclAPI is libnccl.so.2.
 type ncclAPI interface {
 	// path is the library as it was asked for, for messages.
 	path() string
 	// has reports whether an optional entry point (ncclCommInitRankConfig,
-	// ncclGetLastError, ncclCommShrink, ncclCommRevoke, ncclCommGrow) was
-	// found.
+	// ncclGetLastError, ncclCommShrink, ncclCommRevoke, ncclCommGrow,
+	// ncclCommGetUniqueId) was found.
 	has(symbol string) bool
 
 	getVersion() (int, Result)
@@ -52,6 +56,15 @@ type ncclAPI interface {
 	// commShrink passes a NULL config: the child inherits the parent's.
 	commShrink(ctx ctxHandle, c commHandle, exclude []int32, flags int) (commHandle, Result)
 	commRevoke(ctx ctxHandle, c commHandle, flags int) Result
+	// commGetUniqueID is ncclCommGetUniqueId: the id of one grow of c,
+	// made by the member that is the grow's root.
+	commGetUniqueID(ctx ctxHandle, c commHandle) (uniqueID, Result)
+	// commGrow is ncclCommGrow(parent, nranks, id, rank, &newcomm, config).
+	// A member passes its communicator and rank -1, and the id only if it
+	// is the root (nil passes NULL); a newcomer passes parent 0 (NULL), the
+	// id and its rank. A nil cfg passes a NULL config (a member's child
+	// inherits the parent's; a newcomer's gets NCCL's defaults).
+	commGrow(ctx ctxHandle, parent commHandle, nranks int, id *uniqueID, rank int, cfg *commConfig) (commHandle, Result)
 
 	groupStart() Result
 	groupEnd(ctx ctxHandle) Result

@@ -73,9 +73,15 @@ static gr_res gr_initRank(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid 
 	*out = (uintptr_t)c;
 	return r;
 }
+// gr_make_config is the ncclConfig_t pg/nccl passes: blocking set, every
+// other field NCCL_CONFIG_UNDEF_INT (INT_MIN) or NULL, NCCL's defaults.
+static gr_config gr_make_config(int blocking) {
+	gr_config cfg = {sizeof(gr_config), GR_CONFIG_MAGIC, GR_CONFIG_VERSION, blocking, INT_MIN, INT_MIN, INT_MIN, NULL};
+	return cfg;
+}
 static gr_res gr_initRankConfig(void *f, uintptr_t ctx, uintptr_t *out, int n, gr_uid *id, int rank, int blocking) {
 	GR_USE(ctx);
-	gr_config cfg = {sizeof(gr_config), GR_CONFIG_MAGIC, GR_CONFIG_VERSION, blocking, INT_MIN, INT_MIN, INT_MIN, NULL};
+	gr_config cfg = gr_make_config(blocking);
 	void *c = NULL;
 	gr_res r = ((gr_res (*)(void **, int, gr_uid, int, gr_config *))f)(&c, n, *id, rank, &cfg);
 	*out = (uintptr_t)c;
@@ -90,6 +96,22 @@ static gr_res gr_shrink(void *f, uintptr_t ctx, uintptr_t c, int *ex, int n, uin
 	GR_USE(ctx);
 	void *nc = NULL;
 	gr_res r = ((gr_res (*)(void *, int *, int, void **, void *, int))f)((void *)c, ex, n, &nc, NULL, flags);
+	*out = (uintptr_t)nc;
+	return r;
+}
+// ncclCommGetUniqueId(ncclComm_t, ncclUniqueId *).
+static gr_res gr_commGetUniqueId(void *f, uintptr_t ctx, uintptr_t c, gr_uid *id) {
+	GR_USE(ctx);
+	return ((gr_res (*)(void *, gr_uid *))f)((void *)c, id);
+}
+// ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId,
+// int rank, ncclComm_t *newcomm, ncclConfig_t *config); comm and uniqueId
+// may be NULL (0 and NULL from Go), config is NULL unless with_config.
+static gr_res gr_grow(void *f, uintptr_t ctx, uintptr_t c, int n, const gr_uid *id, int rank, uintptr_t *out, int with_config, int blocking) {
+	GR_USE(ctx);
+	gr_config cfg = gr_make_config(blocking);
+	void *nc = NULL;
+	gr_res r = ((gr_res (*)(void *, int, const gr_uid *, int, void **, gr_config *))f)((void *)c, n, id, rank, &nc, with_config ? &cfg : NULL);
 	*out = (uintptr_t)nc;
 	return r;
 }
@@ -277,7 +299,7 @@ type ncclFuncs struct {
 	getVersion, getUniqueID, errorString, lastError                            unsafe.Pointer
 	initRank, initRankConfig, asyncError, abort, destroy, shrink, revoke, grow unsafe.Pointer
 	groupStart, groupEnd, allReduce, broadcast, allGather, reduceScatter, send unsafe.Pointer
-	recv                                                                       unsafe.Pointer
+	recv, commGetUniqueID                                                      unsafe.Pointer
 }
 
 // ncclEntries is the symbol table: every entry point pg/nccl looks up in
@@ -304,8 +326,10 @@ func ncclEntries(f *ncclFuncs) []entry {
 		{"ncclGetLastError", &f.lastError, true},
 		{"ncclCommShrink", &f.shrink, true},
 		{"ncclCommRevoke", &f.revoke, true},
-		// Probed only (Probe's grow=yes|no): no Group call uses it yet.
+		// Grow takes both (NCCL ≥ 2.29); without them it falls back to a
+		// fresh communicator (see Group.Grow).
 		{"ncclCommGrow", &f.grow, true},
+		{"ncclCommGetUniqueId", &f.commGetUniqueID, true},
 	}
 }
 
@@ -375,6 +399,8 @@ func (n *dlNCCL) has(symbol string) bool {
 		return n.f.revoke != nil
 	case "ncclCommGrow":
 		return n.f.grow != nil
+	case "ncclCommGetUniqueId":
+		return n.f.commGetUniqueID != nil
 	}
 	return false
 }
@@ -468,6 +494,41 @@ func (n *dlNCCL) commRevoke(ctx ctxHandle, c commHandle, flags int) Result {
 		return InvalidUsage
 	}
 	return Result(C.gr_revoke(n.f.revoke, C.uintptr_t(ctx), C.uintptr_t(c), C.int(flags)))
+}
+
+func (n *dlNCCL) commGetUniqueID(ctx ctxHandle, c commHandle) (uniqueID, Result) {
+	var out uniqueID
+	if n.f.commGetUniqueID == nil {
+		return out, InvalidUsage
+	}
+	var id C.gr_uid
+	r := C.gr_commGetUniqueId(n.f.commGetUniqueID, C.uintptr_t(ctx), C.uintptr_t(c), &id)
+	copy(out[:], C.GoBytes(unsafe.Pointer(&id), uniqueIDBytes))
+	return out, Result(r)
+}
+
+func (n *dlNCCL) commGrow(ctx ctxHandle, parent commHandle, nranks int, id *uniqueID, rank int, cfg *commConfig) (commHandle, Result) {
+	if n.f.grow == nil {
+		return 0, InvalidUsage
+	}
+	// The id is passed for the call only (a Go pointer, which C may not
+	// keep): the library reads it while it starts the grow, as it takes
+	// ncclCommInitRank's id by value.
+	var u *C.gr_uid
+	if id != nil {
+		cu := cUID(*id)
+		u = &cu
+	}
+	withConfig, blocking := C.int(0), C.int(0)
+	if cfg != nil {
+		withConfig = 1
+		if cfg.blocking {
+			blocking = 1
+		}
+	}
+	var nc C.uintptr_t
+	r := C.gr_grow(n.f.grow, C.uintptr_t(ctx), C.uintptr_t(parent), C.int(nranks), u, C.int(rank), &nc, withConfig, blocking)
+	return commHandle(nc), Result(r)
 }
 
 func (n *dlNCCL) groupStart() Result { return Result(C.gr_groupStart(n.f.groupStart)) }

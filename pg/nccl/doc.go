@@ -28,6 +28,13 @@
 //     free-at-once behaviour instead.
 //   - Shrink is ncclCommShrink (NCCL ≥ 2.27.3) with NCCL_SHRINK_DEFAULT or
 //     NCCL_SHRINK_ABORT; Revoke is ncclCommRevoke (NCCL ≥ 2.28.7).
+//   - Grow (pg.Grower) and JoinGrow take newcomers in: ncclCommGrow (NCCL ≥
+//     2.29) with an id from the root member's ncclCommGetUniqueId, published
+//     like New's under the key "0" of the grow's namespace once every
+//     newcomer has announced itself; older libraries fall back to a fresh
+//     communicator of the grown size with the same ranks. A newcomer that
+//     never comes ends the grow at the context's end, before any NCCL call,
+//     and the members keep their group.
 //
 // Probe (and `gpusmoke -probe`) checks a library without a GPU: it resolves
 // every entry point the package uses and calls ncclGetVersion and
@@ -38,6 +45,7 @@
 // built from testdata that exports the same entry points. It is not NCCL.
 // The real NCCL (2.29.7, from the sid bed, internal/sidbed) is tested too,
 // as far as it goes without a device: its symbol table and version gates, a
-// unique id exchanged through a store, ncclCommInitRankConfig's failure, and
+// unique id exchanged through a store, ncclCommInitRankConfig's and a
+// newcomer's ncclCommGrow's failures, ncclCommGrow's argument checks, and
 // the ncclConfig_t prefix (gr_config.h) compiled against its nccl.h.
 package nccl

@@ -64,7 +64,10 @@ type Group struct {
 	wdDone chan struct{}
 }
 
-var _ pg.ProcessGroup = (*Group)(nil)
+var (
+	_ pg.ProcessGroup = (*Group)(nil)
+	_ pg.Grower       = (*Group)(nil)
+)
 
 // New forms the group: it finds the GPU, loads NCCL, exchanges the unique
 // id through the bootstrap store as PyTorch does (rank 0 runs
@@ -77,6 +80,44 @@ var _ pg.ProcessGroup = (*Group)(nil)
 // naming the library when NCCL cannot be loaded; in a build without cgo, an
 // error saying pg/nccl needs cgo.
 func New(ctx context.Context, cfg Config) (*Group, error) {
+	g, err := open(cfg)
+	if err != nil {
+		return nil, err
+	}
+	err = g.form(ctx, func(ctx context.Context) (commHandle, error) {
+		id, err := g.exchangeID(ctx)
+		if err != nil {
+			return 0, err
+		}
+		return g.initComm(ctx, id)
+	})
+	if err != nil {
+		return nil, err
+	}
+	return g, nil
+}
+
+// form makes the communicator of a Group from open or derive with mk,
+// within ctx and the bootstrap timeout, and starts the group; on failure it
+// releases the group.
+func (g *Group) form(ctx context.Context, mk func(context.Context) (commHandle, error)) error {
+	ctx, cancel := rendezvous.WithDefaultTimeout(ctx, g.cfg.Bootstrap.OpTimeout())
+	defer cancel()
+	comm, err := mk(ctx)
+	if err == nil {
+		g.comm = comm
+		err = g.start()
+	}
+	if err != nil {
+		g.release()
+	}
+	return err
+}
+
+// open is what New and JoinGrow do before they meet their peers: check the
+// configuration, find the GPU, load NCCL and retain the device. The Group
+// it returns has no communicator yet; release frees it.
+func open(cfg Config) (*Group, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
 		return nil, err
@@ -102,23 +143,8 @@ func New(ctx context.Context, cfg Config) (*Group, error) {
 	if err != nil {
 		return nil, err
 	}
-	g := &Group{cfg: cfg, nccl: nccl, cuda: cuda, ver: ver, dev: dev,
-		rank: cfg.Bootstrap.Rank, size: cfg.Bootstrap.Size}
-
-	ctx, cancel := rendezvous.WithDefaultTimeout(ctx, cfg.Bootstrap.OpTimeout())
-	defer cancel()
-	id, err := g.exchangeID(ctx)
-	if err == nil {
-		g.comm, err = g.initComm(ctx, id)
-	}
-	if err == nil {
-		err = g.start()
-	}
-	if err != nil {
-		g.release()
-		return nil, err
-	}
-	return g, nil
+	return &Group{cfg: cfg, nccl: nccl, cuda: cuda, ver: ver, dev: dev,
+		rank: cfg.Bootstrap.Rank, size: cfg.Bootstrap.Size}, nil
 }
 
 // findGPU loads the CUDA driver and picks the device, or says there is
@@ -179,12 +205,8 @@ func (g *Group) exchangeID(ctx context.Context) (uniqueID, error) {
 	}
 	v, err := store.Get(ctx, key)
 	if err != nil {
-		err = fmt.Errorf("[%d] is setting up NCCL communicator and retreiving ncclUniqueId from [0] via c10d key-value store by key '%s', but store->get('%s') got error: %w",
-			g.rank, key, key, err)
-		if errors.Is(err, rendezvous.ErrTimeout) {
-			err = fmt.Errorf("%w (%w)", err, pg.ErrTimeout)
-		}
-		return id, err
+		return id, storeError(fmt.Errorf("[%d] is setting up NCCL communicator and retreiving ncclUniqueId from [0] via c10d key-value store by key '%s', but store->get('%s') got error: %w",
+			g.rank, key, key, err))
 	}
 	if len(v) != uniqueIDBytes {
 		return id, fmt.Errorf("%w: pg/nccl: [%d] the ncclUniqueId under key '%s' has %d bytes, want NCCL_UNIQUE_ID_BYTES (%d)",
@@ -210,18 +232,23 @@ func (g *Group) initComm(ctx context.Context, id uniqueID) (commHandle, error) {
 	} else {
 		comm, r = g.nccl.commInitRank(g.dev.ctx, g.size, g.rank, id)
 	}
-	if r == InProgress || (r == Success && g.cfg.NonBlocking) {
-		r = Success
-		err := g.settle(ctx, nil, comm, op)
-		if err != nil {
-			if comm != 0 {
-				g.nccl.commAbort(g.dev.ctx, comm)
-			}
-			return 0, err
-		}
+	return g.finishComm(ctx, nil, op, comm, r)
+}
+
+// finishComm completes the making of a communicator (init, grow): r is
+// what op returned. A non-blocking one is polled with
+// ncclCommGetAsyncError until it leaves ncclInProgress, within ctx and
+// until stop (which may be nil) closes: then the error is errStopped. On
+// any error the half-made communicator is aborted.
+func (g *Group) finishComm(ctx context.Context, stop <-chan struct{}, op string, comm commHandle, r Result) (commHandle, error) {
+	var err error
+	switch {
+	case r == InProgress || (r == Success && g.cfg.NonBlocking):
+		err = g.settle(ctx, stop, comm, op)
+	case r != Success:
+		err = g.ncclError(op, r, comm)
 	}
-	if r != Success {
-		err := g.ncclError(op, r, comm)
+	if err != nil {
 		if comm != 0 {
 			g.nccl.commAbort(g.dev.ctx, comm)
 		}
@@ -821,19 +848,30 @@ func (g *Group) isRevoked() bool {
 // child wraps a communicator made by Shrink in a Group of its own (own
 // stream and watchdog, same device and configuration).
 func (g *Group) child(comm commHandle, rank, size int) (*Group, error) {
-	dev, err := retainDevice(g.cuda, g.dev.ordinal)
+	c, err := g.derive(rank, size)
 	if err != nil {
 		g.nccl.commAbort(g.dev.ctx, comm)
 		return nil, err
 	}
-	cfg := g.cfg
-	cfg.Bootstrap.Rank, cfg.Bootstrap.Size = rank, size
-	c := &Group{cfg: cfg, nccl: g.nccl, cuda: g.cuda, ver: g.ver, dev: dev, rank: rank, size: size, comm: comm}
+	c.comm = comm
 	if err := c.start(); err != nil {
 		c.release()
 		return nil, err
 	}
 	return c, nil
+}
+
+// derive returns a Group for rank of size on g's device, library and
+// configuration, with the device retained but no communicator yet and not
+// started; release frees it.
+func (g *Group) derive(rank, size int) (*Group, error) {
+	dev, err := retainDevice(g.cuda, g.dev.ordinal)
+	if err != nil {
+		return nil, err
+	}
+	cfg := g.cfg
+	cfg.Bootstrap.Rank, cfg.Bootstrap.Size = rank, size
+	return &Group{cfg: cfg, nccl: g.nccl, cuda: g.cuda, ver: g.ver, dev: dev, rank: rank, size: size}, nil
 }
 
 // Revoke stops the communicator with ncclCommRevoke (NCCL ≥ 2.28.7): every

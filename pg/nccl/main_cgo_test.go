@@ -27,7 +27,8 @@ import (
 // The test double, built once by TestMain.
 var (
 	doubleLib    string // testdata/fakenccl.c: a recent library
-	oldDoubleLib string // the same with -DFAKENCCL_OLD: no config init, shrink, revoke
+	oldDoubleLib string // the same with -DFAKENCCL_OLD: no config init, shrink, revoke, grow
+	noGrowLib    string // the same with -DFAKENCCL_NO_GROW: no ncclCommGrow, ncclCommGetUniqueId
 	doubleCtl    string // its control file ($FAKENCCL_CONTROL)
 	doubleLog    string // its call log ($FAKENCCL_LOG)
 	buildErr     error
@@ -52,11 +53,15 @@ func TestMain(m *testing.M) {
 	}
 	doubleLib = filepath.Join(dir, "libtestdouble-nccl.so")
 	oldDoubleLib = filepath.Join(dir, "libtestdouble-nccl-old.so")
+	noGrowLib = filepath.Join(dir, "libtestdouble-nccl-nogrow.so")
 	doubleCtl = filepath.Join(dir, "control")
 	doubleLog = filepath.Join(dir, "calls.log")
 	buildErr = buildDouble(doubleLib)
 	if buildErr == nil {
 		buildErr = buildDouble(oldDoubleLib, "-DFAKENCCL_OLD")
+	}
+	if buildErr == nil {
+		buildErr = buildDouble(noGrowLib, "-DFAKENCCL_NO_GROW")
 	}
 	// The double reads these with getenv; with cgo, os.Setenv reaches C.
 	os.Setenv("FAKENCCL_CONTROL", doubleCtl)

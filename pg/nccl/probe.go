@@ -20,8 +20,10 @@ type ProbeReport struct {
 	Symbols, Found int
 	// Missing names the entry points the library lacks.
 	Missing []string
-	// Shrink, Revoke and Grow: the library has the entry point and, where
-	// pg/nccl gates it on a version, is at least that version.
+	// Shrink, Revoke and Grow: the library has the entry points and is at
+	// least the version pg/nccl gates them on (Grow: ncclCommGrow and
+	// ncclCommGetUniqueId, NCCL ≥ 2.29; without them Group.Grow falls back
+	// to a fresh communicator).
 	Shrink, Revoke, Grow bool
 	// UniqueID is a unique id ncclGetUniqueId returned (it needs no GPU).
 	UniqueID [uniqueIDBytes]byte
@@ -74,7 +76,7 @@ func Probe(library string) (ProbeReport, error) {
 	rep.Version = DecodeVersion(code)
 	rep.Shrink = rep.Version.AtLeast(VersionShrink) && n.has("ncclCommShrink")
 	rep.Revoke = rep.Version.AtLeast(VersionRevoke) && n.has("ncclCommRevoke")
-	rep.Grow = n.has("ncclCommGrow")
+	rep.Grow = rep.Version.AtLeast(VersionGrow) && n.has("ncclCommGrow") && n.has("ncclCommGetUniqueId")
 	id, r := n.getUniqueID()
 	if r != Success {
 		return rep, &Error{Op: "ncclGetUniqueId", Result: r, Text: n.errorString(r), Version: rep.Version}

@@ -86,7 +86,7 @@ func TestRealNCCLInBed(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		line := "nccl version=" + want + " symbols=20/20 shrink=yes revoke=yes grow=yes uniqueid=ok"
+		line := "nccl version=" + want + " symbols=21/21 shrink=yes revoke=yes grow=yes uniqueid=ok"
 		if rep.String() != line {
 			t.Fatalf("probe: %q, want %q", rep, line)
 		}
@@ -120,6 +120,8 @@ func TestRealNCCLInBed(t *testing.T) {
 			{"config init", VersionInitConfig, "ncclCommInitRankConfig"},
 			{"shrink", VersionShrink, "ncclCommShrink"},
 			{"revoke", VersionRevoke, "ncclCommRevoke"},
+			{"grow", VersionGrow, "ncclCommGrow"},
+			{"grow id", VersionGrow, "ncclCommGetUniqueId"},
 		} {
 			if !v.AtLeast(g.since) || !n.has(g.symbol) {
 				t.Errorf("%s: NCCL %v at least %v: %v, has %s: %v", g.name, v, g.since, v.AtLeast(g.since), g.symbol, n.has(g.symbol))
@@ -205,9 +207,82 @@ func TestRealNCCLInBed(t *testing.T) {
 			})
 		}
 	})
+
+	// The grow entry points with the arguments nccl.h rules out: the real
+	// library checks them before it needs a device, so these calls say
+	// that pg/nccl's C signatures reach NCCL's checks.
+	t.Run("grow argument checks", func(t *testing.T) {
+		n, err := openNCCL(lib)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var id uniqueID
+		for _, c := range []struct {
+			name         string
+			nranks, rank int
+			id           *uniqueID
+		}{
+			{"newcomer without an id", 2, 1, nil},
+			{"newcomer with rank -1", 2, -1, &id},
+			{"newcomer rank beyond nRanks", 2, 2, &id},
+		} {
+			comm, r := n.commGrow(0, 0, c.nranks, c.id, c.rank, nil)
+			if r != InvalidArgument || comm != 0 {
+				t.Errorf("%s: ncclCommGrow = %v, comm %#x; want ncclInvalidArgument and none", c.name, r, comm)
+			}
+		}
+		if _, r := n.commGetUniqueID(0, 0); r != InvalidArgument {
+			t.Errorf("ncclCommGetUniqueId(NULL) = %v, want ncclInvalidArgument", r)
+		}
+	})
+
+	// A newcomer joins a grow for real, the root member played by the
+	// test through the store: NCCL's ncclCommGrow runs and fails without a
+	// device, and JoinGrow reports it as an *Error naming ncclCommGrow and
+	// gives everything back. The CUDA driver is the test double's, as in
+	// "init without a device".
+	t.Run("join grow without a device", func(t *testing.T) {
+		double := os.Getenv(envBedDouble)
+		if double == "" {
+			t.Fatal("no test double path")
+		}
+		n, err := openNCCL(lib)
+		if err != nil {
+			t.Fatal(err)
+		}
+		id, r := n.getUniqueID()
+		if r != Success {
+			t.Fatalf("ncclGetUniqueId: %v", r)
+		}
+		srv, ctx := realStore(t)
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if err := c.MultiSet(ctx, []string{"grow/method", "grow/0"}, [][]byte{[]byte("ncclCommGrow"), id[:]}); err != nil {
+			t.Fatal(err)
+		}
+		cfg := DefaultConfig()
+		cfg.NCCLLibrary, cfg.CUDALibrary, cfg.Device = lib, double, 0
+		cfg.Bootstrap = pg.Bootstrap{Store: c, Rank: 1, Size: 2, Timeout: 20 * time.Second}
+		g, err := JoinGrow(ctx, cfg, pg.GrowSpec{Added: 1, Namespace: "grow"})
+		if err == nil {
+			g.Close()
+			t.Fatal("JoinGrow formed a group without a device")
+		}
+		var ne *Error
+		if !errors.As(err, &ne) || ne.Op != "ncclCommGrow" || ne.Result == Success || ne.Text == "" || ne.Version.String() != want {
+			t.Fatalf("JoinGrow: %v, want an *Error from NCCL %s's ncclCommGrow", err, want)
+		}
+		if ok, err := c.Check(ctx, "grow/newcomer/1"); err != nil || !ok {
+			t.Errorf("the newcomer did not announce itself: %v, %v", ok, err)
+		}
+		t.Logf("%v", err)
+	})
 }
 
-// realStore starts a store server for the test and returns it with a
+// realStore starts a store server
 // context bounding the test's store use.
 func realStore(t *testing.T) (*tcpstore.Server, context.Context) {
 	t.Helper()

@@ -79,6 +79,10 @@ var (
 	VersionShrink = Version{2, 27, 3}
 	// VersionRevoke: ncclCommRevoke.
 	VersionRevoke = Version{2, 28, 7}
+	// VersionGrow: ncclCommGrow and ncclCommGetUniqueId, which came with the
+	// 2.29 series. The gate is the series; the entry points must be there
+	// too (see Group.Grow), so a 2.29 build without them falls back.
+	VersionGrow = Version{2, 29, 0}
 )
 
 // Error is a failed NCCL call.

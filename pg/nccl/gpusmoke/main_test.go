@@ -40,9 +40,9 @@ func TestProbeRealNCCL(t *testing.T) {
 		want     string
 	}{
 		{"probe", []string{"-probe", "-nccl", "/usr/lib/x86_64-linux-gnu/libnccl.so.2"}, 0,
-			"nccl version=" + bed.Stamp.NCCL + " symbols=20/20 shrink=yes revoke=yes grow=yes uniqueid=ok"},
+			"nccl version=" + bed.Stamp.NCCL + " symbols=21/21 shrink=yes revoke=yes grow=yes uniqueid=ok"},
 		{"probe, default library", []string{"-probe"}, 0,
-			"nccl version=" + bed.Stamp.NCCL + " symbols=20/20 shrink=yes revoke=yes grow=yes uniqueid=ok"},
+			"nccl version=" + bed.Stamp.NCCL + " symbols=21/21 shrink=yes revoke=yes grow=yes uniqueid=ok"},
 		{"probe, no such library", []string{"-probe", "-nccl", "/nonexistent/libnccl.so.2"}, 1,
 			"FAIL nccl probe: pg/nccl: cannot load /nonexistent/libnccl.so.2: "},
 		{"smoke without a GPU", nil, 1,

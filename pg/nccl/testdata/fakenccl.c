@@ -9,9 +9,15 @@
 //   - every collective acts as if the world had one rank: allreduce,
 //     broadcast, allgather and reducescatter copy send to recv; a send is
 //     kept until the matching recv of the same group copies it;
-//   - a communicator records nranks and rank; init, abort, destroy, shrink
-//     and revoke append a line to the log file ($FAKENCCL_LOG) so that tests
-//     can check what was called with which arguments;
+//   - a communicator records nranks and rank; init, abort, destroy, shrink,
+//     revoke, grow and the ids append a line to the log file ($FAKENCCL_LOG)
+//     so that tests can check what was called with which arguments;
+//   - ncclCommGrow checks its arguments the way nccl.h documents them (a
+//     member: its communicator, rank -1, the id only from the root; a
+//     newcomer: no communicator, the id, its rank) and makes the grown
+//     communicator at once, without waiting for the other ranks; like NCCL,
+//     a communicator refuses a second ncclCommGetUniqueId while its last id
+//     is not consumed by a grow;
 //   - work "completes" at enqueue, unless the control file says hang=1.
 //
 // Injection: $FAKENCCL_CONTROL names a file of key=value lines, read on
@@ -26,10 +32,14 @@
 //                   (-1: for ever)
 //   shrink_polls=N  likewise for a non-blocking shrink's child
 //   init_error=N    ncclCommInitRank* returns N
+//   grow_polls=N    likewise for a non-blocking grow's new communicator
+//   grow_error=N    ncclCommGrow returns N
 //
 // Built with -DFAKENCCL_OLD it lacks the entry points of newer libraries
 // (ncclCommInitRankConfig, ncclGetLastError, ncclCommShrink,
-// ncclCommRevoke), like an old NCCL.
+// ncclCommRevoke, ncclCommGrow, ncclCommGetUniqueId), like an old NCCL;
+// with -DFAKENCCL_NO_GROW it lacks only ncclCommGrow and
+// ncclCommGetUniqueId.
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -49,7 +59,8 @@ typedef struct {
 
 typedef struct {
 	int nranks, rank, blocking;
-	int polls; // ncclInProgress polls left; -1: for ever
+	int polls;   // ncclInProgress polls left; -1: for ever
+	int grow_id; // an ncclCommGetUniqueId id not yet consumed by a grow
 } fake_comm;
 
 static long ctl(const char *key, long def) {
@@ -182,13 +193,18 @@ int ncclGetVersion(int *v) {
 	return ok;
 }
 
-int ncclGetUniqueId(fake_uid *id) {
+// fill_id makes an id no other call of this process made.
+static void fill_id(fake_uid *id) {
 	static unsigned counter;
-	unsigned seed = (unsigned)getpid() * 2654435761u + counter++;
+	unsigned seed = (unsigned)getpid() * 2654435761u + __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
 	for (int i = 0; i < 128; i++) {
 		seed = seed * 1103515245u + 12345u;
 		id->internal[i] = (char)(seed >> 16);
 	}
+}
+
+int ncclGetUniqueId(fake_uid *id) {
+	fill_id(id);
 	char h[257];
 	hex(id, h);
 	logline("ncclGetUniqueId id=%s", h);
@@ -382,4 +398,50 @@ int ncclCommRevoke(fake_comm *c, int flags) {
 	logline("ncclCommRevoke rank=%d flags=%d", c->rank, flags);
 	return ok;
 }
+
+#ifndef FAKENCCL_NO_GROW
+int ncclCommGetUniqueId(fake_comm *c, fake_uid *id) {
+	if (!c || !id) return invalidArgument;
+	if (c->grow_id) return invalidUsage; // the last one is not consumed yet
+	fill_id(id);
+	c->grow_id = 1;
+	char h[257];
+	hex(id, h);
+	logline("ncclCommGetUniqueId rank=%d nranks=%d id=%s", c->rank, c->nranks, h);
+	return ok;
+}
+
+int ncclCommGrow(fake_comm *c, int n, const fake_uid *id, int rank, fake_comm **out, fake_config_head *cfg) {
+	if (!cur_ctx) return unhandledCuda;
+	if (!out) return invalidArgument;
+	*out = NULL;
+	long e = ctl("grow_error", 0);
+	if (e) return (int)e;
+	if (cfg && (cfg->magic != 0xcafebeef || cfg->size < sizeof *cfg)) return invalidArgument;
+	int blocking;
+	if (c) {
+		if (rank != -1 || n <= c->nranks) return invalidArgument;
+		if (id) {
+			if (!c->grow_id) return invalidUsage; // the root's id comes from ncclCommGetUniqueId
+			c->grow_id = 0;
+		}
+		blocking = cfg ? cfg->blocking != 0 : c->blocking;
+	} else {
+		if (!id || rank < 0 || rank >= n) return invalidArgument;
+		blocking = cfg ? cfg->blocking != 0 : 1;
+	}
+	fake_comm *nc = calloc(1, sizeof *nc);
+	nc->nranks = n;
+	nc->rank = c ? c->rank : rank;
+	nc->blocking = blocking;
+	nc->polls = blocking ? 0 : (int)ctl("grow_polls", 0);
+	*out = nc;
+	char parent[32] = "NULL", h[257] = "NULL", conf[32] = "NULL";
+	if (c) snprintf(parent, sizeof parent, "%d/%d", c->rank, c->nranks);
+	if (id) hex(id, h);
+	if (cfg) snprintf(conf, sizeof conf, "blocking=%d", cfg->blocking);
+	logline("ncclCommGrow parent=%s nranks=%d rank=%d config=%s newrank=%d id=%s", parent, n, rank, conf, nc->rank, h);
+	return nc->polls ? inProgress : ok;
+}
+#endif
 #endif
