@@ -9,7 +9,9 @@ type Grower interface {
 	ProcessGroup
 	// Grow returns a new group of this group's ranks plus spec.Added
 	// newcomers: every member keeps its rank, the newcomers take ranks
-	// Size() to Size()+spec.Added-1. Every member calls it with the same
+	// Size() to Size()+spec.Added-1. With no newcomers (Added 0) it
+	// re-forms the members in a fresh group: how they go on after an
+	// aborted grow that did not complete, their group aborted with it. Every member calls it with the same
 	// spec; each newcomer joins through its backend's JoinGrow with the same
 	// spec and its rank in the new group. Members and newcomers meet under
 	// spec.Namespace (the same store as this group), which must be new to
@@ -25,7 +27,7 @@ type Grower interface {
 
 // GrowSpec says how a group grows.
 type GrowSpec struct {
-	// Added is the number of newcomers, at least 1.
+	// Added is the number of newcomers; 0 re-forms the members.
 	Added int
 	// Namespace is where members and newcomers meet in the store: agreed
 	// by all of them beforehand (e.g. named after the epoch that decided
@@ -37,8 +39,8 @@ type GrowSpec struct {
 // ErrInvalidArgument.
 func ValidateGrow(size int, spec GrowSpec) error {
 	switch {
-	case spec.Added < 1:
-		return invalidf("grow: %d newcomers; want at least 1", spec.Added)
+	case spec.Added < 0:
+		return invalidf("grow: %d newcomers; want 0 or more", spec.Added)
 	case spec.Namespace == "":
 		return invalidf("grow: no namespace for members and newcomers to meet in")
 	case size+spec.Added < size:

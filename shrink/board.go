@@ -22,8 +22,9 @@ const DefaultPrefix = "gorun/shrink"
 //	ack/<n>       counter: survivors that have moved to epoch n
 //	report/next   counter: notices filed so far
 //	report/<i>    the JSON Notice i (i ≥ 1): a failure Report, a Join
-//	              (newcomers ready for lost slots) or a Joined (a newcomer
-//	              finished joining a grow epoch's group)
+//	              (newcomers ready for lost slots), a Joined (a newcomer
+//	              finished joining a grow epoch's group) or a Complete
+//	              (every rank of a grow epoch acknowledged it)
 //
 // Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
 // on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
@@ -110,6 +111,19 @@ func (b *Board) Ack(ctx context.Context, n int) (int64, error) {
 	return c, nil
 }
 
+// Arrive acknowledges epoch e for one rank that has moved to its group and,
+// when e is a grow and this was its last rank, files the Complete notice
+// that tells the coordinator the grow is done: whoever counts last says so,
+// so nobody polls the counter.
+func (b *Board) Arrive(ctx context.Context, e Epoch) error {
+	n, err := b.Ack(ctx, e.Number)
+	if err != nil || e.Action != ActionGrow || n != int64(e.WorldSize) {
+		return err
+	}
+	_, err = b.file(ctx, Notice{Complete: &Complete{Epoch: e.Number, At: time.Now()}})
+	return err
+}
+
 // Acks returns how many survivors have acknowledged epoch n.
 func (b *Board) Acks(ctx context.Context, n int) (int64, error) {
 	c, err := b.store.Add(ctx, ackKey(n), 0)
@@ -122,9 +136,17 @@ func (b *Board) Acks(ctx context.Context, n int) (int64, error) {
 // Notice is one entry of the Board's log, the news every agent's Decider
 // follows: exactly one of its fields is set.
 type Notice struct {
-	Failure *Report `json:"failure,omitempty"`
-	Join    *Join   `json:"join,omitempty"`
-	Joined  *Joined `json:"joined,omitempty"`
+	Failure  *Report   `json:"failure,omitempty"`
+	Join     *Join     `json:"join,omitempty"`
+	Joined   *Joined   `json:"joined,omitempty"`
+	Complete *Complete `json:"complete,omitempty"`
+}
+
+// Complete says that every rank of grow epoch Epoch has acknowledged it:
+// the grown group works, and later epochs build on it.
+type Complete struct {
+	Epoch int       `json:"epoch"`
+	At    time.Time `json:"at"`
 }
 
 // Joined is a newcomer's word that it has finished joining the group of
@@ -218,13 +240,13 @@ func (b *Board) readNotice(ctx context.Context, i int) (Notice, error) {
 		return Notice{}, fmt.Errorf("shrink: notice %d: %w", i, err)
 	}
 	set := 0
-	for _, present := range []bool{n.Failure != nil, n.Join != nil, n.Joined != nil} {
+	for _, present := range []bool{n.Failure != nil, n.Join != nil, n.Joined != nil, n.Complete != nil} {
 		if present {
 			set++
 		}
 	}
 	if set != 1 {
-		return Notice{}, fmt.Errorf("shrink: notice %d: want exactly one of failure, join, joined: %s", i, rec)
+		return Notice{}, fmt.Errorf("shrink: notice %d: want exactly one of failure, join, joined, complete: %s", i, rec)
 	}
 	return n, nil
 }

@@ -236,6 +236,9 @@ func (c *Coordinator) loop(ctx context.Context) {
 				dec.Join(time.Now(), *n.Join)
 			case n.Joined != nil:
 				dec.Joined(n.Joined.Epoch, n.Joined.Slot)
+			case n.Complete != nil:
+				dec.Complete(n.Complete.Epoch)
+				c.log.Info("grow complete", zap.Int("epoch", n.Complete.Epoch))
 			}
 			if !dec.Due().Equal(before) {
 				arm()

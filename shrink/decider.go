@@ -84,18 +84,27 @@ type Decider struct {
 	// joinDue is when they are to be decided, as due for failures.
 	joins   map[int]string
 	joinDue time.Time
+	// complete is whether the current epoch is complete: every rank of it
+	// has moved to its group. Shrink epochs count as complete from the
+	// start (a survivor that cannot shrink fails, and is reported); a grow
+	// is complete once its last rank acknowledged it (Complete).
+	complete bool
 	// awaiting are the newcomers of the current grow epoch that have not
-	// finished joining, with the time they must have by (GrowTimeout).
-	awaiting map[int]time.Time
-	// early are Joined news (epoch, slot) of epochs not adopted yet.
+	// said they finished joining (Joined): they are named when the grow
+	// does not complete.
+	awaiting map[int]bool
+	// early are Joined news (epoch, slot) and Complete news (epoch, -1) of
+	// epochs not adopted yet.
 	early [][2]int
 }
 
 // NewDecider returns a decider for the coordinator called name, starting
 // from current.
 func NewDecider(name string, cfg Config, current Epoch) *Decider {
-	return &Decider{cfg: cfg.withDefaults(), name: name, current: current, pending: map[int]string{},
-		joins: map[int]string{}, awaiting: map[int]time.Time{}}
+	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{},
+		joins: map[int]string{}, awaiting: map[int]bool{}}
+	d.Adopt(current)
+	return d
 }
 
 // Current returns the epoch the decider builds on.
@@ -137,26 +146,53 @@ func (d *Decider) settleBy(due *time.Time, seen, now time.Time) {
 
 // Join records j, received at now: lost slots it offers are grown back
 // in by an epoch once the settle window has passed (a node's ranks join in
-// one epoch) and no earlier grow is still awaited. Slots alive in the
-// current epoch, or out of range, are ignored. It returns Due.
+// one epoch) and the current epoch is complete. Slots alive in the
+// current epoch (but a newcomer's of a grow not complete), or out of
+// range, are ignored. It returns Due.
 func (d *Decider) Join(now time.Time, j Join) time.Time {
-	lost := func(g int) bool { return g >= 0 && g < len(d.current.Ranks) && !d.current.Alive(g) }
-	if d.record(d.joins, j.Slots, j.From, lost) {
+	// A newcomer of a grow under way may offer its slot again: its join
+	// failed, and the epoch that ends the grow excludes it.
+	open := func(g int) bool {
+		_, failed := d.pending[g]
+		return g >= 0 && g < len(d.current.Ranks) && (!d.current.Alive(g) || failed || (!d.complete && d.current.Newcomer(g)))
+	}
+	if d.record(d.joins, j.Slots, j.From, open) {
 		d.settleBy(&d.joinDue, j.SeenAt, now)
 	}
 	return d.Due()
 }
 
 // Joined records that newcomer g finished joining the group of grow epoch
-// epoch: it is no longer awaited. News of an epoch not adopted yet (the
-// newcomer was quicker than this agent's view of the board) is kept until
-// that epoch is; news of an older epoch is stale and dropped.
-func (d *Decider) Joined(epoch, g int) {
+// epoch. News of an epoch not adopted yet (the newcomer was quicker than
+// this agent's view of the board) is kept until that epoch is; news of an
+// older epoch is stale and dropped.
+func (d *Decider) Joined(epoch, g int) { d.news(epoch, g) }
+
+// Complete records that every rank of epoch epoch has moved to its group:
+// a grow is done, and survivors go on from its group. News of an epoch not
+// adopted yet is kept until it is.
+func (d *Decider) Complete(epoch int) { d.news(epoch, -1) }
+
+// news applies a Joined (g ≥ 0) or Complete (g < 0) of epoch to the
+// current epoch, or keeps it for a later one.
+func (d *Decider) news(epoch, g int) {
 	switch {
-	case epoch == d.current.Number:
-		delete(d.awaiting, g)
 	case epoch > d.current.Number:
 		d.early = append(d.early, [2]int{epoch, g})
+	case epoch < d.current.Number:
+	case g < 0:
+		d.complete = true
+		clear(d.awaiting)
+		for g := range d.joins {
+			if d.current.Alive(g) {
+				delete(d.joins, g) // a newcomer's second offer, not needed
+			}
+		}
+		if len(d.joins) == 0 {
+			d.joinDue = time.Time{}
+		}
+	default:
+		delete(d.awaiting, g)
 	}
 }
 
@@ -164,9 +200,19 @@ func (d *Decider) Joined(epoch, g int) {
 // finished joining, sorted.
 func (d *Decider) Awaiting() []int { return sortedKeys(d.awaiting) }
 
+// growDue is when the current grow, if it is not complete, is given up
+// (zero when there is none).
+func (d *Decider) growDue() time.Time {
+	if d.complete {
+		return time.Time{}
+	}
+	return d.current.DecidedAt.Add(d.cfg.GrowTimeout)
+}
+
 // Due returns when Decide is next due, zero when nothing is pending: the
-// failures' settle window, a newcomer's GrowTimeout, or (when no newcomer
-// is awaited) the joins' settle window, whichever ends first.
+// failures' settle window, the current grow's GrowTimeout, or (once the
+// current epoch is complete) the joins' settle window, whichever ends
+// first.
 func (d *Decider) Due() time.Time {
 	due := d.due
 	earliest := func(t time.Time) {
@@ -174,10 +220,8 @@ func (d *Decider) Due() time.Time {
 			due = t
 		}
 	}
-	for _, t := range d.awaiting {
-		earliest(t)
-	}
-	if len(d.awaiting) == 0 {
+	earliest(d.growDue())
+	if d.complete {
 		earliest(d.joinDue)
 	}
 	return due
@@ -196,34 +240,43 @@ func sortedKeys[V any](m map[int]V) []int {
 }
 
 // Decide returns the next epoch once one is due (ok false while nothing
-// is). Failures come first: once their settle window has passed, or a
-// newcomer's GrowTimeout has, the epoch is a shrink that excludes every
-// pending rank and every newcomer that has not finished joining (a grow
-// that does not complete ends in a shrink; survivors never wait on it),
-// ActionRestart if fewer than MinWorldSize ranks would remain. Otherwise,
-// once the joins' settle window has passed and no newcomer is awaited, it
-// is a grow that brings back every slot offered. An error means no epoch
-// can be formed (every rank failed): the job cannot go on by shrinking.
+// is). Failures come first: once their settle window has passed, or the
+// current grow's GrowTimeout has without it completing, the epoch is a
+// shrink that excludes every pending rank, ActionRestart if fewer than
+// MinWorldSize ranks would remain. Its survivors move from the current
+// epoch's group, unless that is a grow that did not complete: then they go
+// on from the group they had before it (its Base), and the epoch excludes
+// the grow's newcomers too, who never made a working group (they may join
+// again). Otherwise, once the joins' settle window has passed and the
+// current epoch is complete, it is a grow that brings back every slot
+// offered. An error means no epoch can be formed (every rank failed): the
+// job cannot go on by shrinking.
 func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
-	expired := false
-	for _, t := range d.awaiting {
-		expired = expired || !now.Before(t)
-	}
-	if (!d.due.IsZero() && !now.Before(d.due)) || expired {
+	growDue := d.growDue()
+	if (!d.due.IsZero() && !now.Before(d.due)) || (!growDue.IsZero() && !now.Before(growDue)) {
 		exclude := maps.Clone(d.pending)
-		for g := range d.awaiting {
-			if _, failed := exclude[g]; !failed {
-				exclude[g] = fmt.Sprintf("newcomer in slot %d did not finish joining the group of epoch %d within %v",
-					g, d.current.Number, d.cfg.GrowTimeout)
+		base := d.current.Number
+		if !d.complete {
+			base = d.current.Base
+			for _, g := range d.current.Added {
+				if _, failed := exclude[g]; failed {
+					continue
+				}
+				why := fmt.Sprintf("the grow of epoch %d did not complete", d.current.Number)
+				if d.awaiting[g] {
+					why = fmt.Sprintf("newcomer in slot %d did not finish joining the group of epoch %d within %v",
+						g, d.current.Number, d.cfg.GrowTimeout)
+				}
+				exclude[g] = why
 			}
 		}
-		next, err = d.current.next(exclude, d.cfg.MinWorldSize, d.name, now)
+		next, err = d.current.next(exclude, d.cfg.MinWorldSize, base, d.name, now)
 		if err != nil {
 			return Epoch{}, false, err
 		}
 		return next, true, nil
 	}
-	if len(d.awaiting) == 0 && !d.joinDue.IsZero() && !now.Before(d.joinDue) {
+	if d.complete && !d.joinDue.IsZero() && !now.Before(d.joinDue) {
 		next, err = d.current.grow(sortedKeys(d.joins), d.name, now)
 		if err != nil {
 			return Epoch{}, false, err
@@ -237,11 +290,11 @@ func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 // of ranks e excluded are settled; reports of ranks still alive in e stay
 // pending (they arrived after the decision, or a rival coordinator did not
 // know of them) with their original due time. Joins of slots e brought
-// back are settled, and its newcomers are awaited until GrowTimeout after
-// its decision; newcomers it excluded are awaited no more.
+// back are settled; a grow's newcomers are awaited until GrowTimeout after
+// its decision.
 func (d *Decider) Adopt(e Epoch) {
-	if e.Number < d.current.Number {
-		return // stale: never go back
+	if e.Number < d.current.Number || (e.Number == d.current.Number && d.current.Ranks != nil) {
+		return // stale, or adopted already: never go back
 	}
 	d.current = e
 	for g := range d.pending {
@@ -252,24 +305,16 @@ func (d *Decider) Adopt(e Epoch) {
 	if len(d.pending) == 0 {
 		d.due = time.Time{}
 	}
-	for g := range d.awaiting {
-		if !e.Alive(g) {
-			delete(d.awaiting, g)
-		}
-	}
+	d.complete = e.Action != ActionGrow
+	clear(d.awaiting)
 	for _, g := range e.Added {
-		d.awaiting[g] = e.DecidedAt.Add(d.cfg.GrowTimeout)
+		d.awaiting[g] = true
 	}
-	early := d.early[:0]
-	for _, j := range d.early {
-		switch {
-		case j[0] == e.Number:
-			delete(d.awaiting, j[1])
-		case j[0] > e.Number:
-			early = append(early, j)
-		}
+	early := d.early
+	d.early = nil
+	for _, n := range early {
+		d.news(n[0], n[1])
 	}
-	d.early = early
 	for g := range d.joins {
 		if e.Alive(g) {
 			delete(d.joins, g)

@@ -33,6 +33,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strconv"
 	"time"
 )
 
@@ -79,6 +80,12 @@ type Epoch struct {
 	WorldSize int `json:"world_size"`
 	// Action is what survivors do.
 	Action Action `json:"action"`
+	// Base is the epoch whose group the survivors move from: the one
+	// before, unless that was a grow that did not complete (not every
+	// rank of it acknowledged it), in which case it is that grow's own
+	// base — its newcomers never made a working group, so survivors go on
+	// from the group they had, and this epoch excludes the newcomers.
+	Base int `json:"base"`
 	// Reasons says why each excluded rank was excluded, by global rank.
 	Reasons map[int]string `json:"reasons,omitempty"`
 	// Coordinator names the agent that decided the epoch.
@@ -100,11 +107,13 @@ func Initial(world int) Epoch {
 func (e Epoch) Alive(g int) bool { return g >= 0 && g < len(e.Ranks) && e.Ranks[g] >= 0 }
 
 // next returns the epoch after e that excludes the global ranks in exclude
-// (already-lost ranks are ignored). minWorld is the floor below which the
-// epoch's action is a restart instead of a shrink.
-func (e Epoch) next(exclude map[int]string, minWorld int, coordinator string, now time.Time) (Epoch, error) {
+// (already-lost ranks are ignored), with survivors moving from the group of
+// epoch base. minWorld is the floor below which the epoch's action is a
+// restart instead of a shrink.
+func (e Epoch) next(exclude map[int]string, minWorld, base int, coordinator string, now time.Time) (Epoch, error) {
 	n := Epoch{
 		Number:      e.Number + 1,
+		Base:        base,
 		Ranks:       slices.Clone(e.Ranks),
 		Reasons:     map[int]string{},
 		Coordinator: coordinator,
@@ -162,6 +171,7 @@ func (e Epoch) grow(add []int, coordinator string, now time.Time) (Epoch, error)
 		DecidedAt:   now,
 		Action:      ActionGrow,
 		WorldSize:   e.WorldSize,
+		Base:        e.Number,
 	}
 	for _, g := range add {
 		if g >= 0 && g < len(e.Ranks) && !e.Alive(g) && !slices.Contains(n.Added, g) {
@@ -191,20 +201,26 @@ func (e Epoch) grow(add []int, coordinator string, now time.Time) (Epoch, error)
 // grows back in): it has no group of its own to grow from.
 func (e Epoch) Newcomer(g int) bool { return slices.Contains(e.Added, g) }
 
-// ShrinkList returns the ranks that move a survivor from prev's group to e's:
-// e's excluded ranks in prev's numbering, sorted — the list to pass to
-// pg.ProcessGroup.Shrink or PyTorch's shrink_group. prev must be the epoch
-// before e.
-func (e Epoch) ShrinkList(prev Epoch) []int {
-	out := make([]int, 0, len(e.Excluded))
-	for _, g := range e.Excluded {
-		if prev.Alive(g) {
-			out = append(out, prev.Ranks[g])
+// ShrinkList returns the ranks that move a survivor from base's group to
+// e's: the ranks alive in base and not in e, in base's numbering, sorted —
+// the list to pass to pg.ProcessGroup.Shrink or PyTorch's shrink_group.
+// base is e's Base (for a shrink after a shrink, the epoch before e).
+func (e Epoch) ShrinkList(base Epoch) []int {
+	var out []int
+	for g := range base.Ranks {
+		if base.Alive(g) && !e.Alive(g) {
+			out = append(out, base.Ranks[g])
 		}
 	}
 	slices.Sort(out)
 	return out
 }
+
+// Namespace is where the ranks of epoch n form its group in the worker
+// store when they form a fresh one (a grow, or a re-forming after a grow
+// that did not complete): fresh for every epoch, and the same for every
+// rank, whichever group it comes from.
+func Namespace(n int) string { return "gorun/epoch/" + strconv.Itoa(n) }
 
 func (e Epoch) String() string {
 	if e.Action == ActionGrow {

@@ -47,7 +47,7 @@ func TestEpochNext(t *testing.T) {
 			for _, g := range tt.exclude {
 				ex[g] = "exit code 1"
 			}
-			got, err := tt.from.next(ex, tt.minWorld, "agent0", now)
+			got, err := tt.from.next(ex, tt.minWorld, tt.from.Number, "agent0", now)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -69,7 +69,7 @@ func mustNext(t *testing.T, e Epoch, exclude ...int) Epoch {
 	for _, g := range exclude {
 		ex[g] = "test"
 	}
-	n, err := e.next(ex, 1, "test", time.Time{})
+	n, err := e.next(ex, 1, e.Number, "test", time.Time{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -77,11 +77,11 @@ func mustNext(t *testing.T, e Epoch, exclude ...int) Epoch {
 }
 
 func TestEpochNextErrors(t *testing.T) {
-	if _, err := Initial(3).next(map[int]string{0: "", 1: "", 2: ""}, 1, "", time.Time{}); !errors.Is(err, ErrNoSurvivors) {
+	if _, err := Initial(3).next(map[int]string{0: "", 1: "", 2: ""}, 1, 0, "", time.Time{}); !errors.Is(err, ErrNoSurvivors) {
 		t.Errorf("excluding everyone: %v, want ErrNoSurvivors", err)
 	}
 	lost := mustNext(t, Initial(3), 2)
-	if _, err := lost.next(map[int]string{2: "again"}, 1, "", time.Time{}); err == nil {
+	if _, err := lost.next(map[int]string{2: "again"}, 1, lost.Number, "", time.Time{}); err == nil {
 		t.Error("an epoch excluding only already-lost ranks was formed")
 	}
 }

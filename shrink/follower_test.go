@@ -38,24 +38,8 @@ func testFollower(t *testing.T, mode string) {
 	dial := storeDialer(ctx, t)
 
 	const world, victim, steps = 4, 2, 60
-	groups := make([]pg.ProcessGroup, world)
+	groups := formGroups(ctx, t, dial, world)
 	var wg sync.WaitGroup
-	errs := make([]error, world)
-	for r := range world {
-		store := dial()
-		wg.Go(func() {
-			cfg := cpu.DefaultConfig()
-			cfg.ListenAddr = "127.0.0.1:0"
-			cfg.Bootstrap = pg.Bootstrap{Store: store, Namespace: "follower", Rank: r, Size: world, Timeout: 30 * time.Second}
-			groups[r], errs[r] = cpu.New(ctx, cfg)
-		})
-	}
-	wg.Wait()
-	for r, err := range errs {
-		if err != nil {
-			t.Fatalf("rank %d: %v", r, err)
-		}
-	}
 
 	results := make([]rankResult, world)
 	victimAt := make(chan struct{})
@@ -140,14 +124,8 @@ func worker(ctx context.Context, f *Follower, g, steps int, victim bool, mode st
 			continue // redo the step in the new group
 		}
 		e := f.Epoch()
-		want := 0.0
-		for r := range e.Ranks {
-			if e.Alive(r) {
-				want += float64(r + 1)
-			}
-		}
-		if buf[0] != want {
-			return rankResult{err: fmt.Errorf("step %d epoch %d: sum %g, want %g", step, e.Number, buf[0], want)}
+		if err := checkStepSum(e, step, buf[0]); err != nil {
+			return rankResult{err: err}
 		}
 		res = rankResult{epoch: e.Number, world: f.Group().Size(), steps: step + 1, sum: buf[0]}
 		step++

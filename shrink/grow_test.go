@@ -41,16 +41,17 @@ func TestEpochGrow(t *testing.T) {
 }
 
 // TestDeciderGrow walks the decision core through heal: joins are grown
-// back in once their settle window passes; newcomers are awaited until they
-// finish joining; one that never does is excluded after GrowTimeout; a
-// failure during a grow excludes whoever is missing; joins wait while a
-// grow is awaited.
+// back in once their settle window passes; a grow is done once it is
+// complete (every rank acknowledged it); one that does not complete within
+// GrowTimeout ends in a shrink that goes back to the group before it and
+// excludes its newcomers; a failure during a grow does the same; joins
+// wait while a grow is under way.
 func TestDeciderGrow(t *testing.T) {
 	t0 := time.Unix(0, 0)
 	cfg := Config{SettleWindow: 100 * time.Millisecond, GrowTimeout: 10 * time.Second}
 	lost := mustNext(t, Initial(4), 2, 3) // slots 2 and 3 lost: world 2
 
-	t.Run("join, grow, joined", func(t *testing.T) {
+	t.Run("join, grow, complete", func(t *testing.T) {
 		d := NewDecider("a", cfg, lost)
 		d.Join(t0, Join{Slots: []int{2}, From: "node1"})
 		if due := d.Join(t0.Add(50*time.Millisecond), Join{Slots: []int{3, 0}, From: "node1"}); !due.Equal(t0.Add(100 * time.Millisecond)) {
@@ -60,8 +61,8 @@ func TestDeciderGrow(t *testing.T) {
 			t.Fatal("decided inside the settle window")
 		}
 		e, ok, err := d.Decide(t0.Add(100 * time.Millisecond))
-		if err != nil || !ok || e.Action != ActionGrow || !slices.Equal(e.Added, []int{2, 3}) || e.WorldSize != 4 {
-			t.Fatalf("Decide = %v %v %v, want a grow of slots 2 and 3", e, ok, err)
+		if err != nil || !ok || e.Action != ActionGrow || !slices.Equal(e.Added, []int{2, 3}) || e.WorldSize != 4 || e.Base != lost.Number {
+			t.Fatalf("Decide = %+v %v %v, want a grow of slots 2 and 3 from epoch %d", e, ok, err, lost.Number)
 		}
 		d.Adopt(e)
 		if !slices.Equal(d.Awaiting(), []int{2, 3}) || !d.Due().Equal(e.DecidedAt.Add(10*time.Second)) {
@@ -73,12 +74,21 @@ func TestDeciderGrow(t *testing.T) {
 			t.Fatalf("awaiting %v after slot 2 joined", d.Awaiting())
 		}
 		d.Joined(e.Number, 3)
+		if due := d.Due(); !due.Equal(e.DecidedAt.Add(10 * time.Second)) {
+			t.Fatalf("due %v: every newcomer joined, but the grow is not complete until every rank says so", due)
+		}
+		d.Complete(e.Number)
 		if _, ok, _ := d.Decide(t0.Add(time.Hour)); ok || !d.Due().IsZero() {
-			t.Fatalf("an epoch after every newcomer joined (due %v)", d.Due())
+			t.Fatalf("an epoch after the grow completed (due %v)", d.Due())
+		}
+		d.Report(t0.Add(time.Hour), Report{Ranks: []int{2}, Reason: "exit code 1"})
+		s, ok, err := d.Decide(t0.Add(time.Hour + time.Second))
+		if err != nil || !ok || !slices.Equal(s.Excluded, []int{2}) || s.Base != e.Number || !slices.Equal(s.ShrinkList(e), []int{2}) {
+			t.Fatalf("Decide = %+v %v %v, want slot 2 excluded, from the grown group", s, ok, err)
 		}
 	})
 
-	t.Run("a newcomer that never joins is excluded again", func(t *testing.T) {
+	t.Run("a grow that does not complete goes back to the group before it", func(t *testing.T) {
 		d := NewDecider("a", cfg, lost)
 		d.Join(t0, Join{Slots: []int{2, 3}})
 		e, _, _ := d.Decide(t0.Add(time.Second))
@@ -88,17 +98,21 @@ func TestDeciderGrow(t *testing.T) {
 			t.Fatal("excluded before GrowTimeout")
 		}
 		s, ok, err := d.Decide(e.DecidedAt.Add(10 * time.Second))
-		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{3}) || s.WorldSize != 3 ||
-			!strings.Contains(s.Reasons[3], "did not finish joining") {
-			t.Fatalf("Decide = %v %v %v, want slot 3 excluded for not joining", s, ok, err)
+		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{2, 3}) || s.WorldSize != 2 ||
+			s.Base != lost.Number || !strings.Contains(s.Reasons[3], "did not finish joining") ||
+			!strings.Contains(s.Reasons[2], "did not complete") || !slices.Equal(s.Ranks, lost.Ranks) {
+			t.Fatalf("Decide = %+v %v %v, want slots 2 and 3 excluded, back to epoch %d's group", s, ok, err, lost.Number)
+		}
+		if got := s.ShrinkList(lost); len(got) != 0 {
+			t.Errorf("shrink list from the base %v: the survivors re-form with nobody dropped", got)
 		}
 		d.Adopt(s)
-		if len(d.Awaiting()) != 0 {
-			t.Errorf("still awaiting %v", d.Awaiting())
+		if len(d.Awaiting()) != 0 || !d.Due().IsZero() {
+			t.Errorf("still awaiting %v, due %v", d.Awaiting(), d.Due())
 		}
 	})
 
-	t.Run("a failure during a grow excludes whoever is missing", func(t *testing.T) {
+	t.Run("a failure during a grow", func(t *testing.T) {
 		d := NewDecider("a", cfg, lost)
 		d.Join(t0, Join{Slots: []int{2, 3}})
 		e, _, _ := d.Decide(t0.Add(time.Second))
@@ -106,8 +120,21 @@ func TestDeciderGrow(t *testing.T) {
 		d.Adopt(e)
 		d.Report(t0.Add(2*time.Second), Report{Ranks: []int{0}, Reason: "exit code 1"})
 		s, ok, err := d.Decide(t0.Add(2*time.Second + 100*time.Millisecond))
-		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{0, 2}) || s.Reasons[0] != "exit code 1" {
-			t.Fatalf("Decide = %v %v %v, want ranks 0 (failed) and 2 (not joined) excluded", s, ok, err)
+		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{0, 2, 3}) || s.Reasons[0] != "exit code 1" ||
+			s.Base != lost.Number || !slices.Equal(s.ShrinkList(lost), []int{0}) {
+			t.Fatalf("Decide = %+v %v %v, want rank 0 (failed) and the newcomers excluded, from epoch %d", s, ok, err, lost.Number)
+		}
+	})
+
+	t.Run("news of a grow before it is adopted", func(t *testing.T) {
+		d := NewDecider("a", cfg, lost)
+		d.Join(t0, Join{Slots: []int{2}})
+		e, _, _ := d.Decide(t0.Add(time.Second))
+		d.Joined(e.Number, 2)
+		d.Complete(e.Number)
+		d.Adopt(e)
+		if len(d.Awaiting()) != 0 || !d.Due().IsZero() {
+			t.Errorf("awaiting %v, due %v: the grow completed before this agent saw it", d.Awaiting(), d.Due())
 		}
 	})
 
@@ -118,11 +145,11 @@ func TestDeciderGrow(t *testing.T) {
 		d.Adopt(e)
 		d.Join(t0.Add(time.Second), Join{Slots: []int{2, 3}})
 		if _, ok, _ := d.Decide(t0.Add(5 * time.Second)); ok {
-			t.Fatal("a second grow while the first is awaited")
+			t.Fatal("a second grow while the first is under way")
 		}
-		d.Joined(e.Number, 1)
+		d.Complete(e.Number)
 		g, ok, err := d.Decide(t0.Add(5 * time.Second))
-		if err != nil || !ok || !slices.Equal(g.Added, []int{2, 3}) || !slices.Equal(g.Ranks, []int{0, 1, 2, 3}) {
+		if err != nil || !ok || !slices.Equal(g.Added, []int{2, 3}) || !slices.Equal(g.Ranks, []int{0, 1, 2, 3}) || g.Base != e.Number {
 			t.Fatalf("Decide = %v %v %v, want a grow of 2 and 3", g, ok, err)
 		}
 	})
@@ -136,8 +163,8 @@ func TestDeciderGrow(t *testing.T) {
 }
 
 // TestCoordinatorHeals: through a real store, a rank fails and is shrunk
-// away; its respawn joins and is grown back in; once it says it joined,
-// nothing more happens. A second respawn that never says so is excluded
+// away; its respawn joins and is grown back in; once every rank has
+// arrived in the grown group, nothing more happens. A second respawn that never says so is excluded
 // again after GrowTimeout. A second agent, following, sees the same epochs.
 func TestCoordinatorHeals(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -170,12 +197,18 @@ func TestCoordinatorHeals(t *testing.T) {
 	g := both(func(e Epoch) bool {
 		return e.Action == ActionGrow && slices.Equal(e.Added, []int{2}) && slices.Equal(e.Ranks, []int{0, 1, 3, 2})
 	}, "slot 2 grown back as rank 3")
-	if _, err := NewBoard(dial(), "").FileJoined(ctx, Joined{Epoch: g.Number, Slot: 2}); err != nil {
+	board := NewBoard(dial(), "")
+	if _, err := board.FileJoined(ctx, Joined{Epoch: g.Number, Slot: 2}); err != nil {
 		t.Fatal(err)
+	}
+	for range g.WorldSize { // the last of the four files the grow's Complete
+		if err := board.Arrive(ctx, g); err != nil {
+			t.Fatal(err)
+		}
 	}
 	select {
 	case e := <-a.Epochs():
-		t.Fatalf("an epoch after the newcomer joined: %v", e)
+		t.Fatalf("an epoch after the grow completed: %v", e)
 	case err := <-a.Err():
 		t.Fatalf("agreement failed: %v", err)
 	case <-time.After(time.Second): // two GrowTimeouts
@@ -189,7 +222,9 @@ func TestCoordinatorHeals(t *testing.T) {
 		t.Fatal(err)
 	}
 	grown := both(func(e Epoch) bool { return e.Action == ActionGrow && slices.Equal(e.Added, []int{0}) }, "slot 0 grown back")
-	out := both(func(e Epoch) bool { return e.Action == ActionShrink && slices.Equal(e.Excluded, []int{0}) }, "slot 0 excluded again")
+	out := both(func(e Epoch) bool {
+		return e.Action == ActionShrink && slices.Equal(e.Excluded, []int{0}) && e.Base == grown.Base
+	}, "slot 0 excluded again, back to the group before the grow")
 	if d := out.DecidedAt.Sub(grown.DecidedAt); d < 500*time.Millisecond || d > 5*time.Second {
 		t.Errorf("excluded %v after the grow, want about GrowTimeout (500 ms)", d)
 	}

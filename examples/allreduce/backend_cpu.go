@@ -8,7 +8,17 @@ import (
 )
 
 var backends = map[string]backend{
-	"cpu": {newGroup: newCPUGroup, newVector: newHostVector},
+	"cpu": {newGroup: newCPUGroup, joinGroup: joinCPUGroup, newVector: newHostVector},
+}
+
+func joinCPUGroup(ctx context.Context, b pg.Bootstrap, spec pg.GrowSpec, _ workerEnv) (pg.ProcessGroup, error) {
+	cfg := cpu.DefaultConfig()
+	cfg.Bootstrap = b
+	g, err := cpu.JoinGrow(ctx, cfg, spec)
+	if err != nil {
+		return nil, err // not a typed nil in the interface
+	}
+	return g, nil
 }
 
 func newCPUGroup(ctx context.Context, b pg.Bootstrap, _ workerEnv) (pg.ProcessGroup, error) {

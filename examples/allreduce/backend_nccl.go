@@ -9,7 +9,19 @@ import (
 )
 
 func init() {
-	backends["nccl"] = backend{newGroup: newNCCLGroup, newVector: newDeviceVector}
+	backends["nccl"] = backend{newGroup: newNCCLGroup, joinGroup: joinNCCLGroup, newVector: newDeviceVector}
+}
+
+// joinNCCLGroup is a newcomer's side of a grow, on the GPU of this local
+// rank.
+func joinNCCLGroup(ctx context.Context, b pg.Bootstrap, spec pg.GrowSpec, _ workerEnv) (pg.ProcessGroup, error) {
+	cfg := nccl.DefaultConfig()
+	cfg.Bootstrap = b
+	g, err := nccl.JoinGrow(ctx, cfg, spec)
+	if err != nil {
+		return nil, err // not a typed nil in the interface
+	}
+	return g, nil
 }
 
 // newNCCLGroup forms a pg/nccl group on the GPU of this local rank

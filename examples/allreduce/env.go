@@ -30,6 +30,13 @@ type workerEnv struct {
 	// the job with --on-failure shrink, so that survivors follow its shrink
 	// epochs; "restart" or "" otherwise.
 	onFailure string
+	// newcomer: gorun started this worker to fill a lost slot of a running
+	// job (a respawned rank), GORUN_SHRINK_NEWCOMER set: it joins the
+	// survivors' group by a grow epoch instead of forming the group.
+	// after is that variable's value, the last epoch decided before it
+	// started.
+	newcomer bool
+	after    int
 }
 
 func readEnv(getenv func(string) string) (workerEnv, error) {
@@ -65,6 +72,13 @@ func readEnv(getenv func(string) string) (workerEnv, error) {
 	}
 	if e.world < 1 || e.rank < 0 || e.rank >= e.world {
 		return e, fmt.Errorf("RANK=%d out of range for WORLD_SIZE=%d", e.rank, e.world)
+	}
+	if v := getenv("GORUN_SHRINK_NEWCOMER"); v != "" {
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return e, fmt.Errorf("GORUN_SHRINK_NEWCOMER=%q: want the number of the last epoch decided", v)
+		}
+		e.newcomer, e.after = true, n
 	}
 	e.agentStore = strings.EqualFold(getenv("TORCHELASTIC_USE_AGENT_STORE"), "true")
 	switch e.onFailure = strings.ToLower(getenv("GORUN_ON_FAILURE")); e.onFailure {

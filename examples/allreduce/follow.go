@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"strconv"
 	"time"
@@ -36,18 +37,71 @@ func (w *worker) recoverable(err error) bool {
 	return w.follower != nil && (errors.Is(err, pg.ErrPeerLost) || errors.Is(err, pg.ErrAborted))
 }
 
+// enter joins a running job as a newcomer (GORUN_SHRINK_NEWCOMER): it
+// offers its launch slot, waits for the grow epoch that brings the slot
+// back, joins that epoch's group and agrees on the step with the
+// survivors. The returned function stops the follower and closes its
+// connection.
+func (w *worker) enter(ctx context.Context, e workerEnv, store rendezvous.Store) (stop func(), err error) {
+	watch, err := dialStore(ctx, e, w.opt.timeout)
+	if err != nil {
+		return nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
+	}
+	fmt.Fprintf(w.out, "newcomer slot=%d after epoch=%d\n", e.rank, e.after)
+	// The grow comes within the agents' settle window, or, while another
+	// grow is under way, within their grow timeout.
+	ectx, cancel := context.WithTimeout(ctx, w.opt.timeout+shrink.DefaultGrowTimeout)
+	defer cancel()
+	f, g, ep, err := shrink.Newcomer{
+		Board: shrink.NewBoard(store, shrink.DefaultPrefix), Watch: shrink.NewBoard(watch, shrink.DefaultPrefix),
+		Slot: e.rank, After: e.after,
+		Join: func(ctx context.Context, rank, size int, spec pg.GrowSpec) (pg.ProcessGroup, error) {
+			return w.be.joinGroup(ctx, pg.Bootstrap{Store: store, Rank: rank, Size: size, Timeout: w.opt.timeout}, spec, e)
+		},
+	}.Enter(ectx)
+	if err != nil {
+		watch.Close()
+		return nil, err
+	}
+	stop = func() {
+		f.Close()
+		watch.Close()
+	}
+	w.follower, w.epoch = f, ep
+	if err := w.use(g); err != nil {
+		return stop, err
+	}
+	fmt.Fprintln(w.out, epochLine(ep))
+	// A newcomer has done no step: the survivors' lowest step is where
+	// everyone goes on from.
+	if w.joinedStep, err = w.agreeStep(ctx, math.MaxInt32); err != nil {
+		if !w.recoverable(err) {
+			return stop, err
+		}
+		if w.joinedStep, err = w.recover(ctx, math.MaxInt32); err != nil {
+			return stop, err
+		}
+	}
+	return stop, nil
+}
+
 // recover moves the worker to the next epoch after a collective failed at
 // step, and returns the step to go on from. The follower waits for the
-// epoch and shrinks the group to its survivors — or says that this rank is
+// epoch and moves the group to its members — or says that this rank is
 // excluded (shrink.ErrExcluded) or that the group restarts
-// (shrink.ErrRestart). The survivors then agree on the step; a failure
-// during that agreement is a new failure, so recover waits for the epoch
-// after.
+// (shrink.ErrRestart); a grow that did not complete is waited out, for
+// the epoch that settles it. The members then agree on the step; a
+// failure during that agreement is a new failure, so recover waits for
+// the epoch after.
 func (w *worker) recover(ctx context.Context, step int) (int, error) {
 	for {
 		rctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
 		g, e, err := w.follower.Recover(rctx)
 		cancel()
+		if errors.Is(err, shrink.ErrGrowIncomplete) {
+			fmt.Fprintf(w.out, "grow epoch=%d did not complete: %v\n", e.Number, err)
+			continue
+		}
 		if g != nil {
 			if err := w.use(g); err != nil {
 				return step, err
@@ -57,7 +111,7 @@ func (w *worker) recover(ctx context.Context, step int) (int, error) {
 		if err != nil {
 			return step, fmt.Errorf("step %d: %w", step, err)
 		}
-		fmt.Fprintln(w.out, shrinkLine(e))
+		fmt.Fprintln(w.out, epochLine(e))
 		step, err = w.agreeStep(ctx, step)
 		if err == nil {
 			return step, nil
@@ -142,11 +196,15 @@ func (w *worker) finished(ctx context.Context) (bool, error) {
 	return true, nil
 }
 
-// shrinkLine is what a survivor prints on moving to epoch e:
+// epochLine is what a rank prints on moving to epoch e:
 //
 //	shrink epoch=E world=W excluded=[a b c]
+//	grow epoch=E world=W added=[a b]
 //
-// with the global ranks e excluded, sorted.
-func shrinkLine(e shrink.Epoch) string {
+// with the global ranks e excluded or added (launch slots), sorted.
+func epochLine(e shrink.Epoch) string {
+	if e.Action == shrink.ActionGrow {
+		return fmt.Sprintf("grow epoch=%d world=%d added=%v", e.Number, e.WorldSize, slices.Sorted(slices.Values(e.Added)))
+	}
 	return fmt.Sprintf("shrink epoch=%d world=%d excluded=%v", e.Number, e.WorldSize, slices.Sorted(slices.Values(e.Excluded)))
 }

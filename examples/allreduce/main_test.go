@@ -57,6 +57,8 @@ func TestReadEnv(t *testing.T) {
 		{"rank out of range", with("RANK", "4"), "RANK=4 out of range for WORLD_SIZE=4"},
 		{"not a number", with("WORLD_SIZE", "four"), `WORLD_SIZE="four" is not an integer`},
 		{"unknown failure mode", with("GORUN_ON_FAILURE", "retry"), `GORUN_ON_FAILURE="retry": want restart or shrink`},
+		{"newcomer", with("GORUN_SHRINK_NEWCOMER", "3"), ""},
+		{"newcomer's epoch not a number", with("GORUN_SHRINK_NEWCOMER", "x"), `GORUN_SHRINK_NEWCOMER="x": want the number of the last epoch decided`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -71,6 +73,9 @@ func TestReadEnv(t *testing.T) {
 				t.Fatal(err)
 			}
 			want := workerEnv{rank: 2, world: 4, masterAddr: "10.0.0.1", masterPort: 29500, agentStore: true, attempt: 3, onFailure: "shrink"}
+			if n := tt.env["GORUN_SHRINK_NEWCOMER"]; n != "" {
+				want.newcomer, want.after = true, 3
+			}
 			if e != want {
 				t.Errorf("readEnv = %+v, want %+v", e, want)
 			}

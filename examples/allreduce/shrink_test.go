@@ -115,11 +115,23 @@ func TestExitCode(t *testing.T) {
 }
 
 func TestLines(t *testing.T) {
-	if got, want := shrinkLine(epochOf(t, 8, []int{6, 1}, 1)), "shrink epoch=1 world=6 excluded=[1 6]"; got != want {
-		t.Errorf("shrinkLine = %q, want %q", got, want)
+	if got, want := epochLine(epochOf(t, 8, []int{6, 1}, 1)), "shrink epoch=1 world=6 excluded=[1 6]"; got != want {
+		t.Errorf("epochLine = %q, want %q", got, want)
 	}
-	if got, want := shrinkLine(epochOf(t, 4, []int{3}, 1)), "shrink epoch=1 world=3 excluded=[3]"; got != want {
-		t.Errorf("shrinkLine = %q, want %q", got, want)
+	if got, want := epochLine(epochOf(t, 4, []int{3}, 1)), "shrink epoch=1 world=3 excluded=[3]"; got != want {
+		t.Errorf("epochLine = %q, want %q", got, want)
+	}
+	d := shrink.NewDecider("test", shrink.Config{SettleWindow: -1}, epochOf(t, 4, []int{2, 0}, 1))
+	d.Join(time.Now(), shrink.Join{Slots: []int{2, 0}})
+	grow, ok, err := d.Decide(time.Now())
+	if err != nil || !ok {
+		t.Fatalf("Decide the grow: %v %v", ok, err)
+	}
+	if got, want := epochLine(grow), "grow epoch=2 world=4 added=[0 2]"; got != want {
+		t.Errorf("epochLine = %q, want %q", got, want)
+	}
+	if got, want := expectedSum(grow), 10.0; got != want {
+		t.Errorf("expectedSum of the grow = %v, want %v: newcomers contribute as the slots they fill", got, want)
 	}
 	if got, want := doneLine(result{rank: 1, world: 3, steps: 50, sum: 7}), "done rank=1 world=3 steps=50 sum=7"; got != want {
 		t.Errorf("doneLine = %q, want %q", got, want)
@@ -165,7 +177,7 @@ func TestRunChecksEveryStep(t *testing.T) {
 			if err := w.use(g); err != nil {
 				t.Fatal(err)
 			}
-			res, err := w.run(ctx)
+			res, err := w.run(ctx, 0)
 			if !errors.Is(err, tt.wantErr) || (tt.wantErr == nil) != (err == nil) {
 				t.Fatalf("run: %v, want %v", err, tt.wantErr)
 			}
@@ -425,7 +437,7 @@ var shrinkRE = regexp.MustCompile(`(?m)^shrink epoch=.*$`)
 // finished with the sum over the survivors, in its renumbered rank.
 func (j *job) checkShrunk(e shrink.Epoch, steps int) {
 	j.t.Helper()
-	wantShrink := shrinkLine(e)
+	wantShrink := epochLine(e)
 	wantSum := expectedSum(e)
 	for g, cmd := range j.procs {
 		if !e.Alive(g) || cmd == nil {

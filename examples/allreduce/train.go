@@ -23,7 +23,10 @@ type result struct {
 
 // backend forms a group and makes buffers in the memory that group works on.
 type backend struct {
-	newGroup  func(ctx context.Context, b pg.Bootstrap, e workerEnv) (pg.ProcessGroup, error)
+	newGroup func(ctx context.Context, b pg.Bootstrap, e workerEnv) (pg.ProcessGroup, error)
+	// joinGroup forms a newcomer's side of a grow (rank and size of the
+	// grown group in b).
+	joinGroup func(ctx context.Context, b pg.Bootstrap, spec pg.GrowSpec, e workerEnv) (pg.ProcessGroup, error)
 	newVector func(g pg.ProcessGroup, n int) (vector, error)
 }
 
@@ -48,19 +51,31 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		return res, fmt.Errorf("worker store: %w", err)
 	}
 	defer closeStore()
-	g, err := be.newGroup(setupCtx, pg.Bootstrap{
-		Store: store, Namespace: e.namespace(), Rank: e.rank, Size: e.world, Timeout: opt.timeout,
-	}, e)
-	if err != nil {
-		return res, fmt.Errorf("form the %s group: %w", opt.backend, err)
-	}
-
 	w := &worker{
 		be: be, opt: opt, out: out, globalRank: e.rank, attempt: e.attempt,
 		store: rendezvous.NewPrefixStore(e.namespace(), store), epoch: shrink.Initial(e.world),
 		stamped: -1,
 	}
 	defer w.close()
+	if e.newcomer {
+		if !opt.shrink {
+			return res, fmt.Errorf("GORUN_SHRINK_NEWCOMER is set, but the worker does not follow shrink epochs (--shrink=false)")
+		}
+		stop, err := w.enter(ctx, e, store)
+		if err != nil {
+			return res, err
+		}
+		// Deferred after w.close, so it runs before it: the watcher stops
+		// before the group it may abort is closed.
+		defer stop()
+		return w.run(ctx, w.joinedStep)
+	}
+	g, err := be.newGroup(setupCtx, pg.Bootstrap{
+		Store: store, Namespace: e.namespace(), Rank: e.rank, Size: e.world, Timeout: opt.timeout,
+	}, e)
+	if err != nil {
+		return res, fmt.Errorf("form the %s group: %w", opt.backend, err)
+	}
 	if err := w.use(g); err != nil {
 		return res, err // w.close closes g
 	}
@@ -69,13 +84,11 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		if err != nil {
 			return res, err
 		}
-		// Deferred after w.close, so it runs before it: the watcher stops
-		// before the group it may abort is closed.
-		defer stop()
+		defer stop() // before w.close, as above
 		w.follower = f
 	}
 	fmt.Fprintf(out, "start rank=%d world=%d backend=%s shrink=%t\n", e.rank, e.world, opt.backend, opt.shrink)
-	return w.run(ctx)
+	return w.run(ctx, 0)
 }
 
 // worker runs the steps on the current group. In shrink mode its follower
@@ -98,6 +111,9 @@ type worker struct {
 	// stamped is the last epoch whose first successful collective was
 	// timestamped (--timestamps); -1 before the first.
 	stamped int
+	// joinedStep is the step a newcomer goes on from, agreed with the
+	// survivors when it joined.
+	joinedStep int
 }
 
 // use makes g the current group, with a vector in its memory (a device
@@ -130,12 +146,13 @@ func (w *worker) close() {
 	}
 }
 
-// run runs the steps. A step whose collective fails because a peer was
-// lost (or the follower aborted the group for a new epoch) is redone in the
-// shrunk group, in shrink mode; otherwise the failure ends the run.
-func (w *worker) run(ctx context.Context) (result, error) {
+// run runs the steps from first. A step whose collective fails because a
+// peer was lost (or the follower aborted the group for a new epoch) is
+// redone in the next epoch's group, in shrink mode; otherwise the failure
+// ends the run.
+func (w *worker) run(ctx context.Context, first int) (result, error) {
 	res := result{rank: w.group.Rank(), world: w.group.Size()}
-	for step := 0; ; {
+	for step := first; ; {
 		var err error
 		if step < w.opt.steps {
 			if err = w.runStep(ctx, step, &res); err == nil {

@@ -54,7 +54,8 @@ func (g *Group) growSupported() error {
 // (pg.Grower): every member calls it with the same spec and keeps its rank;
 // the newcomers call JoinGrow and take ranks Size() to
 // Size()+spec.Added-1. The arguments are checked with pg.ValidateGrow
-// first; a closed or aborted group cannot grow.
+// first; a closed group cannot grow, and a stopped one (aborted, or a
+// peer lost) grows, or re-forms (Added 0), through a fresh communicator.
 //
 // Where the library has ncclCommGrow (NCCL ≥ 2.29) the root member (rank 0)
 // makes the grow's id with ncclCommGetUniqueId on its communicator and
@@ -83,8 +84,8 @@ func (g *Group) Grow(ctx context.Context, spec pg.GrowSpec) (pg.ProcessGroup, er
 	if err := pg.ValidateGrow(g.size, spec); err != nil {
 		return nil, fmt.Errorf("pg/nccl: %w", err)
 	}
-	if err := g.usable(); err != nil {
-		return nil, fmt.Errorf("pg/nccl: rank %d cannot grow: %w", g.rank, err)
+	if g.closed.Load() {
+		return nil, fmt.Errorf("pg/nccl: rank %d cannot grow: %w", g.rank, pg.ErrClosed)
 	}
 	ctx, cancel := rendezvous.WithDefaultTimeout(ctx, g.cfg.Bootstrap.OpTimeout())
 	defer cancel()
@@ -99,10 +100,14 @@ func (g *Group) Grow(ctx context.Context, spec pg.GrowSpec) (pg.ProcessGroup, er
 
 // grow is Grow with the group's operation lock held.
 func (g *Group) grow(ctx context.Context, spec pg.GrowSpec) (*Group, error) {
-	// Close or Abort may have come while Grow waited for the lock.
-	if err := g.usable(); err != nil {
-		return nil, err
+	// Close may have come while Grow waited for the lock.
+	if g.closed.Load() {
+		return nil, fmt.Errorf("rank %d: %w", g.rank, pg.ErrClosed)
 	}
+	// A stopped (aborted, or peer lost) communicator cannot grow in place,
+	// and a re-forming has no newcomers to grow by: both form a fresh
+	// communicator of the same ranks.
+	fresh := spec.Added == 0 || g.stopped.Load() != nil
 	store := rendezvous.NewPrefixStore(spec.Namespace, g.cfg.Bootstrap.Store)
 	var (
 		method string
@@ -110,7 +115,7 @@ func (g *Group) grow(ctx context.Context, spec pg.GrowSpec) (*Group, error) {
 		err    error
 	)
 	if g.rank == 0 {
-		method, id, err = g.publishGrowID(ctx, store, spec)
+		method, id, err = g.publishGrowID(ctx, store, spec, fresh)
 	} else {
 		method, id, err = getGrowID(ctx, store, g.rank)
 	}
@@ -137,7 +142,7 @@ func (g *Group) grow(ctx context.Context, spec pg.GrowSpec) (*Group, error) {
 // publishGrowID is the root member's part of the meeting: wait for every
 // newcomer, make the id (ncclCommGetUniqueId on the group's communicator,
 // or ncclGetUniqueId for the fallback) and set method and id.
-func (g *Group) publishGrowID(ctx context.Context, store rendezvous.Store, spec pg.GrowSpec) (string, uniqueID, error) {
+func (g *Group) publishGrowID(ctx context.Context, store rendezvous.Store, spec pg.GrowSpec, fresh bool) (string, uniqueID, error) {
 	var id uniqueID
 	keys := make([]string, spec.Added)
 	for i := range keys {
@@ -149,7 +154,7 @@ func (g *Group) publishGrowID(ctx context.Context, store rendezvous.Store, spec 
 	}
 	method, op := growMethodInit, "ncclGetUniqueId"
 	var r Result
-	if g.growSupported() == nil {
+	if !fresh && g.growSupported() == nil {
 		method, op = growMethodGrow, "ncclCommGetUniqueId"
 		g.commMu.RLock()
 		if g.comm == 0 || g.stopped.Load() != nil {

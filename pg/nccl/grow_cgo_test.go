@@ -443,7 +443,6 @@ func TestGrowRefused(t *testing.T) {
 		spec pg.GrowSpec
 		want string
 	}{
-		{pg.GrowSpec{Added: 0, Namespace: "x"}, "0 newcomers"},
 		{pg.GrowSpec{Added: -1, Namespace: "x"}, "-1 newcomers"},
 		{pg.GrowSpec{Added: 1}, "no namespace"},
 	} {
@@ -473,13 +472,43 @@ func TestGrowRefused(t *testing.T) {
 		t.Errorf("Barrier after refused grows: %v", err)
 	}
 
-	g.Abort(errors.New("peer lost"))
-	if _, err := g.Grow(ctx, pg.GrowSpec{Added: 1, Namespace: "x"}); !errors.Is(err, pg.ErrAborted) {
-		t.Errorf("Grow of an aborted group: %v, want ErrAborted", err)
-	}
 	g.Close()
 	if _, err := g.Grow(ctx, pg.GrowSpec{Added: 1, Namespace: "x"}); !errors.Is(err, pg.ErrClosed) {
 		t.Errorf("Grow of a closed group: %v, want ErrClosed", err)
+	}
+}
+
+// TestGrowAfterAbort: members whose group was aborted (shrink's Follower
+// aborts it the moment a grow epoch comes, so that every member stops where
+// it is) grow through a fresh communicator, even where NCCL grows in place:
+// a stopped communicator cannot. A grow of no newcomers re-forms them the
+// same way.
+func TestGrowAfterAbort(t *testing.T) {
+	for _, added := range []int{1, 0} {
+		t.Run(fmt.Sprintf("%d added", added), func(t *testing.T) {
+			useDouble(t, "version=22907")
+			w := newGrowWorld(t, doubleLib)
+			members := w.members(2)
+			for _, g := range members {
+				g.Abort(errors.New("a grow epoch came"))
+			}
+			spec := pg.GrowSpec{Added: added, Namespace: "epoch4"}
+			grown, errs := w.grow(members, spec, added, 10*time.Second)
+			grownRanks(t, grown, errs)
+			id := w.growID("ncclGetUniqueId ")
+			var want []string
+			for r := range 2 + added {
+				want = append(want, fmt.Sprintf("ncclCommInitRankConfig nranks=%d rank=%d blocking=1 id=%s", 2+added, r, id))
+			}
+			got := w.growCalls("ncclCommInitRank")
+			slices.Sort(got)
+			if !slices.Equal(got, want) {
+				t.Errorf("init calls:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+			}
+			if other := append(w.growCalls("ncclCommGrow"), w.growCalls("ncclCommGetUniqueId")...); len(other) != 0 {
+				t.Errorf("a stopped group grew in place: %q", other)
+			}
+		})
 	}
 }
 

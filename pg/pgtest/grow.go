@@ -100,10 +100,35 @@ func (h *harness) growIncomplete(t *testing.T) {
 	}
 }
 
+// reformAfterAbort: members of an aborted group (a grow that did not
+// complete aborted it) re-form with a grow of no newcomers and work again,
+// each keeping its rank.
+func (h *harness) reformAfterAbort(t *testing.T) {
+	groups := h.form(t, 3)
+	for _, g := range groups {
+		g.Abort(errors.New("pgtest: a grow began"))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), opTimeout)
+	defer cancel()
+	spec := pg.GrowSpec{Namespace: fmt.Sprintf("pgtest/grow/%d", h.seq.Add(1))}
+	again, errs := h.growAll(t, ctx, groups, spec, 0)
+	if err := firstErr(errs); err != nil {
+		t.Fatalf("re-form: %v", err)
+	}
+	for r, g := range again {
+		if g.Rank() != r || g.Size() != 3 {
+			t.Fatalf("re-formed rank %d is rank %d of %d", r, g.Rank(), g.Size())
+		}
+	}
+	if got, want := h.sumOnAll(t, again, func(r int) float64 { return float64(r + 1) }), 6.0; got != want {
+		t.Errorf("sum on the re-formed group = %v, want %v", got, want)
+	}
+}
+
 // growValidation: bad GrowSpecs are refused with pg.ErrInvalidArgument.
 func (h *harness) growValidation(t *testing.T) {
 	groups := h.form(t, 2)
-	for _, spec := range []pg.GrowSpec{{Added: 0, Namespace: "x"}, {Added: 1}} {
+	for _, spec := range []pg.GrowSpec{{Added: -1, Namespace: "x"}, {Added: 1}} {
 		_, err := groups[0].(pg.Grower).Grow(context.Background(), spec)
 		if !errors.Is(err, pg.ErrInvalidArgument) {
 			t.Errorf("Grow(%+v) = %v, want pg.ErrInvalidArgument", spec, err)

@@ -39,6 +39,7 @@ func Run(t *testing.T, f Factory) {
 	if f.Caps.Grow && f.Caps.Shrink {
 		t.Run("ShrinkThenGrow", h.shrinkThenGrow)
 		t.Run("GrowThatDoesNotComplete", h.growIncomplete)
+		t.Run("ReformAfterAbort", h.reformAfterAbort)
 		t.Run("GrowValidation", h.growValidation)
 	}
 }

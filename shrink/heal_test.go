@@ -1,0 +1,311 @@
+package shrink
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/pg"
+	"github.com/gorunhq/gorun/pg/cpu"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// TestFollowerHeals runs heal end to end on real pg/cpu groups and a real
+// store, an agent's Coordinator deciding: four ranks, each a goroutine doing
+// allreduce steps where global rank g contributes g+1, so that the sum says
+// who took part.
+func TestFollowerHeals(t *testing.T) {
+	tests := []struct {
+		name string
+		// newcomer: a worker for slot 2 enters once epoch 1 is out;
+		// otherwise a Join for slot 2 is filed and nobody comes.
+		newcomer bool
+		// failDuringGrow: global rank 3 dies when it sees the grow, and
+		// its failure is reported.
+		failDuringGrow bool
+		wantEpochs     []Action // every epoch, in order
+		wantMembers    []int    // global ranks of the final group
+	}{
+		{name: "respawned rank grown back", newcomer: true,
+			wantEpochs: []Action{ActionShrink, ActionGrow}, wantMembers: []int{0, 1, 2, 3}},
+		{name: "a newcomer that never comes",
+			wantEpochs: []Action{ActionShrink, ActionGrow, ActionShrink}, wantMembers: []int{0, 1, 3}},
+		{name: "a failure during the grow", newcomer: true, failDuringGrow: true,
+			wantEpochs: []Action{ActionShrink, ActionGrow, ActionShrink, ActionGrow}, wantMembers: []int{0, 1, 2}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+			defer cancel()
+			dial := storeDialer(ctx, t)
+			const world = 4
+			coord := agentSide(t, dial, CoordinatorConfig{
+				Config: Config{SettleWindow: 20 * time.Millisecond, GrowTimeout: 400 * time.Millisecond},
+				Name:   "a", World: world,
+			})
+			coord.Lead(ctx, true)
+			report := func(g int, why string) {
+				if err := coord.File(ctx, Report{Ranks: []int{g}, Reason: why}); err != nil {
+					t.Error(err)
+				}
+			}
+
+			// The last epoch the test expects: the workers stop once they
+			// are in it and have done a few steps there.
+			last := len(tt.wantEpochs)
+			results := make([]healResult, world)
+			var wg sync.WaitGroup
+			groups := formGroups(ctx, t, dial, world)
+			for g := range world {
+				f := NewFollower(NewBoard(dial(), ""), NewBoard(dial(), ""), g, world, groups[g])
+				w := &healWorker{f: f, global: g, last: last}
+				switch g {
+				case 2:
+					w.dieAtStep = 5
+					w.died = func() { report(2, "exit code 1") }
+				case 3:
+					if tt.failDuringGrow {
+						w.dieOnGrow = true
+						w.died = func() { report(3, "exit code 1") }
+					}
+				}
+				wg.Go(func() {
+					defer f.Close()
+					results[g] = w.run(ctx)
+				})
+			}
+			shrunk := nextEpoch(t, coord, 10*time.Second)
+			var newcomer healResult
+			if tt.newcomer {
+				wg.Go(func() {
+					n := Newcomer{Board: NewBoard(dial(), ""), Watch: NewBoard(dial(), ""), Slot: 2, After: shrunk.Number,
+						Join: cpuJoin(dial())}
+					f, g, e, err := n.Enter(ctx)
+					if err != nil {
+						newcomer.err = fmt.Errorf("enter: %w", err)
+						return
+					}
+					defer f.Close()
+					if g.Rank() != e.Ranks[2] {
+						newcomer.err = fmt.Errorf("joined as rank %d, epoch %d says %d", g.Rank(), e.Number, e.Ranks[2])
+						return
+					}
+					newcomer = (&healWorker{f: f, global: 2, last: last, newcomer: true}).run(ctx)
+				})
+			} else {
+				if _, err := NewBoard(dial(), "").FileJoin(ctx, Join{Slots: []int{2}, From: "a respawn that dies at once"}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			epochs := []Epoch{shrunk}
+			for len(epochs) < last {
+				epochs = append(epochs, nextEpoch(t, coord, 10*time.Second))
+			}
+			wg.Wait()
+
+			for i, e := range epochs {
+				if e.Action != tt.wantEpochs[i] {
+					t.Errorf("epoch %d is a %s (%v), want a %s", e.Number, e.Action, e, tt.wantEpochs[i])
+				}
+			}
+			final := epochs[len(epochs)-1]
+			var members []int
+			for g := range final.Ranks {
+				if final.Alive(g) {
+					members = append(members, g)
+				}
+			}
+			if !slices.Equal(members, tt.wantMembers) {
+				t.Fatalf("final epoch %v has %v, want %v", final, members, tt.wantMembers)
+			}
+			want := 0.0
+			for _, g := range members {
+				want += float64(g + 1)
+			}
+			if tt.newcomer {
+				results[2] = newcomer
+			}
+			for _, g := range members {
+				r := results[g]
+				if r.err != nil || r.epoch != final.Number || r.world != len(members) || r.rank != final.Ranks[g] || r.sum != want {
+					t.Errorf("global rank %d ended at epoch %d, rank %d of %d, sum %g (error %v); want epoch %d, rank %d of %d, sum %g",
+						g, r.epoch, r.rank, r.world, r.sum, r.err, final.Number, final.Ranks[g], len(members), want)
+				}
+			}
+			if final.Action == ActionGrow {
+				if n, err := NewBoard(dial(), "").Acks(ctx, final.Number); err != nil || n != int64(final.WorldSize) {
+					t.Errorf("acks of the grow: %d %v, want %d", n, err, final.WorldSize)
+				}
+			}
+			select {
+			case e := <-coord.Epochs():
+				t.Errorf("an epoch after the last one: %v", e)
+			case err := <-coord.Err():
+				t.Errorf("agreement failed: %v", err)
+			case <-time.After(600 * time.Millisecond): // past the grow timeout
+			}
+		})
+	}
+}
+
+// formGroups forms a pg/cpu group of world ranks, each on its own store
+// connection.
+func formGroups(ctx context.Context, t *testing.T, dial func() *tcpstore.Client, world int) []pg.ProcessGroup {
+	t.Helper()
+	groups := make([]pg.ProcessGroup, world)
+	errs := make([]error, world)
+	var wg sync.WaitGroup
+	for r := range world {
+		store := dial()
+		wg.Go(func() {
+			cfg := cpu.DefaultConfig()
+			cfg.ListenAddr = "127.0.0.1:0"
+			cfg.Bootstrap = pg.Bootstrap{Store: store, Namespace: "heal", Rank: r, Size: world, Timeout: 20 * time.Second}
+			groups[r], errs[r] = cpu.New(ctx, cfg)
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		t.Fatal(err)
+	}
+	return groups
+}
+
+// cpuJoin is a newcomer's JoinFunc on pg/cpu, meeting the members on store.
+func cpuJoin(store *tcpstore.Client) JoinFunc {
+	return func(ctx context.Context, rank, size int, spec pg.GrowSpec) (pg.ProcessGroup, error) {
+		cfg := cpu.DefaultConfig()
+		cfg.ListenAddr = "127.0.0.1:0"
+		cfg.Bootstrap = pg.Bootstrap{Store: store, Rank: rank, Size: size, Timeout: 20 * time.Second}
+		return cpu.JoinGrow(ctx, cfg, spec)
+	}
+}
+
+// healWorker runs allreduce steps on its follower's group, moving from
+// epoch to epoch, until it has done a few steps in epoch last.
+type healWorker struct {
+	f         *Follower
+	global    int
+	last      int
+	dieAtStep int    // > 0: at this step the worker's process dies
+	dieOnGrow bool   // the worker dies when a grow epoch comes
+	died      func() // its agent reports the death
+	// newcomer: the worker joined a running group, whose members agree
+	// on the step with it first.
+	newcomer bool
+}
+
+type healResult struct {
+	epoch, rank, world int
+	sum                float64
+	err                error
+}
+
+func (w *healWorker) run(ctx context.Context) healResult {
+	buf := make([]float64, 64)
+	inLast := 0
+	step := 0
+	if w.newcomer {
+		if err := w.agree(ctx, w.f.Group(), &step); err != nil && w.recover(ctx, &step) != nil {
+			return healResult{err: err}
+		}
+	}
+	for inLast < 20 {
+		if w.dieAtStep > 0 && step == w.dieAtStep {
+			w.f.Group().Close()
+			w.died()
+			return healResult{}
+		}
+		if w.f.Pending() {
+			if err := w.recover(ctx, &step); err != nil {
+				return healResult{err: err}
+			}
+			continue
+		}
+		for i := range buf {
+			buf[i] = float64(w.global + 1)
+		}
+		if err := w.f.Group().AllReduce(ctx, pg.Host(buf), pg.Sum); err != nil {
+			if !errors.Is(err, pg.ErrPeerLost) && !errors.Is(err, pg.ErrAborted) {
+				return healResult{err: fmt.Errorf("step %d: %w", step, err)}
+			}
+			if err := w.recover(ctx, &step); err != nil {
+				return healResult{err: err}
+			}
+			continue
+		}
+		e := w.f.Epoch()
+		if err := checkStepSum(e, step, buf[0]); err != nil {
+			return healResult{err: err}
+		}
+		if e.Number == w.last {
+			inLast++
+		}
+		step++
+		time.Sleep(2 * time.Millisecond)
+	}
+	g, e := w.f.Group(), w.f.Epoch()
+	defer g.Close()
+	return healResult{epoch: e.Number, rank: g.Rank(), world: g.Size(), sum: buf[0]}
+}
+
+// recover moves to the next epoch (again, after a grow that did not
+// complete) and agrees on the step with the others: the highest any of
+// them reached, a newcomer's being 0.
+func (w *healWorker) recover(ctx context.Context, step *int) error {
+	for {
+		if w.dieOnGrow {
+			// The watcher may not have seen the epoch yet (a collective
+			// failed because another rank's watcher aborted): ask.
+			if e, ok, _ := w.f.board.Lookup(ctx, w.f.Epoch().Number+1); ok && e.Action == ActionGrow {
+				w.f.Group().Close()
+				w.died()
+				return errDied
+			}
+		}
+		g, _, err := w.f.Recover(ctx)
+		if errors.Is(err, ErrGrowIncomplete) {
+			continue
+		}
+		if err != nil {
+			return err
+		}
+		err = w.agree(ctx, g, step)
+		if errors.Is(err, pg.ErrPeerLost) || errors.Is(err, pg.ErrAborted) {
+			continue
+		}
+		return err
+	}
+}
+
+// agree sets step to the highest any rank of g reached: the first
+// collective of every group.
+func (w *healWorker) agree(ctx context.Context, g pg.ProcessGroup, step *int) error {
+	agreed := []float64{float64(*step)}
+	if err := g.AllReduce(ctx, pg.Host(agreed), pg.Max); err != nil {
+		return err
+	}
+	*step = int(agreed[0])
+	return nil
+}
+
+var errDied = errors.New("died (as the test wants)")
+
+// checkStepSum checks a step's sum in epoch e: every rank alive in e
+// contributed its global rank + 1.
+func checkStepSum(e Epoch, step int, sum float64) error {
+	want := 0.0
+	for g := range e.Ranks {
+		if e.Alive(g) {
+			want += float64(g + 1)
+		}
+	}
+	if sum != want {
+		return fmt.Errorf("step %d epoch %d: sum %g, want %g", step, e.Number, sum, want)
+	}
+	return nil
+}
