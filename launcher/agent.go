@@ -369,8 +369,11 @@ func (a *agent) succeeded(ctx context.Context, p *plan, sv *survivors) error {
 		return err
 	}
 	if sv != nil && len(sv.epochs) > 0 {
-		a.log.Warn("the surviving workers succeeded", zap.String("run_id", a.runID), zap.Int("round", p.round),
-			zap.String("shrink", sv.summary()))
+		msg := "the surviving workers succeeded"
+		if len(sv.epoch.Lost) == 0 {
+			msg = "all workers succeeded, the lost ones grown back in"
+		}
+		a.log.Warn(msg, zap.String("run_id", a.runID), zap.Int("round", p.round), zap.String("shrink", sv.summary()))
 		return nil
 	}
 	a.log.Info("all workers succeeded", zap.String("run_id", a.runID), zap.Int("round", p.round),

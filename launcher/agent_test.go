@@ -31,6 +31,8 @@ func shConfig(t *testing.T, nproc int, script string) Config {
 	cfg.Rendezvous.Backend = "c10d"
 	cfg.LogDir = t.TempDir()
 	cfg.ShutdownTimeout = 5 * time.Second
+	// Shell workers do not join by a grow: heal is a test's own choice.
+	cfg.Regrow = false
 	return cfg
 }
 

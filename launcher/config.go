@@ -361,6 +361,26 @@ type Config struct {
 	// agreement (an epoch on the board) before shrink mode gives up and
 	// restarts the group. Default 10 s (shrink.DefaultAgreementTimeout).
 	AgreementTimeout time.Duration
+	// Regrow is heal, shrink mode's second half: a local rank an epoch
+	// excluded after it died is started again (after RespawnBackoff) as a
+	// newcomer (GORUN_SHRINK_NEWCOMER) and grown back into the running
+	// group by a grow epoch; the survivors are never restarted. Default
+	// true; it matters only under OnFailureShrink. --regrow on|off.
+	Regrow bool
+	// MaxRespawns is the job's budget of respawns (Regrow), counted across
+	// every node in the worker store: once it is spent, a lost slot stays
+	// out and the job runs on smaller. A slot that keeps failing spends it.
+	// Default 3. --max-respawns.
+	MaxRespawns int
+	// RespawnBackoff is how long a lost slot waits before it is respawned;
+	// it doubles with each respawn of the same slot, up to 30 s. Default
+	// 1 s. --respawn-backoff.
+	RespawnBackoff time.Duration
+	// GrowTimeout is how long the ranks of a grow epoch have to form the
+	// grown group before the agents give it up: a newcomer that does not
+	// come is excluded again and the survivors go on. Default 30 s
+	// (shrink.DefaultGrowTimeout). --grow-timeout.
+	GrowTimeout time.Duration
 	// HeartbeatTimeout turns on hang detection: a worker that has sent a
 	// heartbeat to GORUN_HEARTBEAT and then sends none for this long (hung,
 	// deadlocked, SIGSTOPped) is killed and counts as failed. 0 (default)
@@ -425,6 +445,14 @@ const (
 	OnFailureShrink  = "shrink"
 )
 
+// Defaults of heal (Config.Regrow), gorun's own.
+const (
+	DefaultMaxRespawns    = 3
+	DefaultRespawnBackoff = time.Second
+	// maxRespawnBackoff caps RespawnBackoff's doubling.
+	maxRespawnBackoff = 30 * time.Second
+)
+
 // Defaults, torchrun's unless said otherwise.
 const (
 	defaultPython             = "python3" // gorun's: torchrun uses its own sys.executable
@@ -466,6 +494,10 @@ func DefaultConfig() Config {
 		MinWorldSize:       shrink.DefaultMinWorldSize,
 		SettleWindow:       shrink.DefaultSettleWindow,
 		AgreementTimeout:   shrink.DefaultAgreementTimeout,
+		Regrow:             true,
+		MaxRespawns:        DefaultMaxRespawns,
+		RespawnBackoff:     DefaultRespawnBackoff,
+		GrowTimeout:        shrink.DefaultGrowTimeout,
 		NodeLiveness:       defaultNodeLiveness(),
 		ContainDescendants: true,
 	}
@@ -658,6 +690,12 @@ func (c Config) validateFaultTolerance() error {
 		return invalidf("--settle-window %v: want 0 or more", c.SettleWindow)
 	case c.AgreementTimeout <= 0:
 		return invalidf("agreement timeout %v: want a positive timeout", c.AgreementTimeout)
+	case c.MaxRespawns < 0:
+		return invalidf("--max-respawns %d: want 0 or more", c.MaxRespawns)
+	case c.RespawnBackoff < 0:
+		return invalidf("--respawn-backoff %v: want 0 or more", c.RespawnBackoff)
+	case c.GrowTimeout <= 0:
+		return invalidf("--grow-timeout %v: want a positive timeout", c.GrowTimeout)
 	case c.HeartbeatTimeout < 0:
 		return invalidf("--heartbeat-timeout %v: want 0 (off) or more", c.HeartbeatTimeout)
 	case c.NodeLiveness.Mode != "" && c.NodeLiveness.Mode != NodeLivenessAuto && c.NodeLiveness.Mode != NodeLivenessOn && c.NodeLiveness.Mode != NodeLivenessOff:

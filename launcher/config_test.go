@@ -390,6 +390,10 @@ func TestDefaultConfig(t *testing.T) {
 		{"Python", c.Entrypoint.Python, "python3"},
 		{"Init", c.Init, false},
 		{"HealthAddr", c.HealthAddr, ""},
+		{"Regrow", c.Regrow, true},
+		{"MaxRespawns", c.MaxRespawns, 3},
+		{"RespawnBackoff", c.RespawnBackoff, time.Second},
+		{"GrowTimeout", c.GrowTimeout, 30 * time.Second},
 	}
 	for _, ch := range checks {
 		if !reflect.DeepEqual(ch.got, ch.want) {
@@ -446,6 +450,7 @@ func TestValidate(t *testing.T) {
 		{"no signals", func(c *Config) { c.SignalsToHandle = nil }},
 		{"kill at once", func(c *Config) { c.ShutdownTimeout = 0 }},
 		{"restarts", func(c *Config) { c.MaxRestarts = 3 }},
+		{"heal off, no respawns, at once", func(c *Config) { c.Regrow, c.MaxRespawns, c.RespawnBackoff = false, 0, 0 }},
 		{"start method fork", func(c *Config) { c.StartMethod = "fork" }},
 		{"local addr", func(c *Config) { c.Rendezvous.LocalAddr = "10.0.0.7" }},
 		{"local addr ipv6", func(c *Config) { c.Rendezvous.LocalAddr = "[fd00::7]" }},
@@ -502,6 +507,9 @@ func TestValidate(t *testing.T) {
 		{"conf store_type", func(c *Config) { c.Rendezvous.Conf = map[string]string{"store_type": "redis"} }, "store_type=redis"},
 		{"bad local addr", func(c *Config) { c.Rendezvous.LocalAddr = "x y" }, "--local-addr"},
 		{"negative restarts", func(c *Config) { c.MaxRestarts = -1 }, "--max-restarts -1"},
+		{"negative respawns", func(c *Config) { c.MaxRespawns = -1 }, "--max-respawns -1"},
+		{"negative respawn backoff", func(c *Config) { c.RespawnBackoff = -time.Second }, "--respawn-backoff"},
+		{"zero grow timeout", func(c *Config) { c.GrowTimeout = 0 }, "--grow-timeout"},
 		{"zero monitor interval", func(c *Config) { c.MonitorInterval = 0 }, "--monitor-interval"},
 		{"start method", func(c *Config) { c.StartMethod = "thread" }, `--start-method "thread"`},
 		{"negative shutdown", func(c *Config) { c.ShutdownTimeout = -time.Second }, "--shutdown-timeout"},

@@ -59,6 +59,12 @@ type WorkerEnv struct {
 	// VirtualLocalRank: LOCAL_RANK=0 and one GPU in CUDA_VISIBLE_DEVICES
 	// per worker (Config.VirtualLocalRank).
 	VirtualLocalRank bool
+	// NewcomerAfter, when positive, makes the worker a newcomer: heal
+	// respawned it into a lost slot of a running group, and it joins by
+	// the grow epoch after epoch NewcomerAfter, the last decided when it
+	// started (GORUN_SHRINK_NEWCOMER). 0 for the workers a round starts
+	// (an epoch that lost a slot is at least 1).
+	NewcomerAfter int
 }
 
 // Environ returns the environment of the worker with assignment a: the
@@ -93,6 +99,9 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 	}
 	if w.OnFailure == OnFailureShrink && w.AgreementTimeout > 0 {
 		set["GORUN_AGREEMENT_TIMEOUT"] = strconv.FormatFloat(w.AgreementTimeout.Seconds(), 'g', -1, 64)
+	}
+	if w.NewcomerAfter > 0 {
+		set["GORUN_SHRINK_NEWCOMER"] = strconv.Itoa(w.NewcomerAfter)
 	}
 	if w.Heartbeat != "" {
 		set[health.HeartbeatEnv] = w.Heartbeat

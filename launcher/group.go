@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"syscall"
 	"time"
@@ -35,6 +36,8 @@ type worker struct {
 	// excluded: a shrink epoch excluded it while it ran, and the agent
 	// killed it.
 	excluded bool
+	// newcomer: heal respawned it into a lost slot, to be grown back in.
+	newcomer bool
 }
 
 type workerExit struct {
@@ -53,6 +56,9 @@ type spawnSpec struct {
 	// filtered are the attempt's filtered_stdout.log and
 	// filtered_stderr.log (--duplicate-std*-filters), nil when not asked.
 	filtered [2]*filteredLog
+	// appendLogs: the workers' log files are added to, not started afresh
+	// (heal's newcomers, in a slot whose worker wrote them before).
+	appendLogs bool
 }
 
 // startGroup starts one worker per assignment. Each worker is the leader
@@ -86,7 +92,11 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
 		return nil, err
 	}
-	out, ends, err := openOutput(con, spec.prefix(a), routes(cfg, a.LocalRank, dir, spec.filtered))
+	plans := routes(cfg, a.LocalRank, dir, spec.filtered)
+	for i := range plans {
+		plans[i].appendFile = spec.appendLogs
+	}
+	out, ends, err := openOutput(con, spec.prefix(a), plans)
 	if err != nil {
 		return nil, err
 	}
@@ -103,6 +113,28 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	}
 	w.proc, w.out = proc, out
 	go func() { exits <- workerExit{w, <-ch} }()
+	return w, nil
+}
+
+// respawn starts a newcomer in the slot of old, a worker that has exited
+// (heal): the same assignment, GORUN_SHRINK_NEWCOMER=after (the last epoch
+// decided), its lines added to old's logs. It takes old's place in the
+// group; what old left in its process group is killed first.
+func (g *group) respawn(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, old *worker, after int) (*worker, error) {
+	i := slices.Index(g.workers, old)
+	if i < 0 || !old.exited {
+		return nil, fmt.Errorf("respawn of rank %d: its worker is not an exited one of this group", old.a.Rank)
+	}
+	syscall.Kill(-old.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
+	old.out.drain(outputDrainTimeout)
+	spec.env.NewcomerAfter, spec.appendLogs = after, true
+	w, err := startWorker(rp, con, cfg, spec, old.a, g.exits)
+	if err != nil {
+		return nil, err
+	}
+	w.newcomer = true
+	g.workers[i] = w
+	g.running++
 	return w, nil
 }
 

@@ -144,6 +144,9 @@ type Health struct {
 	reported  *prometheus.CounterVec
 	epochs    *prometheus.CounterVec
 	epochWait prometheus.Histogram
+	world     prometheus.Gauge
+	respawns  *prometheus.CounterVec
+	growTime  prometheus.Histogram
 
 	mu      sync.Mutex
 	current Phase
@@ -187,18 +190,31 @@ func NewHealth() *Health {
 		}, []string{"kind"}),
 		epochs: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gorun_shrink_epochs_total",
-			Help: "Shrink epochs the agent adopted, by action (shrink: survivors carried on; restart: fell back to a restart).",
+			Help: "Epochs the agent adopted under --on-failure shrink, by action (shrink: survivors carried on; grow: lost slots grown back in; restart: fell back to a restart).",
 		}, []string{"action"}),
 		epochWait: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "gorun_shrink_epoch_latency_seconds",
 			Help:    "From this agent reporting a failure to the epoch that excludes it reaching the agent: detection to agreement.",
 			Buckets: rendezvousBuckets,
 		}),
+		world: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gorun_world_size",
+			Help: "Ranks in the job's group: as launched, then as each epoch under --on-failure shrink leaves it.",
+		}),
+		respawns: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gorun_respawns_total",
+			Help: "Lost local ranks under --on-failure shrink --regrow on, by outcome (started: respawned to be grown back in; refused: the job's --max-respawns budget was spent).",
+		}, []string{"outcome"}),
+		growTime: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "gorun_grow_duration_seconds",
+			Help:    "From a grow epoch's decision to its last rank arriving in the grown group: the job back at that size.",
+			Buckets: rendezvousBuckets,
+		}),
 		current: PhaseStarting,
 		counts:  map[string]int{},
 	}
 	h.reg.MustRegister(h.phase, h.restarts, h.rdzvTime, h.rdzvRound, h.workers, h.failures,
-		h.reported, h.epochs, h.epochWait,
+		h.reported, h.epochs, h.epochWait, h.world, h.respawns, h.growTime,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for p := range Phase(numPhases) {
@@ -327,9 +343,39 @@ func (h *Health) EpochAdopted(e shrink.Epoch, since time.Time) {
 		return
 	}
 	h.epochs.WithLabelValues(string(e.Action)).Inc()
+	h.world.Set(float64(e.WorldSize))
 	if !since.IsZero() {
 		h.epochWait.Observe(time.Since(since).Seconds())
 	}
+}
+
+// WorldSize records the job's world size as a round launches it.
+func (h *Health) WorldSize(n int) {
+	if h == nil {
+		return
+	}
+	h.world.Set(float64(n))
+}
+
+// Respawned counts a lost local rank started again to be grown back in
+// (started true), or refused because the job's budget was spent.
+func (h *Health) Respawned(started bool) {
+	if h == nil {
+		return
+	}
+	outcome := "refused"
+	if started {
+		outcome = "started"
+	}
+	h.respawns.WithLabelValues(outcome).Inc()
+}
+
+// GrowComplete records that a grow decided at decided completed at done.
+func (h *Health) GrowComplete(decided, done time.Time) {
+	if h == nil {
+		return
+	}
+	h.growTime.Observe(done.Sub(decided).Seconds())
 }
 
 // Restarted counts one restart of the worker group after a failure.

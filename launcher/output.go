@@ -49,9 +49,12 @@ type workerOutput struct {
 
 // streamPlan says where one stream goes.
 type streamPlan struct {
-	stream    Std
-	toFile    string // "" for none
-	toConsole bool
+	stream Std
+	toFile string // "" for none
+	// appendFile adds to toFile instead of starting it afresh: a
+	// respawned worker's lines follow its predecessor's.
+	appendFile bool
+	toConsole  bool
 	// filtered, for a tee'd stream, takes the lines that match
 	// --duplicate-std*-filters; nil for none.
 	filtered *filteredLog
@@ -109,7 +112,11 @@ func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput
 		ends[i] = w
 		var file *os.File
 		if p.toFile != "" {
-			if file, err = os.OpenFile(p.toFile, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o644); err != nil {
+			mode := os.O_TRUNC
+			if p.appendFile {
+				mode = os.O_APPEND
+			}
+			if file, err = os.OpenFile(p.toFile, os.O_CREATE|os.O_WRONLY|mode, 0o644); err != nil {
 				o.abort()
 				return nil, ends, err
 			}

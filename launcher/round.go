@@ -54,6 +54,12 @@ const (
 	evEpoch
 	// evAgreementFailed: shrink mode's agreement gave up (roundEvent.err).
 	evAgreementFailed
+	// evRespawnDue: a lost local slot's backoff is over (roundEvent.slot):
+	// heal respawns it.
+	evRespawnDue
+	// evGrown: a grow epoch completed (roundEvent.grown): every rank of it
+	// is in the grown group.
+	evGrown
 )
 
 // roundEvent is one thing that happened in a round that the failure
@@ -67,6 +73,8 @@ type roundEvent struct {
 	change  *change
 	epoch   shrink.Epoch
 	err     error
+	slot    int
+	grown   shrink.Complete
 }
 
 // roundWatch gathers the event sources of one running round.
@@ -79,26 +87,36 @@ type roundWatch struct {
 	// jobs only; nil otherwise).
 	poll     <-chan time.Time
 	stopPoll func()
-	// epochs and agreementFailed are shrink mode's (nil otherwise).
+	// epochs, agreementFailed and grown are shrink mode's (nil otherwise).
 	epochs          <-chan shrink.Epoch
 	agreementFailed <-chan error
+	grown           <-chan shrink.Complete
+	// spec starts the round's workers, and heal's newcomers.
+	spec spawnSpec
+	// respawns is heal's policy (shrink mode with --regrow on; nil
+	// otherwise).
+	respawns *respawns
 }
 
 // watchRound starts watching round p's group g; sv is shrink mode's
 // agreement, nil in restart mode. Call close when the round ends.
-func (a *agent) watchRound(p *plan, g *group, sigs <-chan os.Signal, sv *survivors) *roundWatch {
-	w := &roundWatch{a: a, p: p, g: g, sigs: sigs, stopPoll: func() {}}
+func (a *agent) watchRound(p *plan, g *group, spec spawnSpec, sigs <-chan os.Signal, sv *survivors) *roundWatch {
+	w := &roundWatch{a: a, p: p, g: g, spec: spec, sigs: sigs, stopPoll: func() {}}
 	if a.multiNode {
 		t := time.NewTicker(a.m.watchEvery(a.cfg.MonitorInterval))
 		w.poll, w.stopPoll = t.C, t.Stop
 	}
 	if sv != nil {
-		w.epochs, w.agreementFailed = sv.coord.Epochs(), sv.coord.Err()
+		w.epochs, w.agreementFailed, w.grown = sv.coord.Epochs(), sv.coord.Err(), sv.coord.Completions()
+		w.respawns = newRespawns(a.cfg.Regrow, a.cfg.RespawnBackoff, len(p.assignments))
 	}
 	return w
 }
 
-func (w *roundWatch) close() { w.stopPoll() }
+func (w *roundWatch) close() {
+	w.stopPoll()
+	w.respawns.cancel()
+}
 
 // next waits for the round's next event. What means the same under both
 // policies is handled here: a hung worker is killed (its exit comes as an
@@ -117,6 +135,10 @@ func (w *roundWatch) next(ctx context.Context) roundEvent {
 			return roundEvent{kind: evEpoch, epoch: e}
 		case err := <-w.agreementFailed:
 			return roundEvent{kind: evAgreementFailed, err: err}
+		case slot := <-w.respawns.dueC():
+			return roundEvent{kind: evRespawnDue, slot: slot}
+		case c := <-w.grown:
+			return roundEvent{kind: evGrown, grown: c}
 		case ev := <-a.hung:
 			a.stopHung(w.g, ev)
 		case ev := <-a.gossip.eventsOrNil():
@@ -233,7 +255,7 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
 	a.endpoint.WorkersStarted(len(p.assignments))
 	a.endpoint.SetPhase(PhaseRunning)
-	w := a.watchRound(p, g, sigs, sv)
+	w := a.watchRound(p, g, spec, sigs, sv)
 	defer w.close()
 	// The group has ended when supervision returns: what its workers left
 	// behind goes with it.

@@ -13,10 +13,12 @@ import (
 
 // superviseShrink is shrink mode (--on-failure shrink) for one round: a
 // failure here is reported to the survivors' agreement (sv) and the other
-// workers run on; the epochs the agreement publishes say who is out. The
-// round lasts until the local workers are done and every local failure is
-// decided: this node may lead the agreement. It falls back to a restart
-// when the agreement decides one (too few survivors) or gives up.
+// workers run on; the epochs the agreement publishes say who is out, and,
+// with heal (--regrow on), who comes back: a lost local slot is respawned
+// after a backoff and grown back in. The round lasts until the local
+// workers are done, every local failure is decided and no respawn is
+// due: this node may lead the agreement. It falls back to a restart when
+// the agreement decides one (too few survivors) or gives up.
 func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivors) outcome {
 	var out outcome
 	fallBack := func(why string) outcome {
@@ -25,18 +27,24 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		out.fallback = why
 		return out
 	}
-	for w.g.running > 0 || !sv.settled() {
+	for w.g.running > 0 || !sv.settled() || w.respawns.pending() {
 		ev := w.next(ctx)
 		switch ev.kind {
 		case evStopped:
 			return ev.stopped
 		case evWorkerExit:
 			if ev.exit.e.Code() == 0 {
+				a.finishedHere(w, sv)
 				continue
 			}
 			f := a.failure(ev.exit)
 			if !sv.epoch.Alive(f.Rank) {
+				if ev.exit.w.newcomer && !ev.exit.w.excluded {
+					a.log.Warn("a respawned worker failed before it was grown back in", zap.Int("rank", f.Rank),
+						zap.Stringer("exit", ev.exit.e))
+				}
 				out.lost = append(out.lost, f) // excluded before it ended
+				a.respawnLater(w, sv, ev.exit.w)
 				continue
 			}
 			a.log.Warn("worker failed; reporting it to the survivors", zap.Int("rank", f.Rank), zap.Stringer("exit", ev.exit.e))
@@ -50,6 +58,13 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				return fallBack(fmt.Sprintf("epoch %d would leave %d rank(s), below --min-world-size %d",
 					ev.epoch.Number, ev.epoch.WorldSize, a.cfg.MinWorldSize))
 			}
+			for _, wk := range w.g.workers {
+				a.respawnLater(w, sv, wk)
+			}
+		case evRespawnDue:
+			a.respawn(ctx, w, sv, ev.slot)
+		case evGrown:
+			a.grown(sv, ev.grown)
 		case evAgreementFailed:
 			return fallBack(ev.err.Error())
 		case evNodeDead:
@@ -79,10 +94,10 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 	return out
 }
 
-// adoptEpoch acts on a shrink epoch here: local workers it excludes that
-// still run (hung, or on a node taken for lost) are killed, so that no
-// excluded rank comes back; failures it excludes become losses. It reports
-// whether the epoch is a restart.
+// adoptEpoch acts on an epoch here: local workers it excludes that still
+// run (hung, or on a node taken for lost) are killed, so that no excluded
+// rank comes back but by a grow; failures it excludes become losses. It
+// reports whether the epoch is a restart.
 func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome) (restart bool) {
 	local := make([]int, len(g.workers))
 	for i, w := range g.workers {
@@ -90,6 +105,17 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 	}
 	excluded, reportedAt := sv.adopt(e, local)
 	a.endpoint.EpochAdopted(e, reportedAt)
+	if e.Action == shrink.ActionGrow {
+		var added []int
+		for _, r := range local {
+			if e.Newcomer(r) {
+				added = append(added, r)
+			}
+		}
+		a.log.Warn(fmt.Sprintf("grow epoch=%d world=%d added=%v", e.Number, e.WorldSize, e.Added),
+			zap.String("coordinator", e.Coordinator), zap.Ints("local_added", added))
+		return false
+	}
 	a.log.Warn(fmt.Sprintf("shrink epoch=%d world=%d excluded=%v", e.Number, e.WorldSize, e.Excluded),
 		zap.String("action", string(e.Action)), zap.String("coordinator", e.Coordinator),
 		zap.Ints("local_excluded", excluded))
@@ -113,4 +139,82 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 		}
 	}
 	return false
+}
+
+// respawnLater starts the backoff of wk's slot when heal is on, wk has
+// exited and the current epoch has its slot lost.
+func (a *agent) respawnLater(w *roundWatch, sv *survivors, wk *worker) {
+	if w.respawns == nil || !wk.exited || sv.epoch.Alive(wk.a.Rank) {
+		return
+	}
+	if d, ok := w.respawns.schedule(wk.a.Rank); ok {
+		a.log.Info("rank will be respawned and grown back in", zap.Int("rank", wk.a.Rank), zap.Duration("in", d))
+	}
+}
+
+// respawn starts a newcomer in lost slot (a global rank of this node) once
+// its backoff is over, if the job's respawn budget allows: it joins the
+// running group by the grow epoch its Join brings.
+func (a *agent) respawn(ctx context.Context, w *roundWatch, sv *survivors, slot int) {
+	w.respawns.fired(slot)
+	i := slices.IndexFunc(w.g.workers, func(wk *worker) bool { return wk.a.Rank == slot })
+	if i < 0 || !w.g.workers[i].exited || sv.epoch.Alive(slot) {
+		return
+	}
+	n, ok, err := sv.takeRespawn(ctx, a.cfg.MaxRespawns)
+	switch {
+	case err != nil:
+		a.log.Warn("rank stays out: cannot count its respawn", zap.Int("rank", slot), zap.Error(err))
+		return
+	case !ok:
+		a.endpoint.Respawned(false)
+		a.log.Warn("rank stays out: the job's respawn budget is spent", zap.Int("rank", slot),
+			zap.Int("max_respawns", a.cfg.MaxRespawns))
+		return
+	}
+	wk, err := w.g.respawn(a.reaper, a.con, &a.cfg, w.spec, w.g.workers[i], sv.epoch.Number)
+	if err != nil {
+		a.log.Error("rank stays out: its respawn did not start", zap.Int("rank", slot), zap.Error(err))
+		return
+	}
+	a.endpoint.Respawned(true)
+	a.log.Warn("respawned a lost rank; it joins the running group by a grow", zap.Int("rank", slot),
+		zap.Int("pid", wk.proc.Pid), zap.Int("after_epoch", sv.epoch.Number),
+		zap.Int("respawn", n), zap.Int("max_respawns", a.cfg.MaxRespawns))
+}
+
+// grown logs that a grow completed: every rank of it is in the grown group.
+func (a *agent) grown(sv *survivors, c shrink.Complete) {
+	for _, e := range sv.epochs {
+		if e.Number == c.Epoch {
+			a.endpoint.GrowComplete(e.DecidedAt, c.At)
+			a.log.Info(fmt.Sprintf("grow epoch=%d complete: world %d", e.Number, e.WorldSize),
+				zap.Duration("decided_to_complete", c.At.Sub(e.DecidedAt)))
+			return
+		}
+	}
+}
+
+// finishedHere ends heal on this node once no local member of the current
+// epoch runs and one has succeeded: the job is done here, so a pending
+// respawn is dropped and newcomers still waiting to be grown in are
+// stopped (they could not join a group that has finished).
+func (a *agent) finishedHere(w *roundWatch, sv *survivors) {
+	if w.respawns == nil {
+		return
+	}
+	for _, wk := range w.g.workers {
+		if !wk.exited && sv.epoch.Alive(wk.a.Rank) {
+			return
+		}
+	}
+	w.respawns.cancel()
+	w.respawns = nil
+	for _, wk := range w.g.workers {
+		if !wk.exited {
+			a.log.Info("stopping a newcomer: the group it was to join has finished", zap.Int("rank", wk.a.Rank))
+			wk.excluded = true
+			syscall.Kill(-wk.proc.Pid, syscall.SIGTERM)
+		}
+	}
 }

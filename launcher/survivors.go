@@ -28,11 +28,13 @@ type survivors struct {
 	log     *zap.Logger
 	coord   *shrink.Coordinator
 	clients []*tcpstore.Client
+	board   *shrink.Board // on the filing connection, for the respawn budget
 
 	me      int      // this node's group rank
 	nodeIDs []string // the round's nodes, by group rank
 	nodes   nodeRanks
-	lost    map[int]bool // group ranks of nodes known lost
+	lost    map[int]bool // group ranks of nodes known lost, or with no rank left
+	dead    map[int]bool // group ranks of nodes whose agents were found lost
 	leading bool
 
 	epoch   shrink.Epoch   // the latest epoch
@@ -50,7 +52,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 	me := p.assignments[0].GroupRank
 	s := &survivors{
 		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
-		lost: map[int]bool{}, pending: map[int]string{},
+		lost: map[int]bool{}, dead: map[int]bool{}, pending: map[int]string{},
 		epoch: shrink.Initial(p.nodes.world()),
 	}
 	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
@@ -64,8 +66,9 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 		s.clients = append(s.clients, c)
 		boards[i] = shrink.NewBoard(c, shrink.DefaultPrefix)
 	}
+	s.board = boards[0]
 	s.coord = shrink.NewCoordinator(shrink.CoordinatorConfig{
-		Config:           shrink.Config{SettleWindow: cfg.SettleWindow, MinWorldSize: cfg.MinWorldSize},
+		Config:           shrink.Config{SettleWindow: cfg.SettleWindow, MinWorldSize: cfg.MinWorldSize, GrowTimeout: cfg.GrowTimeout},
 		Name:             p.nodeIDs[me],
 		World:            p.nodes.world(),
 		AgreementTimeout: cfg.AgreementTimeout,
@@ -118,10 +121,10 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 	var names []string
 	for _, id := range ids {
 		g := slices.Index(s.nodeIDs, id)
-		if g < 0 || s.lost[g] || g == s.me {
+		if g < 0 || s.dead[g] || g == s.me {
 			continue
 		}
-		s.lost[g] = true
+		s.lost[g], s.dead[g] = true, true
 		names = append(names, id)
 		for _, r := range s.nodes.ranksOf(g) {
 			if s.epoch.Alive(r) {
@@ -149,6 +152,14 @@ func (s *survivors) file(ctx context.Context, ranks []int, reason string, seen t
 	return nil
 }
 
+// takeRespawn counts a respawn against the job's budget of max and reports
+// whether it is within it, and the count so far.
+func (s *survivors) takeRespawn(ctx context.Context, max int) (int, bool, error) {
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return s.board.TakeRespawn(fctx, max)
+}
+
 // adopt records epoch e and returns the local global ranks it excludes,
 // and, when it settles the last of this node's reported failures, when the
 // first of them was reported (else zero).
@@ -171,9 +182,10 @@ func (s *survivors) adopt(e shrink.Epoch, local []int) (excluded []int, reported
 	}
 	// A node whose ranks are all gone no longer counts for leadership: it
 	// may finish and leave at any time.
+	// A grow gives such a node ranks again (its agent respawned them).
 	for g := range s.nodeIDs {
-		if !s.lost[g] && g != s.me && allGone(e, s.nodes.ranksOf(g)) {
-			s.lost[g] = true
+		if g != s.me && !s.dead[g] {
+			s.lost[g] = allGone(e, s.nodes.ranksOf(g))
 		}
 	}
 	return excluded, reportedAt
@@ -193,17 +205,40 @@ func (s *survivors) settled() bool { return len(s.pending) == 0 }
 
 // liveNodes is the number of round nodes not known lost: who meets at the
 // exit barrier.
-func (s *survivors) liveNodes() int { return len(s.nodeIDs) - len(s.lost) }
+func (s *survivors) liveNodes() int {
+	n := len(s.nodeIDs)
+	for _, lost := range s.lost {
+		if lost {
+			n--
+		}
+	}
+	return n
+}
 
 // summary describes the round's epochs for the job's last log line.
 func (s *survivors) summary() string {
 	if len(s.epochs) == 0 {
 		return "no rank lost"
 	}
-	var b strings.Builder
-	fmt.Fprintf(&b, "lost ranks %v in %d epoch(s), world %d -> %d:", s.epoch.Lost, len(s.epochs),
-		len(s.epoch.Ranks), s.epoch.WorldSize)
+	var lost, grown []int
 	for _, e := range s.epochs {
+		lost = append(lost, e.Excluded...)
+		grown = append(grown, e.Added...)
+	}
+	slices.Sort(lost)
+	slices.Sort(grown)
+	var b strings.Builder
+	fmt.Fprintf(&b, "lost ranks %v in %d epoch(s), world %d -> %d", slices.Compact(lost), len(s.epochs),
+		len(s.epoch.Ranks), s.epoch.WorldSize)
+	if len(grown) > 0 {
+		fmt.Fprintf(&b, ", grown back %v", slices.Compact(grown))
+	}
+	b.WriteString(":")
+	for _, e := range s.epochs {
+		if e.Action == shrink.ActionGrow {
+			fmt.Fprintf(&b, " epoch %d (grow) added %v;", e.Number, e.Added)
+			continue
+		}
 		fmt.Fprintf(&b, " epoch %d (%s) excluded %v", e.Number, e.Action, e.Excluded)
 		var why []string
 		for _, r := range e.Excluded {

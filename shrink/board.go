@@ -21,6 +21,8 @@ const DefaultPrefix = "gorun/shrink"
 //	epoch/<n>     the JSON Epoch n, written once (n ≥ 1)
 //	ack/<n>       counter: survivors that have moved to epoch n
 //	report/next   counter: notices filed so far
+//	respawns      counter: lost slots the agents started again (heal),
+//	              against the job's budget
 //	report/<i>    the JSON Notice i (i ≥ 1): a failure Report, a Join
 //	              (newcomers ready for lost slots), a Joined (a newcomer
 //	              finished joining a grow epoch's group) or a Complete
@@ -45,7 +47,21 @@ func epochKey(n int) string  { return "epoch/" + strconv.Itoa(n) }
 func ackKey(n int) string    { return "ack/" + strconv.Itoa(n) }
 func reportKey(i int) string { return "report/" + strconv.Itoa(i) }
 
-const reportNext = "report/next"
+const (
+	reportNext  = "report/next"
+	respawnsKey = "respawns"
+)
+
+// TakeRespawn counts one respawn of a lost slot against the job's budget
+// of max and reports whether it is within it. Every agent counts on the
+// same key, so the budget is the job's, whichever node respawns.
+func (b *Board) TakeRespawn(ctx context.Context, max int) (n int, ok bool, err error) {
+	c, err := b.store.Add(ctx, respawnsKey, 1)
+	if err != nil {
+		return 0, false, fmt.Errorf("shrink: count a respawn: %w", err)
+	}
+	return int(c), c <= int64(max), nil
+}
 
 // Publish writes e as epoch e.Number unless one is there already: a
 // compare-set that only creates, so of two racing coordinators exactly one

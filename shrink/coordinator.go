@@ -54,6 +54,7 @@ type Coordinator struct {
 	notices chan Notice
 	epochs  chan Epoch // from the epoch watcher to the loop
 	adopted chan Epoch // from the loop to the launcher
+	grown   chan Complete
 	errs    chan error
 
 	cancel context.CancelFunc
@@ -81,6 +82,7 @@ func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) 
 		// Room for a burst; the loop also stops waiting on a reader
 		// when closed.
 		adopted: make(chan Epoch, max(cfg.World, 1)),
+		grown:   make(chan Complete, 1),
 		errs:    make(chan error, 1),
 		cancel:  cancel,
 	}
@@ -127,6 +129,10 @@ func (c *Coordinator) Lead(ctx context.Context, on bool) {
 // Epochs yields each epoch as it reaches the board, in order, decided here
 // or by another agent.
 func (c *Coordinator) Epochs() <-chan Epoch { return c.adopted }
+
+// Completions yields the grows that completed (every rank of the epoch
+// arrived in its group); a reader that falls behind gets the latest.
+func (c *Coordinator) Completions() <-chan Complete { return c.grown }
 
 // Err yields the error that ended the agreement: the store failed, or
 // ErrAgreementTimeout. After it nothing more is decided.
@@ -238,7 +244,15 @@ func (c *Coordinator) loop(ctx context.Context) {
 				dec.Joined(n.Joined.Epoch, n.Joined.Slot)
 			case n.Complete != nil:
 				dec.Complete(n.Complete.Epoch)
-				c.log.Info("grow complete", zap.Int("epoch", n.Complete.Epoch))
+				select {
+				case c.grown <- *n.Complete:
+				default: // the launcher is behind; a newer one replaces it
+					select {
+					case <-c.grown:
+					default:
+					}
+					c.grown <- *n.Complete
+				}
 			}
 			if !dec.Due().Equal(before) {
 				arm()

@@ -70,7 +70,7 @@ func TestNoEscapedDaemons(t *testing.T) {
 			`[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$LOCAL_RANK" = 1 ] && exit 3; sleep 0.3; exit 0`, 2, nil, 0, 0},
 		{"stopped by SIGTERM", []string{"--nproc-per-node", "2"}, "exec sleep 60", 2,
 			func(p *agentProc) { p.cmd.Process.Signal(syscall.SIGTERM) }, 128 + 15, 0},
-		{"shrink mode", []string{"--nproc-per-node", "3", "--on-failure", "shrink"},
+		{"shrink mode", []string{"--nproc-per-node", "3", "--on-failure", "shrink", "--regrow", "off"},
 			`[ "$LOCAL_RANK" = 2 ] && exit 3; sleep 1; exit 0`, 3, nil, 0, 0},
 	}
 	for _, tc := range cases {

@@ -148,6 +148,18 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "settle-window", Value: def.SettleWindow.Seconds(),
 			Usage:   "`SECONDS` shrink mode gathers failure reports before deciding, so that failures seen together make one epoch",
 			EnvVars: []string{"GORUN_SETTLE_WINDOW"}, Category: catFT},
+		&cli.StringFlag{Name: "regrow", Value: "on",
+			Usage:   "shrink mode's heal: `on` (respawn a rank that died on this node and grow it back into the running group, the survivors never restarted) or off (the job runs on smaller)",
+			EnvVars: []string{"GORUN_REGROW"}, Category: catFT},
+		&cli.IntFlag{Name: "max-respawns", Value: def.MaxRespawns,
+			Usage:   "shrink mode's heal: respawns the whole job may make (every node counts against it); once spent, a lost rank stays out",
+			EnvVars: []string{"GORUN_MAX_RESPAWNS"}, Category: catFT},
+		&cli.Float64Flag{Name: "respawn-backoff", Value: def.RespawnBackoff.Seconds(),
+			Usage:   "`SECONDS` a lost rank waits before it is respawned; doubles with each respawn of the same rank, up to 30",
+			EnvVars: []string{"GORUN_RESPAWN_BACKOFF"}, Category: catFT},
+		&cli.Float64Flag{Name: "grow-timeout", Value: def.GrowTimeout.Seconds(),
+			Usage:   "`SECONDS` the ranks of a grow have to form the grown group; a newcomer that does not come is excluded again and the survivors go on",
+			EnvVars: []string{"GORUN_GROW_TIMEOUT"}, Category: catFT},
 		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
@@ -257,6 +269,15 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	cfg.MaxRestarts = c.Int("max-restarts")
 	cfg.OnFailure = c.String("on-failure")
 	cfg.MinWorldSize = c.Int("min-world-size")
+	cfg.MaxRespawns = c.Int("max-respawns")
+	switch v := strings.ToLower(c.String("regrow")); v {
+	case "on", "true", "1":
+		cfg.Regrow = true
+	case "off", "false", "0":
+		cfg.Regrow = false
+	default:
+		return cfg, usageErrorf("--regrow %q: want on or off", c.String("regrow"))
+	}
 	cfg.NodeLiveness.Mode = c.String("node-liveness")
 	cfg.NodeLiveness.SuspicionMult = c.Int("node-suspicion-mult")
 	cfg.StartMethod = c.String("start-method")
@@ -268,6 +289,8 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		{"shutdown-timeout", &cfg.ShutdownTimeout},
 		{"exit-barrier-timeout", &cfg.ExitBarrierTimeout},
 		{"settle-window", &cfg.SettleWindow},
+		{"respawn-backoff", &cfg.RespawnBackoff},
+		{"grow-timeout", &cfg.GrowTimeout},
 		{"heartbeat-timeout", &cfg.HeartbeatTimeout},
 		{"node-probe-interval", &cfg.NodeLiveness.ProbeInterval},
 	} {

@@ -85,8 +85,10 @@ func startShrinkJobAt(t *testing.T, at placement, nodes, nproc, steps int, extra
 	j := &shrinkJob{done: make(chan struct{})}
 	var readers sync.WaitGroup
 	for i := range nodes {
+		// Heal is off unless extra turns it on (a later flag wins): these
+		// jobs check how survivors shrink.
 		args := append(at.rdzv(i, strconv.Itoa(nodes)), "--nproc-per-node", strconv.Itoa(nproc),
-			"--on-failure", "shrink", "--log-dir", t.TempDir())
+			"--on-failure", "shrink", "--regrow", "off", "--log-dir", t.TempDir())
 		args = append(append(args, extra...), "--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
 		p := startAgentCmd(t, at.command(i, gorun, args))
 		j.agents = append(j.agents, p)

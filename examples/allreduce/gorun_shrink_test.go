@@ -16,14 +16,15 @@ import (
 // --on-failure shrink runs eight ranks; the test SIGKILLs global rank 3 in
 // mid-run; gorun reports it and publishes the epoch, and the seven
 // survivors renumber densely and finish with the sum over the surviving
-// original ranks (1+…+8 − 4 = 32). gorun exits 0.
+// original ranks (1+…+8 − 4 = 32). gorun exits 0. Heal is off here
+// (--regrow off): TestUnderGorunHeal grows the rank back.
 func TestUnderGorunShrink(t *testing.T) {
 	gorun, bin := testutil.BuildGorun(t), buildExample(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const world, victim, steps = 8, 3, 400
 	g := testutil.StartGorun(t, gorun, nil, "--standalone", "--nproc-per-node", strconv.Itoa(world),
-		"--on-failure", "shrink", "--no-python", bin, "--steps", strconv.Itoa(steps), "--step-ms", "5")
+		"--on-failure", "shrink", "--regrow", "off", "--no-python", bin, "--steps", strconv.Itoa(steps), "--step-ms", "5")
 	g.AwaitLines(ctx, t, "start rank=", world)
 	time.Sleep(300 * time.Millisecond) // some steps in
 	g.KillRank(t, victim)

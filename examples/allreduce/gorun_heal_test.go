@@ -1,0 +1,173 @@
+package main
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+)
+
+// Heal end to end on one node, through the real CLI: gorun --on-failure
+// shrink (heal on by default) runs four Go allreduce ranks, global rank r
+// contributing r+1; the test SIGKILLs rank 2. The survivors shrink and
+// carry on, gorun respawns the rank, and the newcomer is grown back in:
+// everyone finishes at world 4 with the sum 1+2+3+4, and the survivors are
+// the processes they were.
+
+// healJob is a four-rank heal job: gorun and the helpers to watch it.
+type healJob struct {
+	g     *testutil.Gorun
+	steps int
+}
+
+func startHealJob(ctx context.Context, t *testing.T, steps int, extra ...string) *healJob {
+	t.Helper()
+	gorun, bin := testutil.BuildGorun(t), buildExample(t)
+	args := append([]string{"--standalone", "--nproc-per-node", "4", "--on-failure", "shrink",
+		"--respawn-backoff", "0.1", "--log-dir", t.TempDir()}, extra...)
+	args = append(args, "--no-python", bin, "--steps", strconv.Itoa(steps), "--step-ms", "5")
+	j := &healJob{g: testutil.StartGorun(t, gorun, nil, args...), steps: steps}
+	j.g.AwaitLines(ctx, t, "start rank=", 4)
+	return j
+}
+
+// pid returns the PID of gorun's worker of global rank r.
+func (j *healJob) pid(t *testing.T, r int) int {
+	t.Helper()
+	pid, err := testutil.ChildWithEnv(j.g.Cmd.Process.Pid, "RANK", strconv.Itoa(r))
+	if err != nil {
+		t.Fatalf("rank %d: %v\n%s", r, err, j.g.Output())
+	}
+	return pid
+}
+
+// done returns the done lines' fields by rank: world, steps and sum.
+func (j *healJob) done(t *testing.T) map[int][3]string {
+	t.Helper()
+	out := map[int][3]string{}
+	for _, m := range doneRE.FindAllStringSubmatch(j.g.Stdout.String(), -1) {
+		r, _ := strconv.Atoi(m[1])
+		if _, dup := out[r]; dup {
+			t.Errorf("rank %d printed two done lines", r)
+		}
+		out[r] = [3]string{m[2], m[3], m[4]}
+	}
+	return out
+}
+
+// expectDone checks that ranks 0 to world-1 each printed one done line
+// with world, every step and sum.
+func (j *healJob) expectDone(t *testing.T, world int, sum int) {
+	t.Helper()
+	done := j.done(t)
+	want := [3]string{strconv.Itoa(world), strconv.Itoa(j.steps), strconv.Itoa(sum)}
+	if len(done) != world {
+		t.Errorf("%d done lines, want %d\n%s", len(done), world, j.g.Output())
+	}
+	for r := range world {
+		if got, ok := done[r]; !ok || got != want {
+			t.Errorf("rank %d done %v (printed: %v), want world=%s steps=%s sum=%s", r, got, ok, want[0], want[1], want[2])
+		}
+	}
+}
+
+// TestUnderGorunHeal kills rank 2 early and in mid-run: either way it is
+// shrunk away, respawned and grown back in, and the survivors never
+// restart.
+func TestUnderGorunHeal(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		killAt time.Duration // after every rank started
+	}{
+		{"early", 200 * time.Millisecond},
+		{"mid-run", 1500 * time.Millisecond},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			j := startHealJob(ctx, t, 800) // 4 s of steps
+			time.Sleep(tt.killAt)
+			survivors := map[int]int{}
+			for _, r := range []int{0, 1, 3} {
+				survivors[r] = j.pid(t, r)
+			}
+			victim := j.pid(t, 2)
+			if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
+				t.Fatal(err)
+			}
+			j.g.AwaitLines(ctx, t, "]:grow epoch=2 world=4 added=[2]", 4)
+			for r, pid := range survivors {
+				if got := j.pid(t, r); got != pid {
+					t.Errorf("rank %d is pid %d after the grow, was %d: a survivor was restarted", r, got, pid)
+				}
+			}
+			if got := j.pid(t, 2); got == victim {
+				t.Errorf("rank 2 is still pid %d", got)
+			}
+			j.g.Wait(ctx, t)
+			out := j.g.Stdout.String()
+			if n := strings.Count(out, "]:shrink epoch=1 world=3 excluded=[2]"); n != 3 {
+				t.Errorf("%d survivors printed the shrink line, want 3\n%s", n, j.g.Output())
+			}
+			if n := strings.Count(out, "]:newcomer slot=2 after epoch=1"); n != 1 {
+				t.Errorf("%d newcomer lines, want 1\n%s", n, j.g.Output())
+			}
+			j.expectDone(t, 4, 10)
+			if errs := j.g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
+				t.Errorf("gorun's summary does not say rank 2 was grown back:\n%s", errs)
+			}
+		})
+	}
+}
+
+// TestUnderGorunHealBudget is a crash loop: rank 2 is killed, and so is
+// every newcomer that fills its slot. After --max-respawns 2 the slot stays
+// out, the log says why, and the three survivors finish at world 3.
+func TestUnderGorunHealBudget(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	j := startHealJob(ctx, t, 1600, "--max-respawns", "2", "--grow-timeout", "2") // 8 s of steps
+	for k := range 3 {
+		if k > 0 {
+			j.g.AwaitLines(ctx, t, "]:newcomer slot=2", k)
+		}
+		if err := syscall.Kill(j.pid(t, 2), syscall.SIGKILL); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(50 * time.Millisecond) // reaped before the next lookup
+	}
+	j.g.Wait(ctx, t)
+	if n := strings.Count(j.g.Stdout.String(), "]:newcomer slot=2"); n != 2 {
+		t.Errorf("%d newcomers, want 2 (--max-respawns 2)\n%s", n, j.g.Output())
+	}
+	if !strings.Contains(j.g.Stderr.String(), "rank stays out: the job's respawn budget is spent") {
+		t.Errorf("the log does not say why rank 2 stays out:\n%s", j.g.Stderr.String())
+	}
+	j.expectDone(t, 3, 1+2+4)
+}
+
+// TestUnderGorunHealFailureDuringGrow kills rank 1 the moment rank 2's
+// newcomer announces itself: whatever the grow had reached, the job ends
+// consistent, every rank of the last epoch done with the same world.
+func TestUnderGorunHealFailureDuringGrow(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	j := startHealJob(ctx, t, 1200, "--grow-timeout", "2")
+	j.g.KillRank(t, 2)
+	j.g.AwaitLines(ctx, t, "]:newcomer slot=2", 1)
+	j.g.KillRank(t, 1)
+	j.g.Wait(ctx, t)
+	done := j.done(t)
+	for r := range len(done) {
+		if d, ok := done[r]; !ok || d[0] != strconv.Itoa(len(done)) || d[1] != strconv.Itoa(j.steps) {
+			t.Errorf("rank %d done %v (printed: %v), want world=%d steps=%d\n%s", r, d, ok, len(done), j.steps, j.g.Output())
+		}
+	}
+	if len(done) < 2 {
+		t.Errorf("%d ranks finished\n%s", len(done), j.g.Output())
+	}
+}
