@@ -259,6 +259,9 @@ type nodeState struct {
 	// participants in compareNodes order.
 	Rank      int       `json:"rank,omitzero"`
 	Heartbeat time.Time `json:"heartbeat"`
+	// Late: admitted into the complete round to take a lost member's rank
+	// (Dynamic.Admit), not a member from its start.
+	Late bool `json:"late,omitzero"`
 	// Data is what the node gave NewDynamic.
 	Data []byte `json:"data,omitempty"`
 }
@@ -352,11 +355,40 @@ func (a action) String() string {
 // round, closing, and a complete round ceasing to be full. Joins, waits
 // and departures that change none of these wake nobody, which keeps a
 // crowd of N joiners at O(N) reads instead of O(N²).
+//
+// An admission (Dynamic.Admit) wakes the waiting node it made a member.
 func wakes(before, after *dynState, cfg DynamicConfig) bool {
 	return before.Closed != after.Closed ||
 		before.Round != after.Round ||
 		before.Complete != after.Complete ||
-		after.Complete && before.participants() >= cfg.MaxNodes && after.participants() < cfg.MaxNodes
+		after.Complete && before.participants() >= cfg.MaxNodes && after.participants() < cfg.MaxNodes ||
+		after.participants() > before.participants() && before.Complete && after.Complete
+}
+
+// admit makes the first waiting node a member of the complete round with
+// rank, which must be a lost member's (no participant holds it, and it is
+// below the size the round completed with), and returns it.
+func (s *dynState) admit(rank int) (NodeDesc, error) {
+	if !s.Complete || s.Closed {
+		return NodeDesc{}, fmt.Errorf("round %d is not running (complete %v, closed %v)", s.Round, s.Complete, s.Closed)
+	}
+	if rank < 0 || rank >= s.Size {
+		return NodeDesc{}, fmt.Errorf("rank %d is not one of round %d's %d", rank, s.Round, s.Size)
+	}
+	w := -1
+	for i, e := range s.Nodes {
+		switch {
+		case !e.Waiting && e.Rank == rank:
+			return NodeDesc{}, fmt.Errorf("rank %d of round %d has a member: %v", rank, s.Round, e.NodeDesc)
+		case e.Waiting && w < 0:
+			w = i
+		}
+	}
+	if w < 0 {
+		return NodeDesc{}, ErrNoWaitingNode
+	}
+	s.Nodes[w].Waiting, s.Nodes[w].Rank, s.Nodes[w].Late = false, rank, true
+	return s.Nodes[w].NodeDesc, nil
 }
 
 // keepAliveDue reports whether me is in the state with a heartbeat at least
@@ -733,9 +765,9 @@ func (s *dynState) round(me NodeDesc) (Round, bool) {
 		if e.Waiting {
 			continue
 		}
-		r.Members = append(r.Members, Member{Node: e.NodeDesc, Rank: e.Rank, Data: slices.Clone(e.Data)})
+		r.Members = append(r.Members, Member{Node: e.NodeDesc, Rank: e.Rank, Data: slices.Clone(e.Data), Late: e.Late})
 		if e.NodeDesc == me {
-			r.Rank = e.Rank
+			r.Rank, r.Late = e.Rank, e.Late
 		}
 	}
 	// Node order is rank order already; sort anyway, ranks are what count.
@@ -767,11 +799,26 @@ func (s *dynState) status(last *Round) Status {
 			st.Participants++
 		}
 	}
-	if last != nil {
-		for _, m := range last.Members {
-			if _, ok := s.find(m.Node); !ok {
-				st.Lost = append(st.Lost, m.Node)
+	if last == nil {
+		return st
+	}
+	// A node admitted into the last round in a lost member's place is that
+	// rank's member from now on.
+	members := make([]NodeDesc, len(last.Members))
+	for i, m := range last.Members {
+		members[i] = m.Node
+	}
+	if s.Round == last.Number && s.Complete {
+		for _, e := range s.Nodes {
+			if e.Late && !e.Waiting && e.Rank < len(members) && members[e.Rank] != e.NodeDesc {
+				st.Admitted = append(st.Admitted, Member{Node: e.NodeDesc, Rank: e.Rank, Data: slices.Clone(e.Data), Late: true})
+				members[e.Rank] = e.NodeDesc
 			}
+		}
+	}
+	for _, n := range members {
+		if _, ok := s.find(n); !ok {
+			st.Lost = append(st.Lost, n)
 		}
 	}
 	return st

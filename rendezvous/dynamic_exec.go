@@ -19,6 +19,9 @@ type Member struct {
 	// Data is what the node gave NewDynamic (an agent puts its local world
 	// size and address there), so that nobody needs a second exchange.
 	Data []byte
+	// Late: admitted into the round after it completed, in a lost
+	// member's place (Admit).
+	Late bool
 }
 
 // Round is a completed rendezvous round as one node sees it.
@@ -29,6 +32,9 @@ type Round struct {
 	Rank int
 	// Members are the round's nodes in rank order: Members[i].Rank == i.
 	Members []Member
+	// Late: this node was admitted into the running round in a lost
+	// member's place (Admit), not a member from its start.
+	Late bool
 }
 
 // Store returns a view of s for keys private to this round, under the
@@ -56,7 +62,15 @@ type Status struct {
 	// in the state: their heartbeats lapsed, or they left. Either way that
 	// round is broken.
 	Lost []NodeDesc
+	// Admitted lists the nodes admitted into this node's last round in a
+	// lost member's place (Admit), once each: from the read that first
+	// shows one, it counts as that rank's member, so that its own loss
+	// shows in Lost.
+	Admitted []Member
 }
+
+// ErrNoWaitingNode: Admit found no node waiting to be admitted.
+var ErrNoWaitingNode = errors.New("no node is waiting to join")
 
 // Dynamic is one node's handle on a dynamic rendezvous run: torchrun's
 // DynamicRendezvousHandler over any Store.
@@ -227,9 +241,52 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 		st.sanitize(now, d.cfg)
 	}
 	d.mu.Lock()
+	defer d.mu.Unlock()
+	status := st.status(d.last)
+	if len(status.Admitted) > 0 {
+		r := *d.last
+		r.Members = slices.Clone(r.Members)
+		for _, m := range status.Admitted {
+			r.Members[m.Rank] = m
+		}
+		d.last = &r
+	}
+	return status, nil
+}
+
+// Admit makes a node waiting for the next round a member of the running
+// one, in the place of its member of rank rank, which must be lost: the
+// replacement for a node that died, taken in while the others go on
+// (gorun's heal), where torchrun would end the round for everyone. The
+// admitted node's Next returns this round, with Late set. It returns the
+// admitted node, or an error wrapping ErrNoWaitingNode when none waits.
+// The caller must be a member of the round.
+func (d *Dynamic) Admit(ctx context.Context, rank int) (NodeDesc, error) {
+	ctx, done := d.bind(ctx)
+	defer done()
+	d.mu.Lock()
 	last := d.last
 	d.mu.Unlock()
-	return st.status(last), nil
+	if last == nil {
+		return NodeDesc{}, d.fail("admit", errors.New("this node is in no round"))
+	}
+	snap, err := d.read(ctx)
+	for err == nil {
+		st := snap.st.clone()
+		st.sanitize(d.now(), d.cfg)
+		if st.Round != last.Number {
+			return NodeDesc{}, d.fail("admit", fmt.Errorf("round %d has ended (the run is at round %d)", last.Number, st.Round))
+		}
+		var n NodeDesc
+		if n, err = st.admit(rank); err != nil {
+			break
+		}
+		var won bool
+		if won, err = d.commit(ctx, snap, st); err == nil && won {
+			return n, nil
+		}
+	}
+	return NodeDesc{}, d.fail("admit", err)
 }
 
 // SetClosed marks the run closed: the job is done, and every node's Next

@@ -464,3 +464,61 @@ func latest(t time.Time, res []result) time.Time {
 	}
 	return t
 }
+
+// TestDynamicAdmit: a member of a running round dies; a new node comes and
+// waits for the next round; a survivor admits it in the dead member's
+// place: the newcomer's Next returns the running round with the dead
+// member's rank (Late), and every survivor's next Status lists it once,
+// after which its own loss shows as Lost. Admit refuses a rank that has a
+// member, and says when nobody waits.
+func TestDynamicAdmit(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	const interval, attempts = 50 * time.Millisecond, 3
+	c := newCluster(t, rendezvous.DynamicConfig{MinNodes: 3, MaxNodes: 3,
+		LastCallTimeout: time.Minute, KeepAliveInterval: interval, KeepAliveMaxAttempt: attempts})
+	ds := c.nodes(3)
+	checkRound(t, nextAll(ctx, ds), 0, []int{0, 1, 2})
+	ds[1].Close()
+	waitFor(t, ctx, ds[0], func(st rendezvous.Status) bool { return len(st.Lost) > 0 })
+	if _, err := ds[0].Admit(ctx, 1); !errors.Is(err, rendezvous.ErrNoWaitingNode) {
+		t.Fatalf("Admit with nobody waiting: %v, want ErrNoWaitingNode", err)
+	}
+
+	newcomer := c.node(3)
+	joined := nextAsync(ctx, newcomer)
+	waitFor(t, ctx, ds[0], func(st rendezvous.Status) bool { return st.Waiting == 1 })
+	if _, err := ds[0].Admit(ctx, 2); err == nil {
+		t.Fatal("Admit into rank 2, which has a live member, succeeded")
+	}
+	n, err := ds[2].Admit(ctx, 1)
+	if err != nil || n != execNode(3) {
+		t.Fatalf("Admit = %v, %v; want node 3", n, err)
+	}
+	var res result
+	select {
+	case res = <-joined:
+	case <-ctx.Done():
+		t.Fatal("the admitted node's Next did not return")
+	}
+	if res.err != nil || res.r.Number != 0 || res.r.Rank != 1 || !res.r.Late || len(res.r.Members) != 3 ||
+		res.r.Members[1].Node != execNode(3) || res.r.Members[0].Node != execNode(0) {
+		t.Fatalf("admitted node's round %+v, %v; want round 0, rank 1, late, with nodes 0 3 2", res.r, res.err)
+	}
+	for _, d := range []*rendezvous.Dynamic{ds[0], ds[2]} {
+		st, err := d.Status(ctx)
+		if err != nil || len(st.Admitted) != 1 || st.Admitted[0].Node != execNode(3) || st.Admitted[0].Rank != 1 ||
+			len(st.Lost) != 0 || st.Waiting != 0 || st.Participants != 3 {
+			t.Fatalf("status after the admission: %+v, %v", st, err)
+		}
+		if st, err := d.Status(ctx); err != nil || len(st.Admitted) != 0 {
+			t.Fatalf("the admission shows twice: %+v, %v", st, err)
+		}
+	}
+	// The admitted node is a member like any: its loss is seen.
+	newcomer.Close()
+	st := waitFor(t, ctx, ds[0], func(st rendezvous.Status) bool { return len(st.Lost) > 0 })
+	if !slices.Equal(st.Lost, []rendezvous.NodeDesc{execNode(3)}) {
+		t.Fatalf("lost %v, want node 3", st.Lost)
+	}
+}

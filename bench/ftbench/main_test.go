@@ -24,9 +24,14 @@ func TestParseStamp(t *testing.T) {
 		ok   bool
 	}{
 		{"[default3]:first-collective attempt=1 epoch=0 unix_ns=1700000000123456789",
-			stamp{agent: 2, prefix: "[default3]:", attempt: 1, ns: 1700000000123456789}, true},
-		{"first-collective attempt=0 epoch=2 unix_ns=5", stamp{agent: 2, epoch: 2, ns: 5}, true},
-		{"[default0]:first-collective attempt=0 epoch=1 unix_ns=42 \r", stamp{agent: 2, prefix: "[default0]:", epoch: 1, ns: 42}, true},
+			stamp{agent: 2, prefix: "[default3]:", kind: stampFirst, attempt: 1, ns: 1700000000123456789}, true},
+		{"first-collective attempt=0 epoch=2 unix_ns=5", stamp{agent: 2, kind: stampFirst, epoch: 2, ns: 5}, true},
+		{"[default0]:first-collective attempt=0 epoch=1 unix_ns=42 \r", stamp{agent: 2, prefix: "[default0]:", kind: stampFirst, epoch: 1, ns: 42}, true},
+		{"[default2]:started attempt=0 unix_ns=7", stamp{agent: 2, prefix: "[default2]:", kind: stampStarted, ns: 7}, true},
+		{"[default1]:stopped attempt=0 epoch=1 unix_ns=8", stamp{agent: 2, prefix: "[default1]:", kind: stampStopped, epoch: 1, ns: 8}, true},
+		{"started attempt=0 epoch=1 unix_ns=7", stamp{}, false},  // a start has no epoch
+		{"stopped attempt=0 unix_ns=8", stamp{}, false},          // a stop has one
+		{"first-collective attempt=0 unix_ns=8", stamp{}, false}, // so has a first collective
 		{"[default0]:shrink epoch=1 world=7 excluded=[3]", stamp{}, false},
 		{"first-collective attempt=0 epoch=1 unix_ns=", stamp{}, false},
 		{"first-collective attempt=0 epoch=1 unix_ns=99999999999999999999", stamp{}, false}, // overflows int64
@@ -42,12 +47,12 @@ func TestParseStamp(t *testing.T) {
 func TestTally(t *testing.T) {
 	tl := newTally(0, 1)
 	for _, s := range []stamp{
-		{agent: 0, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 3_000_000},
-		{agent: 0, prefix: "[default2]:", attempt: 0, epoch: 1, ns: 1_500_000},
-		{agent: 0, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 9_000_000}, // repeated: first kept
-		{agent: 1, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 2_000_000}, // another agent's local rank 1
-		{agent: 0, prefix: "[default4]:", attempt: 0, epoch: 0, ns: 1},         // another epoch
-		{agent: 0, prefix: "[default5]:", attempt: 1, epoch: 1, ns: 1},         // another attempt
+		{kind: stampFirst, agent: 0, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 3_000_000},
+		{kind: stampFirst, agent: 0, prefix: "[default2]:", attempt: 0, epoch: 1, ns: 1_500_000},
+		{kind: stampFirst, agent: 0, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 9_000_000}, // repeated: first kept
+		{kind: stampFirst, agent: 1, prefix: "[default1]:", attempt: 0, epoch: 1, ns: 2_000_000}, // another agent's local rank 1
+		{kind: stampFirst, agent: 0, prefix: "[default4]:", attempt: 0, epoch: 0, ns: 1},         // another epoch
+		{kind: stampFirst, agent: 0, prefix: "[default5]:", attempt: 1, epoch: 1, ns: 1},         // another attempt
 	} {
 		tl.add(s)
 	}
@@ -58,8 +63,8 @@ func TestTally(t *testing.T) {
 	// The cut-off host's agent's ranks do not count.
 	cut := newTally(1, 0)
 	cut.skip = 1
-	cut.add(stamp{agent: 1, prefix: "[default0]:", attempt: 1, ns: 5})
-	cut.add(stamp{agent: 0, prefix: "[default0]:", attempt: 1, ns: 7})
+	cut.add(stamp{kind: stampFirst, agent: 1, prefix: "[default0]:", attempt: 1, ns: 5})
+	cut.add(stamp{kind: stampFirst, agent: 0, prefix: "[default0]:", attempt: 1, ns: 7})
 	if got := cut.since(0); !slices.Equal(got, []float64{7e-6}) {
 		t.Errorf("a tally that skips agent 1 holds %v", got)
 	}
@@ -71,10 +76,10 @@ func TestSelectRows(t *testing.T) {
 		want    []int // row numbers
 		wantErr string
 	}{
-		{"", []int{1, 2, 3, 4, 5}, ""},
+		{"", []int{1, 2, 3, 4, 5, 6}, ""},
 		{"5,1", []int{1, 5}, ""},
 		{"2, 2", []int{2}, ""},
-		{"6", nil, `"6" is not a row number 1..5`},
+		{"7", nil, `"7" is not a row number 1..6`},
 		{"one", nil, `"one" is not a row number`},
 	}
 	for _, tt := range tests {
@@ -111,6 +116,8 @@ func TestRecovery(t *testing.T) {
 		{2, faultBlackhole, 2, 4, 1, 0, 4}, // restart: the other host's ranks, in a smaller group
 		{2, faultBlackhole, 3, 4, 1, 0, 8},
 		{1, faultBlackhole, 3, 2, 0, 1, 4},
+		{6, faultKill, 1, 8, 0, 2, 8}, // heal: every rank, at full size in epoch 2
+		{6, faultKill, 2, 4, 0, 2, 8},
 	}
 	for _, tt := range tests {
 		a, e, n := rows[tt.row-1].recovery(tt.fault, tt.hosts, tt.nproc)
@@ -118,6 +125,42 @@ func TestRecovery(t *testing.T) {
 			t.Errorf("row %d, %s, %d×%d: attempt %d epoch %d ranks %d; want %d %d %d",
 				tt.row, tt.fault, tt.hosts, tt.nproc, a, e, n, tt.attempt, tt.epoch, tt.ranks)
 		}
+	}
+}
+
+// TestHealMeasures: a heal trial's stamps give the shrink (the last
+// survivor at epoch 1), the newcomer's start (the first start after the
+// kill), its start → full size, and the longest stall of a survivor for the
+// grow (its first collective of epoch 2 after epoch 2 stopped its steps).
+func TestHealMeasures(t *testing.T) {
+	const ms = int64(time.Millisecond)
+	kill := int64(1_000) * ms
+	st := func(kind, prefix string, epoch int, at int64) stamp {
+		return stamp{kind: kind, prefix: prefix, epoch: epoch, ns: kill + at*ms}
+	}
+	seen := []stamp{
+		st(stampStarted, "[default0]:", 0, -900), // the launch, before the kill
+		st(stampStarted, "[default1]:", 0, -900),
+		st(stampStopped, "[default0]:", 0, 20),
+		st(stampFirst, "[default0]:", 1, 110),
+		st(stampFirst, "[default2]:", 1, 130),
+		st(stampStarted, "[default1]:", 0, 240), // the newcomer
+		st(stampStopped, "[default0]:", 1, 350),
+		st(stampStopped, "[default2]:", 1, 352),
+		st(stampFirst, "[default2]:", 2, 360),
+		st(stampFirst, "[default0]:", 2, 361),
+		st(stampFirst, "[default1]:", 2, 362),
+	}
+	res := result{KillUnixNs: kill, LastMs: 362}
+	if err := res.heal(seen); err != nil {
+		t.Fatal(err)
+	}
+	if res.ShrinkMs != 130 || res.NewcomerMs != 240 || res.FromNewcomerMs != 122 || res.GrowStallMs != 11 {
+		t.Errorf("heal measures: shrink %v newcomer %v from newcomer %v stall %v; want 130 240 122 11",
+			res.ShrinkMs, res.NewcomerMs, res.FromNewcomerMs, res.GrowStallMs)
+	}
+	if err := (&result{KillUnixNs: kill}).heal(seen[:5]); err == nil {
+		t.Error("no error without the newcomer's start")
 	}
 }
 
@@ -161,14 +204,15 @@ func TestValidate(t *testing.T) {
 // TestAgentCommands checks the command lines the rows run on one host: the
 // flags each launcher spells its own way, the failure mode, and the worker.
 func TestAgentCommands(t *testing.T) {
-	c := &config{hosts: 1, nproc: 8, stepMs: 5, fault: faultKill, backend: backendC10d,
+	c := &config{hosts: 1, nproc: 8, stepMs: 5, fault: faultKill, backend: backendC10d, respawnBackoff: "0.1",
 		gorun: "/b/gorun", worker: "/b/allreduce", python: "/usr/bin/python3", root: "/repo"}
 	want := []string{
-		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --no-python /b/allreduce --steps 1000000 --step-ms 5 --timestamps",
+		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow off --no-python /b/allreduce --steps 1000000 --step-ms 5 --timestamps",
 		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure restart --max-restarts 1 --no-python /b/allreduce --steps 1000000 --step-ms 5 --timestamps",
 		"/usr/bin/python3 -m torch.distributed.run --redirects 1 --tee 1 --standalone --nproc_per_node 8 --max_restarts 1 --log_dir /d/logs /repo/bench/gloo_resume.py --step-ms 5",
 		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure restart --max-restarts 1 /repo/bench/gloo_resume.py --step-ms 5",
-		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink /repo/examples/torch/train_elastic.py --steps 1000000 --step-ms 5 --timestamps",
+		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow off /repo/examples/torch/train_elastic.py --steps 1000000 --step-ms 5 --timestamps",
+		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow on --respawn-backoff 0.1 --no-python /b/allreduce --steps 1000000 --step-ms 5 --timestamps",
 	}
 	for i, r := range rows {
 		specs, err := c.agents(r, "/d", "run")
@@ -192,7 +236,7 @@ func TestAgentCommands(t *testing.T) {
 
 	c.settleWindow = "0.01"
 	specs, err := c.agents(rows[0], "/d", "run")
-	if err != nil || !strings.Contains(strings.Join(specs[0].argv, " "), "--on-failure shrink --settle-window 0.01 ") {
+	if err != nil || !strings.Contains(strings.Join(specs[0].argv, " "), "--on-failure shrink --regrow off --settle-window 0.01 ") {
 		t.Errorf("-settle-window not passed to a shrink row: %v %v", specs, err)
 	}
 	specs, err = c.agents(rows[1], "/d", "run")
@@ -225,8 +269,8 @@ func TestAgentCommandsHosts(t *testing.T) {
 		wantErr string
 	}{
 		{"shrink, c10d, kill", 1, func(*config) {}, [2]string{
-			"/b/gorun --nnodes 2 " + c10d + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure shrink " + goWork,
-			"/b/gorun --nnodes 2 " + c10d + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink " + goWork,
+			"/b/gorun --nnodes 2 " + c10d + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure shrink --regrow off " + goWork,
+			"/b/gorun --nnodes 2 " + c10d + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink --regrow off " + goWork,
 		}, false, ""},
 		{"restart, c10d, kill: every host", 2, func(*config) {}, [2]string{
 			"/b/gorun --nnodes 2 " + c10d + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure restart --max-restarts 1 " + goWork,
@@ -243,8 +287,8 @@ func TestAgentCommandsHosts(t *testing.T) {
 			"/b/gorun --nnodes 1:2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure restart --max-restarts 1 --node-suspicion-mult 200 " + goWork,
 		}, false, ""},
 		{"shrink, etcd, blackhole: no re-rendezvous", 1, func(c *config) { c.backend, c.fault = backendEtcd, faultBlackhole }, [2]string{
-			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure shrink " + goWork,
-			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink " + goWork,
+			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.2 --nproc-per-node 4 --log-dir /d/logs/h0 --on-failure shrink --regrow off " + goWork,
+			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink --regrow off " + goWork,
 		}, false, ""},
 		{"torchrun, c10d: as its host", 3, func(*config) {}, [2]string{
 			"unshare --uts sh -c " + asHost + " sh /t/hosts gorun-b0-h0 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h0 /repo/bench/gloo_resume.py --step-ms 5",

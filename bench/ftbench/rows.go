@@ -31,10 +31,13 @@ const (
 	elasticWorker workerKind = "torch-elastic"
 )
 
-// The failure modes (gorun's --on-failure; torchrun only restarts).
+// The failure modes (gorun's --on-failure; torchrun only restarts), and
+// heal: --on-failure shrink with the lost rank respawned and grown back in
+// (--regrow on, gorun's default).
 const (
 	modeShrink  = "shrink"
 	modeRestart = "restart"
+	modeHeal    = "heal"
 )
 
 // row is one line of the table: a launcher, its failure mode and a worker.
@@ -52,6 +55,7 @@ var rows = []row{
 	{"torchrun 1.13 restart, PyTorch gloo", torchrunLauncher, modeRestart, glooWorker},
 	{"gorun restart, PyTorch gloo", gorunLauncher, modeRestart, glooWorker},
 	{"gorun shrink, PyTorch gloo (gorun_ft)", gorunLauncher, modeShrink, elasticWorker},
+	{"gorun heal, Go allreduce (pg/cpu)", gorunLauncher, modeHeal, goWorker},
 }
 
 // torch reports whether the row's workers need PyTorch.
@@ -64,12 +68,17 @@ func (r row) torch() bool { return r.worker != goWorker }
 // every rank but the killed one, or every rank of the hosts that were not
 // cut off; a restart after a SIGKILL brings the killed rank back, one
 // after a cut does not (its host cannot rejoin).
+//
+// Heal recovers to full size: the killed rank's newcomer grown back in by
+// epoch 2, every rank there.
 func (r row) recovery(fault string, hosts, nproc int) (attempt, epoch, ranks int) {
 	world, lost := hosts*nproc, 1
 	if fault == faultBlackhole {
 		lost = nproc
 	}
 	switch {
+	case r.mode == modeHeal:
+		return 0, 2, world
 	case r.mode == modeShrink:
 		return 0, 1, world - lost
 	case fault == faultBlackhole:
@@ -143,11 +152,17 @@ func (c *config) gorunArgs(r row, host int, dir, runID string) []string {
 		argv = append(argv, "--nnodes", c.nnodes(r), "--rdzv-backend", backend, "--rdzv-endpoint", endpoint,
 			"--rdzv-id", runID, "--rdzv-conf", conf, "--local-addr", c.hostIPs[host])
 	}
-	argv = append(argv, "--nproc-per-node", nproc, "--log-dir", c.logDir(dir, host), "--on-failure", r.mode)
-	if r.mode == modeRestart {
-		argv = append(argv, "--max-restarts", "1")
+	argv = append(argv, "--nproc-per-node", nproc, "--log-dir", c.logDir(dir, host))
+	switch r.mode {
+	case modeRestart:
+		argv = append(argv, "--on-failure", modeRestart, "--max-restarts", "1")
+	case modeShrink:
+		// Shrink alone: the rows measure the survivors carrying on.
+		argv = append(argv, "--on-failure", modeShrink, "--regrow", "off")
+	case modeHeal:
+		argv = append(argv, "--on-failure", modeShrink, "--regrow", "on", "--respawn-backoff", c.respawnBackoff)
 	}
-	if r.mode == modeShrink && c.settleWindow != "" {
+	if r.mode != modeRestart && c.settleWindow != "" {
 		argv = append(argv, "--settle-window", c.settleWindow)
 	}
 	argv = append(argv, strings.Fields(c.gorunFlags)...)

@@ -45,6 +45,16 @@ type result struct {
 	LastMs      float64   `json:"last_ms,omitempty"`
 	FirstMs     float64   `json:"first_ms,omitempty"`
 	SurvivorsMs []float64 `json:"survivors_ms,omitempty"`
+	// Heal rows (the value above is to every rank at full size, epoch 2):
+	// ShrinkMs: fault → the last survivor's first collective of epoch 1;
+	// NewcomerMs: fault → the respawned rank's process start;
+	// FromNewcomerMs: that start → full size (LastMs − NewcomerMs);
+	// GrowStallMs: the longest a survivor did no step for the grow (its
+	// first collective of epoch 2 − the moment epoch 2 stopped its steps).
+	ShrinkMs       float64 `json:"shrink_ms,omitempty"`
+	NewcomerMs     float64 `json:"newcomer_ms,omitempty"`
+	FromNewcomerMs float64 `json:"from_newcomer_ms,omitempty"`
+	GrowStallMs    float64 `json:"grow_stall_ms,omitempty"`
 	// LeftBehind counts the processes still there (alive, or unreaped)
 	// after the launchers stopped, which the benchmark killed and reaped
 	// (the cut-off host's, killed on purpose, are not counted).
@@ -52,29 +62,42 @@ type result struct {
 	Error      string `json:"error,omitempty"`
 }
 
-// stamp is one first-collective line: a rank's first successful collective
-// of an attempt and epoch, at unix nanoseconds ns.
+// stamp is one timestamp line of a worker (examples/allreduce
+// --timestamps): its first successful collective of an attempt and epoch
+// (kind first-collective), its process start (started, no epoch), or the
+// moment a new epoch stopped its steps in epoch (stopped); at unix
+// nanoseconds ns.
 type stamp struct {
 	agent   int    // which agent's output
 	prefix  string // the launcher's line prefix, e.g. "[default3]:", which tells ranks apart
+	kind    string
 	attempt int
 	epoch   int
 	ns      int64
 }
 
-var stampRE = regexp.MustCompile(`^(.*?)first-collective attempt=(\d+) epoch=(\d+) unix_ns=(\d+)\s*$`)
+// The kinds of stamp.
+const (
+	stampFirst   = "first-collective"
+	stampStarted = "started"
+	stampStopped = "stopped"
+)
 
-// parseStamp reads a first-collective line as a launcher prints it.
+var stampRE = regexp.MustCompile(`^(.*?)(first-collective|started|stopped) attempt=(\d+)(?: epoch=(\d+))? unix_ns=(\d+)\s*$`)
+
+// parseStamp reads a timestamp line as a launcher prints it.
 func parseStamp(agent int, line string) (stamp, bool) {
 	m := stampRE.FindStringSubmatch(line)
-	if m == nil {
+	if m == nil || (m[4] == "") != (m[2] == stampStarted) {
 		return stamp{}, false
 	}
-	s := stamp{agent: agent, prefix: m[1]}
+	s := stamp{agent: agent, prefix: m[1], kind: m[2]}
 	var err1, err2, err3 error
-	s.attempt, err1 = strconv.Atoi(m[2])
-	s.epoch, err2 = strconv.Atoi(m[3])
-	s.ns, err3 = strconv.ParseInt(m[4], 10, 64)
+	s.attempt, err1 = strconv.Atoi(m[3])
+	if m[4] != "" {
+		s.epoch, err2 = strconv.Atoi(m[4])
+	}
+	s.ns, err3 = strconv.ParseInt(m[5], 10, 64)
 	return s, err1 == nil && err2 == nil && err3 == nil
 }
 
@@ -94,7 +117,7 @@ func newTally(attempt, epoch int) *tally {
 // add counts s if it is of the tally's attempt and epoch; a rank's repeated
 // line keeps its first time.
 func (t *tally) add(s stamp) {
-	if s.attempt != t.attempt || s.epoch != t.epoch || s.agent == t.skip {
+	if s.kind != stampFirst || s.attempt != t.attempt || s.epoch != t.epoch || s.agent == t.skip {
 		return
 	}
 	k := strconv.Itoa(s.agent) + s.prefix
@@ -205,7 +228,52 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 	if res.FirstMs < 0 {
 		return fail(fmt.Errorf("a rank stamped attempt %d epoch %d %.1f ms before the %s", attempt, epoch, -res.FirstMs, c.fault))
 	}
+	if r.mode == modeHeal {
+		if err := res.heal(j.seen); err != nil {
+			return fail(err)
+		}
+	}
 	return res
+}
+
+// heal fills in a heal row's measures from the stamps of the trial: the
+// shrink (epoch 1), the newcomer's start, and each survivor's stall for
+// the grow (epoch 2).
+func (res *result) heal(seen []stamp) error {
+	ms := func(ns int64) float64 { return float64(ns-res.KillUnixNs) / 1e6 }
+	shrunk, stopped, grown := map[string]int64{}, map[string]int64{}, map[string]int64{}
+	var newcomer int64
+	for _, s := range seen {
+		if s.attempt != 0 {
+			continue
+		}
+		k := strconv.Itoa(s.agent) + s.prefix
+		switch {
+		case s.kind == stampStarted && s.ns > res.KillUnixNs && newcomer == 0:
+			newcomer = s.ns
+		case s.kind == stampFirst && s.epoch == 1:
+			shrunk[k] = s.ns
+		case s.kind == stampStopped && s.epoch == 1:
+			stopped[k] = s.ns
+		case s.kind == stampFirst && s.epoch == 2:
+			grown[k] = s.ns
+		}
+	}
+	if newcomer == 0 || len(shrunk) == 0 || len(stopped) == 0 {
+		return fmt.Errorf("heal: stamps missing (newcomer start %v, %d survivors at epoch 1, %d stopped for the grow)",
+			newcomer != 0, len(shrunk), len(stopped))
+	}
+	for _, ns := range shrunk {
+		res.ShrinkMs = max(res.ShrinkMs, ms(ns))
+	}
+	res.NewcomerMs = ms(newcomer)
+	res.FromNewcomerMs = res.LastMs - res.NewcomerMs
+	for k, at := range stopped {
+		if g, ok := grown[k]; ok {
+			res.GrowStallMs = max(res.GrowStallMs, float64(g-at)/1e6)
+		}
+	}
+	return nil
 }
 
 // consoleFile is where a trial's console output goes: under -logs when
@@ -234,6 +302,7 @@ type job struct {
 	// failure of the job.
 	cut     int
 	stamps  chan stamp
+	seen    []stamp // every stamp await has read, in order
 	readers sync.WaitGroup
 	pipes   []*os.File // read ends of the agents' output
 }
@@ -342,6 +411,7 @@ func (j *job) await(ctx context.Context, t *tally, n int) error {
 	for len(t.ns) < n {
 		select {
 		case s := <-j.stamps:
+			j.seen = append(j.seen, s)
 			t.add(s)
 		case i := <-j.exited:
 			if i == j.cut {

@@ -94,6 +94,9 @@ func (w *worker) enter(ctx context.Context, e workerEnv, store rendezvous.Store)
 // failure during that agreement is a new failure, so recover waits for
 // the epoch after.
 func (w *worker) recover(ctx context.Context, step int) (int, error) {
+	if w.opt.timestamps {
+		fmt.Fprintf(w.out, "stopped attempt=%d epoch=%d unix_ns=%d\n", w.attempt, w.epoch.Number, time.Now().UnixNano())
+	}
 	for {
 		rctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
 		g, e, err := w.follower.Recover(rctx)

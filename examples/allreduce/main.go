@@ -34,8 +34,14 @@
 //
 //	first-collective attempt=A epoch=E unix_ns=T
 //
-// (A is TORCHELASTIC_RESTART_COUNT, T the wall clock in Unix nanoseconds):
-// bench/ftbench measures recovery from these. `allreduce -h` lists the
+// (A is TORCHELASTIC_RESTART_COUNT, T the wall clock in Unix nanoseconds),
+// and, when it starts and when a new epoch stops its steps in epoch E,
+//
+//	started attempt=A unix_ns=T
+//	stopped attempt=A epoch=E unix_ns=T
+//
+// bench/ftbench measures recovery from these: the group working again, a
+// newcomer's start, and how long a survivor did no step. `allreduce -h` lists the
 // flags and the exit codes.
 //
 // The group is pg/cpu by default (host memory over TCP); --backend nccl uses
@@ -78,7 +84,9 @@ With --timestamps each rank prints, after the first successful collective
 of each attempt (TORCHELASTIC_RESTART_COUNT) and shrink epoch,
   first-collective attempt=A epoch=E unix_ns=T
 with T the wall clock in nanoseconds since the Unix epoch, so that a
-benchmark can tell when the group was working again after a failure.
+benchmark can tell when the group was working again after a failure; and
+  started attempt=A unix_ns=T            as the process starts
+  stopped attempt=A epoch=E unix_ns=T    when a new epoch stops its steps
 
 Exit codes:
   0  every step's sum was right (shrink mode: this rank survived to the end)
@@ -111,6 +119,7 @@ func main() {
 }
 
 func run(args []string, stdout, stderr io.Writer) int {
+	began := time.Now()
 	fs := flag.NewFlagSet("allreduce", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
@@ -151,6 +160,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	}
 	if !flagSet(fs, "shrink") {
 		opt.shrink = env.onFailure == onFailureShrink
+	}
+	if opt.timestamps {
+		fmt.Fprintf(stdout, "started attempt=%d unix_ns=%d\n", env.attempt, began.UnixNano())
 	}
 	// SIGTERM from the launcher ends the run between steps, not mid-write.
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)

@@ -16,13 +16,30 @@ func TestFirstCollectiveLine(t *testing.T) {
 	}
 }
 
-var firstRE = regexp.MustCompile(`(?m)^first-collective attempt=(\d+) epoch=(\d+) unix_ns=(\d+)$`)
+var (
+	firstRE   = regexp.MustCompile(`(?m)^first-collective attempt=(\d+) epoch=(\d+) unix_ns=(\d+)$`)
+	startedRE = regexp.MustCompile(`(?m)^started attempt=0 unix_ns=(\d+)$`)
+	stoppedRE = regexp.MustCompile(`(?m)^stopped attempt=0 epoch=0 unix_ns=(\d+)$`)
+)
+
+// stampsOf returns the times of re's lines in out (the first group, Unix
+// nanoseconds).
+func stampsOf(re *regexp.Regexp, out string) []time.Time {
+	var ts []time.Time
+	for _, m := range re.FindAllStringSubmatch(out, -1) {
+		ns, _ := strconv.ParseInt(m[1], 10, 64)
+		ts = append(ts, time.Unix(0, ns))
+	}
+	return ts
+}
 
 // TestTimestamps runs three ranks in shrink mode with --timestamps, kills
 // rank 1 and publishes the epoch that excludes it: every rank prints one
 // first-collective line for epoch 0, stamped after the test started them,
 // and each survivor one for epoch 1, stamped after the kill — the moment
-// bench/ftbench measures recovery to.
+// bench/ftbench measures recovery to. Every rank also stamps its start, and
+// each survivor the moment the epoch stopped its steps, after the kill and
+// before its first collective of epoch 1.
 func TestTimestamps(t *testing.T) {
 	bin := buildExample(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
@@ -69,6 +86,16 @@ func TestTimestamps(t *testing.T) {
 		}
 		if len(stamps) != len(wantEpochs) {
 			t.Errorf("rank %d stamped epochs %v, want %d epoch(s)\n%s", r, stamps, len(wantEpochs), j.outs[r])
+		}
+		if got := stampsOf(startedRE, j.outs[r].String()); len(got) != 1 || got[0].Before(started) || got[0].After(ended) {
+			t.Errorf("rank %d: started stamps %v, want one within [%v, %v]", r, got, started, ended)
+		}
+		if r != victim {
+			got := stampsOf(stoppedRE, j.outs[r].String())
+			if len(got) != 1 || got[0].Before(killed) || len(stamps[1]) == 1 && got[0].After(stamps[1][0]) {
+				t.Errorf("rank %d: stopped stamps %v, want one after the kill (%v), before epoch 1's first collective %v",
+					r, got, killed, stamps[1])
+			}
 		}
 		for epoch, after := range wantEpochs {
 			got := stamps[epoch]
