@@ -96,7 +96,7 @@ type config struct {
 	settleWindow string // gorun --settle-window in shrink rows; "" for its default
 	// respawnBackoff is gorun's --respawn-backoff in the heal rows.
 	respawnBackoff string
-	gorunFlags   string // more gorun flags for every gorun agent, space-separated
+	gorunFlags     string // more gorun flags for every gorun agent, space-separated
 	// rdzvConf is every multi-host agent's --rdzv-conf; c10dConf and
 	// etcdConf are added to gorun's for its backend.
 	rdzvConf, c10dConf, etcdConf string
