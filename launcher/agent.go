@@ -263,6 +263,14 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 				a.endpoint.SetPhase(PhaseFailed)
 				return stoppedOr(ctx, a.log, err, "while joining the survivors' agreement")
 			}
+			if p.late {
+				if err := a.joinLate(ctx, p, sv); err != nil {
+					sv.close()
+					p.release()
+					a.endpoint.SetPhase(PhaseFailed)
+					return stoppedOr(ctx, a.log, err, "while joining the running round")
+				}
+			}
 		}
 		if a.gossip != nil {
 			a.gossip.join(ctx, p.gossip)
@@ -295,6 +303,23 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 			a.endpoint.Restarted()
 		}
 	}
+}
+
+// joinLate readies a plan for a round this node was admitted into while it
+// ran, in a lost node's place: its workers start as newcomers, after the
+// latest epoch, and join the running group by a grow.
+func (a *agent) joinLate(ctx context.Context, p *plan, sv *survivors) error {
+	after, err := sv.latest(ctx)
+	if err != nil {
+		return err
+	}
+	if after == 0 {
+		return fmt.Errorf("admitted into round %d, whose agreement has no epoch: no place was lost", p.round)
+	}
+	p.env.NewcomerAfter = after
+	a.log.Warn("admitted into the running round in a lost node's place; the workers join by a grow",
+		zap.Int("round", p.round), zap.Int("group_rank", p.assignments[0].GroupRank), zap.Int("after_epoch", after))
+	return nil
 }
 
 // decide acts on how a round ended: it reports whether the agent is done,

@@ -191,6 +191,7 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)
 	}
 	layout(p, infos, ids, groupRank)
+	p.late = round.Late
 	p.env = workerEnv(d.job.cfg, d.job.runID, host, port, int(restarts), round.Number)
 	return nil
 }
@@ -257,6 +258,9 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 func (d *dynamicNode) sawClosed(ctx context.Context)                { d.job.seenClosed(ctx) }
 func (d *dynamicNode) leave(ctx context.Context)                    { d.job.leave(ctx) }
 func (d *dynamicNode) expel(ctx context.Context, node string) error { return d.job.expel(ctx, node) }
+func (d *dynamicNode) admit(ctx context.Context, groupRank int) (string, error) {
+	return d.job.admit(ctx, groupRank)
+}
 
 // waitOthersSawClose keeps the rendezvous store up, after the job closed,
 // until the round's other nodes have seen the end (or a keep-alive window

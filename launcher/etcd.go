@@ -208,6 +208,10 @@ func (e *etcdNode) expelLapsed(ctx context.Context) {
 
 // expel takes node name out of the rendezvous state (from the expeller,
 // possibly before this node's first round).
+func (e *etcdNode) admit(ctx context.Context, groupRank int) (string, error) {
+	return e.job.admit(ctx, groupRank)
+}
+
 func (e *etcdNode) expel(ctx context.Context, name string) error {
 	if err := e.job.expel(ctx, name); err != nil {
 		return err
@@ -246,7 +250,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := &plan{round: round.Number, store: srv}
+	p := &plan{round: round.Number, store: srv, late: round.Late}
 	layout(p, infos, ids, groupRank)
 	p.env = workerEnv(e.job.cfg, e.job.runID, e.job.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
 	e.members, e.since, e.synced = e.members[:0], since, false
@@ -345,6 +349,15 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 	sctx, cancel := context.WithTimeout(ctx, statusTimeout)
 	defer cancel()
 	c, err := e.job.status(sctx)
+	if c != nil {
+		// An admitted node is watched for by its presence key from now
+		// on, in the lost node's place.
+		for _, a := range c.admitted {
+			if a.groupRank < len(e.members) {
+				e.members[a.groupRank] = a.id
+			}
+		}
+	}
 	if c != nil && c.storeLost {
 		// No host to lose: etcd is down or cut off. Keep watching; the
 		// workers fail if their store stays away, and leases tell who

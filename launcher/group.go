@@ -36,8 +36,9 @@ type worker struct {
 	// excluded: a shrink epoch excluded it while it ran, and the agent
 	// killed it.
 	excluded bool
-	// newcomer: heal respawned it into a lost slot, to be grown back in.
-	newcomer bool
+	// newcomer: heal respawned it into a lost slot (or a node admitted
+	// late started it), to be grown back in; grown once a grow epoch has.
+	newcomer, grown bool
 }
 
 type workerExit struct {

@@ -191,16 +191,40 @@ func (j *jobNode) status(ctx context.Context) (*change, error) {
 	case st.Closed:
 		ok, _ := j.outcome(ctx)
 		return &change{closed: true, ok: ok}, nil
-	case len(st.Lost) > 0:
+	case len(st.Lost) > 0 || len(st.Admitted) > 0:
 		c := &change{waiting: st.Waiting}
 		for _, n := range st.Lost {
 			c.lost = append(c.lost, n.String())
+		}
+		for _, m := range st.Admitted {
+			a := admitted{groupRank: m.Rank, id: m.Node.String()}
+			if err := json.Unmarshal(m.Data, &a.info); err != nil {
+				return nil, fmt.Errorf("node %v admitted with data %q: %w", m.Node, m.Data, err)
+			}
+			c.admitted = append(c.admitted, a)
 		}
 		return c, nil
 	case st.Waiting > 0:
 		return &change{waiting: st.Waiting}, nil
 	}
 	return nil, nil
+}
+
+// admitted is a node taken into the running round in a lost node's place.
+type admitted struct {
+	groupRank int
+	id        string
+	info      nodeInfo
+}
+
+// admit takes a waiting node into the running round in the place of the
+// lost node of group rank groupRank.
+func (j *jobNode) admit(ctx context.Context, groupRank int) (string, error) {
+	n, err := j.dyn.Admit(ctx, groupRank)
+	if err != nil {
+		return "", err
+	}
+	return n.String(), nil
 }
 
 // failed counts the round's failure once for the whole job: the first node

@@ -2,6 +2,7 @@ package launcher
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -44,6 +45,11 @@ type membership interface {
 	expel(ctx context.Context, node string) error
 	// sawClosed tells the job that this node has seen it closed by another.
 	sawClosed(ctx context.Context)
+	// admit takes a node waiting to join into the running round in the
+	// place of the lost node of group rank groupRank (heal: a replacement
+	// node), and returns its identity. It fails with an error wrapping
+	// rendezvous.ErrNoWaitingNode when none waits.
+	admit(ctx context.Context, groupRank int) (string, error)
 	close()
 }
 
@@ -105,6 +111,19 @@ type plan struct {
 	// barrierNodes is how many nodes meet at the exit barrier: the members
 	// less those lost in shrink mode. 0 means all members.
 	barrierNodes int
+	// late: this node was admitted into the running round in a lost
+	// node's place (heal); its workers join the running group by a grow.
+	late bool
+}
+
+// replace makes the admitted node a the round's member of its group rank,
+// in the lost node's place.
+func (p *plan) replace(a admitted) {
+	p.nodeIDs[a.groupRank] = a.id
+	p.members[a.groupRank] = a.info.Addr
+	if a.groupRank < len(p.gossip) {
+		p.gossip[a.groupRank] = a.info.Gossip
+	}
 }
 
 // nodeOfGossip returns the rendezvous identity of the member whose
@@ -133,12 +152,16 @@ func (p *plan) release() {
 	}
 }
 
-// change is something that ends a running round.
+// change is something that ends a running round, or, in shrink mode,
+// changes it.
 type change struct {
 	waiting int      // nodes waiting to join (scale-up)
 	lost    []string // nodes whose keep-alive lapsed
-	closed  bool     // the job was closed by another node
-	ok      bool     // with closed: whether the job succeeded
+	// admitted are nodes taken into the running round in lost nodes'
+	// places (membership.admit, by whichever node leads).
+	admitted []admitted
+	closed   bool // the job was closed by another node
+	ok       bool // with closed: whether the job succeeded
 	// storeLost: the rendezvous store stopped answering for longer than
 	// the keep-alive window: its host is gone, and the job with it.
 	storeLost bool
@@ -154,6 +177,8 @@ func (c *change) String() string {
 		return "the job failed on another node"
 	case len(c.lost) > 0:
 		return fmt.Sprintf("lost node(s) %v", c.lost)
+	case len(c.admitted) > 0:
+		return fmt.Sprintf("%d node(s) admitted in lost nodes' places", len(c.admitted))
 	default:
 		return fmt.Sprintf("%d node(s) waiting to join", c.waiting)
 	}
@@ -219,8 +244,11 @@ func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) 
 func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
 func (s *singleNode) leave(context.Context)                     {}
 func (s *singleNode) expel(context.Context, string) error       { return nil }
-func (s *singleNode) sawClosed(context.Context)                 {}
-func (s *singleNode) close()                                    {}
+func (s *singleNode) admit(context.Context, int) (string, error) {
+	return "", errors.New("a one-node job admits no node")
+}
+func (s *singleNode) sawClosed(context.Context) {}
+func (s *singleNode) close()                    {}
 
 // workerEnv is the WorkerEnv of a round whose worker store is at
 // host:port.

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
@@ -99,6 +100,11 @@ func (f *fakeMembership) leave(context.Context) { f.record("leave") }
 func (f *fakeMembership) expel(_ context.Context, node string) error {
 	f.record("expel " + node)
 	return nil
+}
+
+func (f *fakeMembership) admit(_ context.Context, groupRank int) (string, error) {
+	f.record(fmt.Sprintf("admit %d", groupRank))
+	return "", rendezvous.ErrNoWaitingNode
 }
 func (f *fakeMembership) sawClosed(context.Context) { f.record("sawClosed") }
 func (f *fakeMembership) close()                    {}

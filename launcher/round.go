@@ -251,6 +251,9 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 	if err != nil {
 		return outcome{}, localf("starting the workers: %w", err)
 	}
+	for _, w := range g.workers {
+		w.newcomer = p.env.NewcomerAfter > 0 // a node admitted late
+	}
 	g.onExit = a.reportExit
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
 	a.endpoint.WorkersStarted(len(p.assignments))

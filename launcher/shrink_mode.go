@@ -2,12 +2,14 @@ package launcher
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
 	"syscall"
 
 	"go.uber.org/zap"
 
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/shrink"
 )
 
@@ -73,15 +75,29 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			if err != nil {
 				return fallBack(err.Error())
 			}
+			if n > 0 && a.cfg.Regrow && sv.leading {
+				// Out of the rendezvous now, not when its keep-alive
+				// lapses: a replacement finds room at once.
+				if err := a.m.expel(ctx, ev.node); err != nil {
+					a.log.Debug("expelling a lost node", zap.String("node", ev.node), zap.Error(err))
+				}
+			}
 		case evJobChanged:
 			if !ev.change.closed {
-				// Survivors carry on: a lost node's ranks are reported,
-				// and nodes waiting to join are admitted at the next
-				// round.
+				// Survivors carry on: a lost node's ranks are reported;
+				// with heal, a node waiting to join takes a lost node's
+				// place, else it joins at the next round.
+				for _, ad := range ev.change.admitted {
+					w.p.replace(ad)
+					sv.replaced(ad.groupRank, ad.id)
+				}
 				n, err := sv.nodesLost(ctx, ev.change.lost, "its rendezvous keep-alive lapsed")
 				a.endpoint.FailureReported(ReportNode, n)
 				if err != nil {
 					return fallBack(err.Error())
+				}
+				if ev.change.waiting > 0 {
+					a.admitWaiting(ctx, w, sv)
 				}
 				continue
 			}
@@ -107,9 +123,10 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 	a.endpoint.EpochAdopted(e, reportedAt)
 	if e.Action == shrink.ActionGrow {
 		var added []int
-		for _, r := range local {
-			if e.Newcomer(r) {
-				added = append(added, r)
+		for _, w := range g.workers {
+			if e.Newcomer(w.a.Rank) {
+				added = append(added, w.a.Rank)
+				w.grown = true
 			}
 		}
 		a.log.Warn(fmt.Sprintf("grow epoch=%d world=%d added=%v", e.Number, e.WorldSize, e.Added),
@@ -132,13 +149,42 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 		return true
 	}
 	for _, w := range g.workers {
-		if !w.exited && slices.Contains(excluded, w.a.Rank) {
+		// A newcomer not grown in yet is out of every epoch until its
+		// grow: one that came late sees the epochs before it.
+		if !w.exited && slices.Contains(excluded, w.a.Rank) && (!w.newcomer || w.grown) {
 			a.log.Warn("stopping a worker the epoch excludes", zap.Int("rank", w.a.Rank), zap.Int("epoch", e.Number))
 			w.excluded = true
 			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
 		}
 	}
 	return false
+}
+
+// admitWaiting, on the node that leads the agreement with heal on, takes
+// nodes waiting to join into the places of lost nodes whose ranks are all
+// out: a replacement node's workers then join the running group by a grow,
+// the survivors never restarted. The lost node is expelled from the
+// rendezvous first, in case its keep-alive has not lapsed yet (node
+// liveness found it dead sooner).
+func (a *agent) admitWaiting(ctx context.Context, w *roundWatch, sv *survivors) {
+	if !a.cfg.Regrow || !sv.leading {
+		return
+	}
+	for _, g := range sv.vacant() {
+		if err := a.m.expel(ctx, w.p.nodeIDs[g]); err != nil {
+			a.log.Debug("expelling a lost node", zap.String("node", w.p.nodeIDs[g]), zap.Error(err))
+		}
+		id, err := a.m.admit(ctx, g)
+		switch {
+		case errors.Is(err, rendezvous.ErrNoWaitingNode):
+			return
+		case err != nil:
+			a.log.Warn("cannot admit a waiting node", zap.Int("group_rank", g), zap.Error(err))
+			return
+		}
+		a.log.Warn("admitted a waiting node in a lost node's place", zap.Int("group_rank", g),
+			zap.String("node", id), zap.String("lost", w.p.nodeIDs[g]))
+	}
 }
 
 // respawnLater starts the backoff of wk's slot when heal is on, wk has

@@ -152,6 +152,35 @@ func (s *survivors) file(ctx context.Context, ranks []int, reason string, seen t
 	return nil
 }
 
+// latest returns the number of the latest epoch on the board: where a node
+// admitted late starts its workers from.
+func (s *survivors) latest(ctx context.Context) (int, error) {
+	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	return s.board.Latest(fctx)
+}
+
+// replaced records that node id took the place of the lost node of group
+// rank g (heal, a replacement node): it counts again once a grow gives
+// its ranks back.
+func (s *survivors) replaced(g int, id string) {
+	s.nodeIDs[g] = id
+	s.dead[g] = false
+	s.log.Warn("a node takes a lost node's place; its workers join by a grow", zap.Int("group_rank", g), zap.String("node", id))
+}
+
+// vacant returns the group ranks of nodes found lost whose ranks are all
+// out of the current epoch: places a waiting node can take.
+func (s *survivors) vacant() []int {
+	var out []int
+	for g := range s.nodeIDs {
+		if s.dead[g] && allGone(s.epoch, s.nodes.ranksOf(g)) {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
 // takeRespawn counts a respawn against the job's budget of max and reports
 // whether it is within it, and the count so far.
 func (s *survivors) takeRespawn(ctx context.Context, max int) (int, bool, error) {

@@ -107,6 +107,20 @@ func (b *Board) Await(ctx context.Context, n int) (Epoch, error) {
 	return decodeEpoch(n, rec)
 }
 
+// Latest returns the number of the latest epoch on the board, 0 when there
+// is none: one check per epoch, for a worker or agent that comes late.
+func (b *Board) Latest(ctx context.Context) (int, error) {
+	for n := 1; ; n++ {
+		ok, err := b.store.Check(ctx, epochKey(n))
+		if err != nil {
+			return 0, fmt.Errorf("shrink: look for epoch %d: %w", n, err)
+		}
+		if !ok {
+			return n - 1, nil
+		}
+	}
+}
+
 // Lookup returns epoch n if it is on the board, without waiting.
 func (b *Board) Lookup(ctx context.Context, n int) (Epoch, bool, error) {
 	ok, err := b.store.Check(ctx, epochKey(n))

@@ -57,9 +57,10 @@ type Follower struct {
 	groups  map[int]epochGroup // by epoch number: current's and a held base
 	pending *Epoch             // the watcher saw the next epoch
 	moved   chan struct{}      // cap 1: Recover advanced the epoch
-	// stopGrow ends the grow Recover is doing, when the next epoch comes
-	// first.
+	// stopGrow ends the grow to epoch growing that Recover is doing, when
+	// the epoch after comes first.
 	stopGrow context.CancelFunc
+	growing  int
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -224,8 +225,8 @@ func (f *Follower) run(ctx context.Context) {
 			return // ctx ended (Close), or the store is gone: Recover will say
 		}
 		f.mu.Lock()
-		if f.stopGrow != nil {
-			f.stopGrow() // epoch n supersedes the grow to n-1 under way
+		if f.stopGrow != nil && n > f.growing {
+			f.stopGrow() // epoch n supersedes the grow under way
 		}
 		f.mu.Unlock()
 		// Hand e over once Recover has moved to the epoch before.
@@ -289,8 +290,10 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 	mctx, stop := context.WithCancel(ctx)
 	defer stop()
 	if e.Action == ActionGrow {
+		// The watcher may see this very epoch after Recover did (a peer's
+		// abort ended our collective first): only a later one ends it.
 		f.mu.Lock()
-		f.stopGrow = stop
+		f.stopGrow, f.growing = stop, e.Number
 		f.mu.Unlock()
 		defer func() {
 			f.mu.Lock()

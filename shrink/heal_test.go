@@ -11,6 +11,7 @@ import (
 
 	"github.com/gorunhq/gorun/pg"
 	"github.com/gorunhq/gorun/pg/cpu"
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
@@ -308,4 +309,84 @@ func checkStepSum(e Epoch, step int, sum float64) error {
 		return fmt.Errorf("step %d epoch %d: sum %g, want %g", step, e.Number, sum, want)
 	}
 	return nil
+}
+
+// lateWatch is a store whose waits return a while after their keys exist:
+// a Follower's watcher that sees an epoch later than its worker does.
+type lateWatch struct {
+	rendezvous.Store
+	delay time.Duration
+}
+
+func (s lateWatch) Wait(ctx context.Context, keys ...string) error {
+	if err := s.Store.Wait(ctx, keys...); err != nil {
+		return err
+	}
+	select {
+	case <-time.After(s.delay):
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// TestFollowerGrowSeenLateByWatcher: a member's collective can fail (a
+// peer's watcher aborted first) before its own watcher has seen the grow
+// epoch, so Recover finds the epoch itself and begins the grow; when the
+// watcher then sees that same epoch, the grow must go on — only a later
+// epoch ends it. The newcomer comes after the watchers have seen the epoch.
+func TestFollowerGrowSeenLateByWatcher(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	const watchDelay = 100 * time.Millisecond
+	lost := mustNext(t, Initial(3), 2) // slot 2 lost: members 0 and 1
+	d := NewDecider("test", Config{SettleWindow: -1}, lost)
+	d.Join(time.Now(), Join{Slots: []int{2}})
+	grow, ok, err := d.Decide(time.Now())
+	if err != nil || !ok {
+		t.Fatalf("Decide: %v %v", ok, err)
+	}
+	board := NewBoard(dial(), "")
+	for _, e := range []Epoch{lost, grow} {
+		if _, _, err := board.Publish(ctx, e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	groups := formGroups(ctx, t, dial, 2)
+	for _, g := range groups {
+		defer g.Close()
+	}
+	var wg sync.WaitGroup
+	errs := make([]error, 3)
+	sizes := make([]int, 3)
+	for r, g := range groups {
+		// Epoch 1 keeps both members (slot 2 was never launched here):
+		// followers start from it.
+		f := startFollower(NewBoard(dial(), ""), NewBoard(lateWatch{dial(), watchDelay}, ""), r, lost, g)
+		wg.Go(func() {
+			defer f.Close()
+			ng, _, err := f.Recover(ctx)
+			if err == nil {
+				sizes[r] = ng.Size()
+				ng.Close()
+			}
+			errs[r] = err
+		})
+	}
+	wg.Go(func() {
+		time.Sleep(3 * watchDelay) // after both watchers have seen the grow
+		g, err := cpuJoin(dial())(ctx, 2, 3, pg.GrowSpec{Added: 1, Namespace: Namespace(grow.Number)})
+		if err == nil {
+			sizes[2] = g.Size()
+			g.Close()
+		}
+		errs[2] = err
+	})
+	wg.Wait()
+	for r, err := range errs {
+		if err != nil || sizes[r] != 3 {
+			t.Errorf("rank %d: grown group of %d, %v; want 3", r, sizes[r], err)
+		}
+	}
 }

@@ -34,10 +34,12 @@ func buildAllreduce(t *testing.T) string {
 
 // shrinkJob is a two-node shrink-mode job of Go allreduce workers.
 type shrinkJob struct {
-	agents []*agentProc
-	mu     sync.Mutex
-	lines  []string // every agent's stdout, as it came
-	done   chan struct{}
+	agents  []*agentProc
+	command func(node int) *exec.Cmd // how node's agent is started
+	mu      sync.Mutex
+	lines   []string // every agent's stdout, as it came
+	readers sync.WaitGroup
+	done    chan struct{} // closed when every agent's stdout has ended
 }
 
 // placement says where a job's nodes run (loopback, or the hosts of a
@@ -83,29 +85,21 @@ func startShrinkJobAt(t *testing.T, at placement, nodes, nproc, steps int, extra
 	t.Helper()
 	gorun, worker := testutil.BuildGorun(t), buildAllreduce(t)
 	j := &shrinkJob{done: make(chan struct{})}
-	var readers sync.WaitGroup
-	for i := range nodes {
+	j.command = func(i int) *exec.Cmd {
 		// Heal is off unless extra turns it on (a later flag wins): these
 		// jobs check how survivors shrink.
 		args := append(at.rdzv(i, strconv.Itoa(nodes)), "--nproc-per-node", strconv.Itoa(nproc),
 			"--on-failure", "shrink", "--regrow", "off", "--log-dir", t.TempDir())
 		args = append(append(args, extra...), "--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
-		p := startAgentCmd(t, at.command(i, gorun, args))
-		j.agents = append(j.agents, p)
+		return at.command(i, gorun, args)
+	}
+	for i := range nodes {
+		p := j.start(t, i)
 		if i == 0 && at.hostLine != "" {
 			waitStderr(t, p, at.hostLine)
 		}
-		readers.Add(1)
-		go func() {
-			defer readers.Done()
-			for l := range p.lines {
-				j.mu.Lock()
-				j.lines = append(j.lines, l)
-				j.mu.Unlock()
-			}
-		}()
 	}
-	go func() { readers.Wait(); close(j.done) }()
+	go func() { j.readers.Wait(); close(j.done) }()
 	deadline := time.Now().Add(60 * time.Second)
 	for j.count("]:start rank=") < nodes*nproc {
 		if time.Now().After(deadline) {
@@ -114,6 +108,24 @@ func startShrinkJobAt(t *testing.T, at placement, nodes, nproc, steps int, extra
 		time.Sleep(10 * time.Millisecond)
 	}
 	return j
+}
+
+// start starts an agent for node i (again, for a replacement) and copies
+// its stdout into the job's lines.
+func (j *shrinkJob) start(t *testing.T, i int) *agentProc {
+	t.Helper()
+	p := startAgentCmd(t, j.command(i))
+	j.agents = append(j.agents, p)
+	j.readers.Add(1)
+	go func() {
+		defer j.readers.Done()
+		for l := range p.lines {
+			j.mu.Lock()
+			j.lines = append(j.lines, l)
+			j.mu.Unlock()
+		}
+	}()
+	return p
 }
 
 func (j *shrinkJob) count(s string) int {
@@ -165,16 +177,7 @@ var doneRE = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S
 // new ranks, the new world and the sum over the surviving original ranks.
 func (j *shrinkJob) expectSurvivors(t *testing.T, live []*agentProc, world int, excluded []int, steps int) {
 	t.Helper()
-	for i, p := range live {
-		if code := p.exitCode(t, 90*time.Second); code != 0 {
-			t.Fatalf("agent %d exited %d\n%s", i, code, j.report())
-		}
-	}
-	select {
-	case <-j.done:
-	case <-time.After(10 * time.Second):
-		t.Fatal("agents' output did not end")
-	}
+	j.expectExit0(t, live)
 	survivors := world - len(excluded)
 	sum := 0
 	for r := range world {
@@ -201,6 +204,22 @@ func (j *shrinkJob) expectSurvivors(t *testing.T, live []*agentProc, world int, 
 	}
 	if !slices.Equal(ranks, want) {
 		t.Errorf("done lines from ranks %v, want %v\n%s", ranks, want, j.report())
+	}
+}
+
+// expectExit0 waits for the live agents to exit 0 and their output to
+// end.
+func (j *shrinkJob) expectExit0(t *testing.T, live []*agentProc) {
+	t.Helper()
+	for i, p := range live {
+		if code := p.exitCode(t, 90*time.Second); code != 0 {
+			t.Fatalf("agent %d exited %d\n%s", i, code, j.report())
+		}
+	}
+	select {
+	case <-j.done:
+	case <-time.After(10 * time.Second):
+		t.Fatal("agents' output did not end")
 	}
 }
 

@@ -1,0 +1,56 @@
+package main
+
+import (
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestMultiNodeHeal is heal across nodes on loopback: two agents with two
+// Go allreduce workers each, --on-failure shrink with heal on. The second
+// agent is SIGKILLed (its workers die with it); the first node's workers
+// shrink to world 2 and carry on. A replacement agent, started with the
+// same command, waits to join; the first agent admits it in the lost
+// node's place, its workers are grown in, and everyone finishes at world 4
+// with the sum 1+2+3+4.
+func TestMultiNodeHeal(t *testing.T) {
+	const nodes, nproc, steps = 2, 2, 1600 // 8 s of steps
+	at := loopback(t)
+	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
+	time.Sleep(300 * time.Millisecond)
+	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
+	j.agents[1].exitCode(t, 10*time.Second)
+	j.await(t, "]:shrink epoch=1 world=2 excluded=[2 3]", 2, 30*time.Second)
+
+	replacement := j.start(t, 1)
+	j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
+	j.expectExit0(t, []*agentProc{j.agents[0], replacement})
+	done := map[string]bool{}
+	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
+		if m[2] != "4" || m[3] != strconv.Itoa(steps) || m[4] != "10" {
+			t.Errorf("%s: want world=4 steps=%d sum=10", m[0], steps)
+		}
+		done[m[1]] = true
+	}
+	if len(done) != 4 {
+		t.Errorf("done lines from ranks %v, want 0..3\n%s", done, j.report())
+	}
+	if !strings.Contains(j.agents[0].stderr.String(), "admitted a waiting node in a lost node's place") ||
+		!strings.Contains(replacement.stderr.String(), "admitted into the running round in a lost node's place") {
+		t.Errorf("the logs do not say who was admitted\n%s", j.report())
+	}
+}
+
+// await waits until the job's output holds n lines containing s.
+func (j *shrinkJob) await(t *testing.T, s string, n int, within time.Duration) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for j.count(s) < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d lines with %q within %v\n%s", j.count(s), n, s, within, j.report())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
