@@ -16,7 +16,7 @@ import (
 // node's place, its workers are grown in, and everyone finishes at world 4
 // with the sum 1+2+3+4.
 func TestMultiNodeHeal(t *testing.T) {
-	const nodes, nproc, steps = 2, 2, 1600 // 8 s of steps
+	const nodes, nproc, steps = 2, 2, 1000 // 5 s of steps
 	at := loopback(t)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
 	time.Sleep(300 * time.Millisecond)
@@ -52,5 +52,30 @@ func (j *shrinkJob) await(t *testing.T, s string, n int, within time.Duration) {
 			t.Fatalf("%d of %d lines with %q within %v\n%s", j.count(s), n, s, within, j.report())
 		}
 		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestMultiNodeHealSpare: a third agent started with the job's command
+// while both nodes run finds the round full and waits for room: a spare.
+// When the second agent is SIGKILLed, the spare is admitted in its place
+// at once and its workers are grown in; everyone finishes at world 4.
+func TestMultiNodeHealSpare(t *testing.T) {
+	const nodes, nproc, steps = 2, 2, 1000 // 5 s of steps
+	at := loopback(t)
+	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
+	spare := j.start(t, 1)
+	waitStderr(t, spare, "rendezvous complete") // it has seen the running round
+	lost := time.Now()
+	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
+	j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
+	t.Logf("node lost → the spare's workers grown in: %v", time.Since(lost))
+	j.expectExit0(t, []*agentProc{j.agents[0], spare})
+	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
+		if m[2] != "4" || m[4] != "10" {
+			t.Errorf("%s: want world=4 sum=10", m[0])
+		}
+	}
+	if n := len(doneRE.FindAllStringSubmatch(j.output(), -1)); n != 4 {
+		t.Errorf("%d done lines, want 4\n%s", n, j.report())
 	}
 }

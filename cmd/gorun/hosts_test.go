@@ -111,6 +111,45 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 	}
 }
 
+// TestHostsHealBlackhole: heal on the bed. Hosts 0 and 1 run the job
+// (2 × 4 Go allreduce ranks, --on-failure shrink, heal on); host 1's link
+// is cut mid-run and the survivors on host 0 shrink to world 4. A
+// replacement agent on host 2, started with the job's command, is admitted
+// in host 1's place, and its four workers are grown in: everyone finishes
+// at world 8 with the sum 1+…+8.
+func TestHostsHealBlackhole(t *testing.T) {
+	const nodes, nproc, steps = 2, 4, 1600
+	at, bed := onBed(t, 3)
+	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--rdzv-conf", slowKeepAlive, "--regrow", "on", "--respawn-backoff", "0.1")
+	time.Sleep(300 * time.Millisecond)
+	if err := bed.Hosts[1].Blackhole(); err != nil {
+		t.Fatal(err)
+	}
+	j.await(t, "]:shrink epoch=1 world=4 excluded=[4 5 6 7]", 4, 30*time.Second)
+	started := time.Now()
+	replacement := j.start(t, 2)
+	j.await(t, "]:grow epoch=2 world=8 added=[4 5 6 7]", 8, 30*time.Second)
+	t.Logf("replacement agent started → grown in: %v", time.Since(started).Round(time.Millisecond))
+	for i, p := range []*agentProc{j.agents[0], replacement} {
+		if code := p.exitCode(t, 90*time.Second); code != 0 {
+			t.Fatalf("agent %d exited %d\n%s", i, code, j.report())
+		}
+	}
+	// The cut-off agent cannot learn the job's end; the bed kills it.
+	if err := bed.Hosts[1].Kill(); err != nil {
+		t.Fatal(err)
+	}
+	done := doneRE.FindAllStringSubmatch(j.output(), -1)
+	for _, m := range done {
+		if m[2] != "8" || m[4] != "36" {
+			t.Errorf("%s: want world=8 sum=36", m[0])
+		}
+	}
+	if len(done) != 8 {
+		t.Errorf("%d done lines, want 8\n%s", len(done), j.report())
+	}
+}
+
 // TestHostsRestartBlackhole: restart mode (torchrun's) with
 // --node-liveness on, the second host's link cut mid-run. The first host's
 // agent finds the node dead in about a second, takes it out of the

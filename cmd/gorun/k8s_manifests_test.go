@@ -85,6 +85,7 @@ type (
 			CompletionMode   string `yaml:"completionMode"`
 			Completions      int    `yaml:"completions"`
 			Parallelism      int    `yaml:"parallelism"`
+			BackoffLimit     *int   `yaml:"backoffLimit"`
 			PodFailurePolicy *struct {
 				Rules []struct {
 					OnExitCodes *struct {
@@ -307,9 +308,39 @@ func hasContainerPort(c k8sContainer, port int) bool {
 }
 
 func TestLaunchK8sIndexedJob(t *testing.T) {
-	docs := k8sDocs(t, "indexed-job.yaml")
+	cfg, _ := checkIndexedJob(t, "indexed-job.yaml")
+	if cfg.OnFailure != launcher.OnFailureRestart {
+		t.Errorf("--on-failure %q, want restart (indexed-job-heal.yaml is the shrink one)", cfg.OnFailure)
+	}
+}
+
+// TestLaunchK8sIndexedJobHeal: the shrink-and-heal manifest is the Indexed
+// Job with --on-failure=shrink and heal on, a Job that replaces a lost pod
+// (its agent is then admitted in the lost pod's place: TestMultiNodeHeal
+// runs that flow through the real CLI), and workers that follow the epochs
+// (train_elastic.py on gorun_ft.py).
+func TestLaunchK8sIndexedJobHeal(t *testing.T) {
+	cfg, job := checkIndexedJob(t, "indexed-job-heal.yaml")
+	if cfg.OnFailure != launcher.OnFailureShrink || !cfg.Regrow || cfg.MaxRespawns < 1 {
+		t.Errorf("--on-failure %q, regrow %v, --max-respawns %d: want shrink, heal on, respawns allowed",
+			cfg.OnFailure, cfg.Regrow, cfg.MaxRespawns)
+	}
+	if b := job.Spec.BackoffLimit; b == nil || *b < 1 {
+		t.Errorf("backoffLimit %v: the Job must replace a lost pod", b)
+	}
+	if cfg.Entrypoint.Program != "/workspace/train_elastic.py" {
+		t.Errorf("program %q, want a worker that follows the epochs (train_elastic.py)", cfg.Entrypoint.Program)
+	}
+}
+
+// checkIndexedJob checks an Indexed Job manifest (a headless Service and the
+// Job, gorun as the container command, c10d at pod 0) and returns the Config
+// gorun reads from it.
+func checkIndexedJob(t *testing.T, name string) (launcher.Config, k8sJob) {
+	t.Helper()
+	docs := k8sDocs(t, name)
 	if len(docs) != 2 {
-		t.Fatalf("indexed-job.yaml holds %d documents, want a Service and a Job", len(docs))
+		t.Fatalf("%s holds %d documents, want a Service and a Job", name, len(docs))
 	}
 	svc := decodeDoc[k8sService](t, docs, "Service v1")
 	job := decodeDoc[k8sJob](t, docs, "Job batch/v1")
@@ -384,6 +415,7 @@ func TestLaunchK8sIndexedJob(t *testing.T) {
 		checkProbe(t, c, cfg, "startup", c.StartupProbe, "/healthz")
 	}
 	checkGrace(t, pod, cfg)
+	return cfg, job
 }
 
 // pytorchJobEnv is what the Kubeflow training operator (v1, elastic mode)
