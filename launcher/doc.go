@@ -17,12 +17,13 @@
 //   - round.go: a round's mechanism: starting the workers, and the one
 //     loop that turns what happens while they run into events.
 //   - restart_mode.go, shrink_mode.go: the two failure policies, each a
-//     loop over a round's events.
+//     loop over a round's events; shrink mode heals (respawns lost local
+//     ranks, admits replacement nodes) with regrow.go's respawn policy.
 //   - membership.go, dynamic.go, etcd.go: how an agent learns its place
 //     in the job (one node; the dynamic rendezvous over c10d or static;
 //     over etcd); jobnode.go: what the two multi-node memberships share
 //     (the rendezvous handle, the job's restart count, outcome and exit
-//     barrier).
+//     barrier, the admission of a node in a lost node's place).
 //   - survivors.go: shrink mode's agreement, the agent's side.
 //   - group.go, output.go, prefix.go, failure.go, env.go: the worker
 //     processes, their output (console prefixes, filtered logs), their

@@ -1,32 +1,45 @@
-// Package shrink is survivor agreement: when ranks of a running job fail,
-// every survivor must act on the same exclusion list at the same point.
+// Package shrink is survivor agreement and heal: when ranks of a running
+// job fail, every survivor must act on the same exclusion list at the same
+// point; when lost slots come back (a respawned rank, a replacement node,
+// a spare), every member must take the newcomers in at the same point.
 //
-// The agreement has four parts:
+// The agreement has five parts:
 //
 //   - Decider, a pure state machine run by one coordinator agent: it gathers
 //     failure reports for a settle window, so that near-simultaneous failures
 //     become one epoch, and then decides the next Epoch — shrink to the
-//     survivors, or fall back to a restart when too few would remain.
+//     survivors, or fall back to a restart when too few would remain. It
+//     gathers joins the same way and decides grow epochs, one at a time: a
+//     grow is complete once every rank of it has arrived; one that is not
+//     within GrowTimeout, or a failure during it, ends in a shrink back to
+//     the group before it (Epoch.Base).
 //   - Board, the epochs' home in the worker store: the coordinator publishes
 //     epoch n+1 with one fenced write (a compare-set that only creates), so a
 //     second coordinator racing it adopts the first's decision instead of
 //     publishing another; workers wait on the epoch key (a store wait, not
-//     polling) and acknowledge; the coordinator counts the acknowledgements.
+//     polling) and acknowledge; the last to acknowledge a grow says it is
+//     complete. Its notice log carries failures, joins and completions.
 //   - Coordinator, each agent's side: it files the failures its agent sees
 //     on the Board, and while its agent leads, runs the Decider over every
-//     report filed and publishes the epochs it decides.
+//     notice filed and publishes the epochs it decides.
 //   - Follower, a Go worker's side: it watches the Board for the next
 //     epoch, aborts the worker's group so that a collective blocked on a
-//     dead peer returns, shrinks the group to the epoch's survivors and
-//     acknowledges (examples/torch/gorun_ft.py does the same for PyTorch).
+//     dead peer returns (and, for a grow, so that every member stops where
+//     it is), moves the group to the epoch's members — shrink, grow or
+//     re-form — and acknowledges (examples/torch/gorun_ft.py does the same
+//     for PyTorch).
+//   - Newcomer, a worker that fills a lost slot: it files its join once it is
+//     ready, waits for the grow epoch that adds its slot, joins the grown
+//     group and becomes a Follower.
 //
 // The coordinator is chosen deterministically (the first live agent in the
-// rendezvous's order), and since reports live on the Board, not in the
+// rendezvous's order), and since notices live on the Board, not in the
 // coordinator's memory, a successor picks up where a dead coordinator left.
 //
 // Ranks in an Epoch are global ranks, the numbering the job was launched
-// with; Epoch.ShrinkList translates them into the group-relative ranks that
-// pg.ProcessGroup.Shrink (and PyTorch's shrink_group) take.
+// with (a newcomer keeps its slot's); Epoch.ShrinkList translates them into
+// the group-relative ranks that pg.ProcessGroup.Shrink (and PyTorch's
+// shrink_group) take.
 package shrink
 
 import (
