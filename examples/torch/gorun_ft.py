@@ -41,9 +41,12 @@ short store waits, for every member to be there, and gives up when the next
 epoch appears (for a grow, and whenever the backend re-forms every group
 afresh), so nobody waits on a member that will not come.
 
-What is tested: the gloo paths, with PyTorch 1.13 and 2.14, in CI (shrink,
-grow, a grow that does not complete, a newcomer that joins again); the NCCL
-paths need a GPU and have not run yet.
+What is tested (examples/torch, in CI): with gloo, shrink and grow with
+PyTorch 1.13 and 2.14, and with 1.13 a grow whose newcomer is killed before
+it joins and a newcomer that joins again after a grow that did not
+complete, under a real coordinator of gorun's; for NCCL, without a GPU,
+only the choice between shrinking in place and a fresh communicator. The
+NCCL paths themselves need a GPU and have not run yet.
 
 Use::
 

@@ -7,6 +7,7 @@ package torch_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -333,4 +334,95 @@ func TestTorchGlooHealIncomplete(t *testing.T) {
 			t.Errorf("acks of the second grow = %d %v, want 3", n, err)
 		}
 	})
+}
+
+// TestTorchFTMoves checks, without a GPU, how gorun_ft.py moves between the
+// epochs that the real shrink.Decider decides: NCCL shrinks in place only
+// from the group the epoch builds on (shrink_group, where PyTorch has it;
+// here a stand-in, since the decision is all that runs), and forms a fresh
+// communicator for a grow and after a grow that did not complete; gloo
+// always forms a fresh group. It also checks that the helper reads Go's
+// epochs (added, base) and prints them as the Go worker does.
+func TestTorchFTMoves(t *testing.T) {
+	now := time.Now()
+	cfg := shrink.Config{SettleWindow: time.Millisecond, GrowTimeout: time.Second}
+	decide := func(d *shrink.Decider, at time.Time) shrink.Epoch {
+		t.Helper()
+		e, ok, err := d.Decide(at)
+		if !ok || err != nil {
+			t.Fatalf("Decide: %v %v", ok, err)
+		}
+		d.Adopt(e)
+		return e
+	}
+	d := shrink.NewDecider("test", cfg, shrink.Initial(4))
+	e0 := d.Current()
+	d.Report(now, shrink.Report{Ranks: []int{2}, Reason: "killed", SeenAt: now})
+	e1 := decide(d, now.Add(time.Second))
+	d.Join(now, shrink.Join{Slots: []int{2}, SeenAt: now.Add(time.Second)})
+	e2 := decide(d, now.Add(2*time.Second))
+	// The grow does not complete: the epoch after it goes back to e1's group.
+	back := decide(shrink.NewDecider("test", cfg, e2), e2.DecidedAt.Add(cfg.GrowTimeout))
+	// Or it completes, and then global rank 0 dies.
+	d.Complete(e2.Number)
+	d.Report(now, shrink.Report{Ranks: []int{0}, Reason: "killed", SeenAt: now.Add(3 * time.Second)})
+	after := decide(d, now.Add(4*time.Second))
+
+	type move struct {
+		Backend string        `json:"backend"`
+		Held    *shrink.Epoch `json:"held"` // the epoch whose group the worker holds
+		Next    shrink.Epoch  `json:"next"`
+		// What the helper does.
+		InPlace    bool   `json:"in_place"`
+		ShrinkList []int  `json:"shrink_list"`
+		Line       string `json:"line"`
+	}
+	cases := []move{
+		{Backend: "nccl", Held: &e0, Next: e1, InPlace: true, ShrinkList: []int{2}, Line: "shrink epoch=1 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e1, Next: e2, Line: "grow epoch=2 world=4 added=[2]", ShrinkList: []int{}},
+		{Backend: "nccl", Next: back, Line: "shrink epoch=3 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e2, Next: back, ShrinkList: []int{3}, Line: "shrink epoch=3 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e2, Next: after, InPlace: true, ShrinkList: []int{0}, Line: "shrink epoch=3 world=3 excluded=[0]"},
+		{Backend: "gloo", Held: &e0, Next: e1, ShrinkList: []int{2}, Line: "shrink epoch=1 world=3 excluded=[2]"},
+	}
+	in, err := json.Marshal(cases)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := torchtest.Run(t, time.Minute, nil, `
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gorun_ft
+import torch.distributed as dist
+if not hasattr(dist, "shrink_group"):
+    dist.shrink_group = None  # a stand-in: only whether it exists counts here
+moves = json.loads(sys.argv[2])
+for m in moves:
+    g = object.__new__(gorun_ft.ElasticGroup)
+    g.backend = m["backend"]
+    g._group = gorun_ft.Epoch.decode(json.dumps(m["held"])) if m["held"] else None
+    e = gorun_ft.Epoch.decode(json.dumps(m["next"]))
+    m["in_place"] = g._in_place(e)
+    m["shrink_list"] = e.shrink_list(g._group) if g._group else None
+    m["line"] = e.line()
+print(json.dumps(moves))
+`, thisDir(), string(in))
+	var got []move
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if len(got) != len(cases) {
+		t.Fatalf("%d moves back, want %d: %s", len(got), len(cases), out)
+	}
+	for i, want := range cases {
+		g := got[i]
+		if g.InPlace != want.InPlace || !slices.Equal(g.ShrinkList, want.ShrinkList) || g.Line != want.Line {
+			held := "none"
+			if want.Held != nil {
+				held = want.Held.String()
+			}
+			t.Errorf("%s holding %s, moving to %v: in place %v, shrink list %v, line %q; want %v, %v, %q",
+				want.Backend, held, want.Next, g.InPlace, g.ShrinkList, g.Line, want.InPlace, want.ShrinkList, want.Line)
+		}
+	}
 }
