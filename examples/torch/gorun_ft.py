@@ -317,9 +317,10 @@ class ElasticGroup:
                 if not waiter.wait([key], WATCH_WAIT.total_seconds()):
                     continue  # ask again
                 e = Epoch.decode(waiter.get(key))
-            except RuntimeError:
-                # The store is unreachable: pause rather than spin;
-                # recover() will report it when the worker needs it.
+            except (RuntimeError, ValueError, KeyError):
+                # The store is unreachable (or the record unreadable):
+                # pause rather than spin; recover() will report it when
+                # the worker needs it.
                 self._stop.wait(1.0)
                 continue
             with self._lock:
