@@ -363,8 +363,7 @@ class ElasticGroup:
                 self.close()
                 raise Excluded("rank %d excluded in epoch %d" % (self.global_rank, nxt.number))
             if nxt.action == "restart":
-                self.close()
-                raise RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (nxt.number, nxt.world_size))
+                raise self._restart(nxt)
             if self._move(nxt):
                 break
             self._log("%s epoch=%d did not complete: awaiting the next epoch" % (nxt.action, nxt.number))
@@ -384,8 +383,7 @@ class ElasticGroup:
             with self._lock:
                 self.epoch = nxt
             if nxt.action == "restart":
-                self.close()
-                raise RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (nxt.number, nxt.world_size))
+                raise self._restart(nxt)
             if not nxt.newcomer(slot):
                 continue
             if self._form(nxt):
@@ -395,6 +393,11 @@ class ElasticGroup:
         self._file({"joined": {"epoch": nxt.number, "slot": slot, "at": _now()}})
         self._arrive(nxt)
         self._log(nxt.line())
+
+    def _restart(self, e):
+        """Stop for restart epoch e: the error to raise."""
+        self.close()
+        return RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (e.number, e.world_size))
 
     def _move(self, e):
         """Move to epoch e's group: in place where the backend shrinks and this
