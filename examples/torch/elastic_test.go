@@ -89,59 +89,103 @@ time.sleep(3600)
 	return "", 0
 }
 
-// startWorkers starts world train_elastic.py ranks on a fresh worker store
-// served by kind, with env added to their environment, waits until every
-// one is training, and returns a client of the store.
-func startWorkers(ctx context.Context, t *testing.T, kind storeServer, env []string, world int, args ...string) (*tcpstore.Client, []*worker) {
-	t.Helper()
-	py := torchtest.Python(t)
-	_, self, _, _ := runtime.Caller(0)
-	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
-	addr, wire := serveStore(ctx, t, kind)
-	_, port, _ := net.SplitHostPort(addr)
+// job is a run of train_elastic.py ranks on one worker store.
+type job struct {
+	py, script string // the interpreter, and train_elastic.py where it sees it
+	addr       string // the worker store
+	wire       tcpstore.Generation
+	world      int      // the launch world size
+	env        []string // added to every rank's environment
+	args       []string // train_elastic.py's flags
+}
 
-	ws := make([]*worker, world)
-	for r := range world {
-		w := &worker{out: new(testutil.SyncBuffer), exited: make(chan struct{})}
-		w.cmd = exec.Command(py, append([]string{"-u", script}, args...)...)
-		w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
-			"WORLD_SIZE="+strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
-			"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1")
-		w.cmd.Env = append(w.cmd.Env, env...)
-		w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
-		w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-		if err := w.cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		go func() {
-			w.err = w.cmd.Wait()
-			close(w.exited)
-		}()
-		ws[r] = w
+// newJob returns a job of world ranks on a fresh worker store served by
+// kind, run by interpreter py (with train_elastic.py at script).
+func newJob(ctx context.Context, t *testing.T, py, script string, kind storeServer, env []string, world int, args ...string) job {
+	t.Helper()
+	addr, wire := serveStore(ctx, t, kind)
+	return job{py: py, script: script, addr: addr, wire: wire, world: world, env: env, args: args}
+}
+
+// thisDir is the directory of this package's sources.
+func thisDir() string {
+	_, self, _, _ := runtime.Caller(0)
+	return filepath.Dir(self)
+}
+
+// start starts the process of global rank r, with extra added to its
+// environment. The test's cleanup kills it.
+func (j job) start(t *testing.T, r int, extra ...string) *worker {
+	t.Helper()
+	_, port, _ := net.SplitHostPort(j.addr)
+	w := &worker{out: new(testutil.SyncBuffer), exited: make(chan struct{})}
+	w.cmd = exec.Command(j.py, append([]string{"-u", j.script}, j.args...)...)
+	w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
+		"WORLD_SIZE="+strconv.Itoa(j.world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
+		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1")
+	w.cmd.Env = append(append(w.cmd.Env, j.env...), extra...)
+	w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
+	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := w.cmd.Start(); err != nil {
+		t.Fatal(err)
 	}
+	go func() {
+		w.err = w.cmd.Wait()
+		close(w.exited)
+	}()
 	t.Cleanup(func() {
-		for _, w := range ws {
-			w.cmd.Process.Kill()
-			<-w.exited
-		}
+		w.cmd.Process.Kill()
+		<-w.exited
 	})
-	for r, w := range ws {
-		for !strings.Contains(w.out.String(), "training") {
-			select {
-			case <-w.exited:
-				t.Fatalf("rank %d exited before training: %v\n%s", r, w.err, w.out)
-			case <-ctx.Done():
-				t.Fatalf("rank %d never started training\n%s", r, w.out)
-			case <-time.After(20 * time.Millisecond):
-			}
+	return w
+}
+
+// awaitOutput waits until w has printed s.
+func (w *worker) awaitOutput(ctx context.Context, t *testing.T, name, s string) {
+	t.Helper()
+	for !strings.Contains(w.out.String(), s) {
+		select {
+		case <-w.exited:
+			t.Fatalf("%s exited before printing %q: %v\n%s", name, s, w.err, w.out)
+		case <-ctx.Done():
+			t.Fatalf("%s never printed %q\n%s", name, s, w.out)
+		case <-time.After(20 * time.Millisecond):
 		}
 	}
-	store, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Wire: wire, Timeout: 30 * time.Second})
+}
+
+// dial returns a client of the job's store, closed by the test's cleanup.
+func (j job) dial(ctx context.Context, t *testing.T) *tcpstore.Client {
+	t.Helper()
+	c, err := tcpstore.Dial(ctx, j.addr, tcpstore.ClientConfig{Wire: j.wire, Timeout: 30 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { store.Close() })
-	return store, ws
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// startAll starts every rank and waits until every one is training.
+func (j job) startAll(ctx context.Context, t *testing.T) []*worker {
+	t.Helper()
+	ws := make([]*worker, j.world)
+	for r := range ws {
+		ws[r] = j.start(t, r)
+	}
+	for r, w := range ws {
+		w.awaitOutput(ctx, t, fmt.Sprintf("rank %d", r), "training")
+	}
+	return ws
+}
+
+// startWorkers starts world train_elastic.py ranks of PyTorch 1.13 on a
+// fresh worker store served by kind, with env added to their environment,
+// waits until every one is training, and returns a client of the store.
+func startWorkers(ctx context.Context, t *testing.T, kind storeServer, env []string, world int, args ...string) (*tcpstore.Client, []*worker) {
+	t.Helper()
+	j := newJob(ctx, t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), kind, env, world, args...)
+	ws := j.startAll(ctx, t)
+	return j.dial(ctx, t), ws
 }
 
 // killAndPublish SIGKILLs the given ranks and, as the coordinator agent

@@ -1,10 +1,13 @@
-"""Keep a PyTorch job running on the survivors when ranks die.
+"""Keep a PyTorch job running on the survivors when ranks die, and grow it
+back when gorun respawns them.
 
 One file, nothing beyond torch. Under `gorun --on-failure shrink` gorun's
 agents agree on who is gone and publish each change of membership as an
 *epoch* in the worker store (gorun's package shrink, key layout below). This
 helper watches for epochs and moves the worker's default process group to
-each one:
+each one.
+
+A shrink epoch drops the ranks that died:
 
 - with NCCL on a PyTorch that has ``dist.shrink_group`` (NCCL >= 2.27) it
   calls ``shrink_group(excluded, SHRINK_ABORT)``: NCCL itself terminates the
@@ -18,13 +21,38 @@ each one:
   is destroyed and initialised anew among the survivors, on a fresh
   PrefixStore, with the new rank and world size.
 
-Only the gloo path is tested (with PyTorch 1.13 and 2.14, in CI); the NCCL paths need
-a GPU and have not run yet.
+A grow epoch (heal) brings lost launch slots back: gorun starts a *newcomer*
+in each (GORUN_SHRINK_NEWCOMER set), the survivors keep their ranks and the
+newcomers take the next ones. Neither gloo nor PyTorch's NCCL (2.14
+included) grows a group in place, so every member of the grow, survivors
+and newcomers, stops where it is (gloo: the first to see the epoch destroys
+its group, which fails its peers' collectives; NCCL: the watcher aborts)
+and forms a fresh group of the epoch's members, a fresh communicator with
+NCCL. A newcomer says it is ready (a ``join`` notice) once its constructor
+runs, so survivors never wait on its imports, and waits for the grow that
+adds its slot. The grow is complete once every member has acknowledged it;
+the member that counts last says so (a ``complete`` notice), which the
+agents need before they grow again. A grow that does not complete within
+the agents' grow timeout (a newcomer that never came) is followed by a
+shrink that excludes its newcomers, from the group before the grow: its
+members re-form a fresh group of themselves, and a newcomer still waiting
+offers its slot again. Every formation of a fresh group waits first, in
+short store waits, for every member to be there, and gives up when the next
+epoch appears (for a grow, and whenever the backend re-forms every group
+afresh), so nobody waits on a member that will not come.
+
+What is tested (examples/torch, in CI): with gloo, shrink and grow with
+PyTorch 1.13 and 2.14, and with 1.13 a grow whose newcomer is killed before
+it joins and a newcomer that joins again after a grow that did not
+complete, under a real coordinator of gorun's; for NCCL, without a GPU,
+only the choice between shrinking in place and a fresh communicator. The
+NCCL paths themselves need a GPU and have not run yet.
 
 Use::
 
     import gorun_ft
-    group = gorun_ft.ElasticGroup("gloo")
+    group = gorun_ft.ElasticGroup("gloo")   # a newcomer joins here
+    resync = group.newcomer                 # it takes the survivors' state
     while step < steps:
         try:
             if resync:                    # first collective of a new group
@@ -33,13 +61,23 @@ Use::
                 resync = True; continue
             ...the step's collectives...
         except RuntimeError as err:       # a peer died mid-collective
-            group.recover(err)            # wait for the epoch, then shrink
+            group.recover(err)            # wait for the epoch, then move
             resync = True
+
+Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT as gorun (and
+torchrun) set them; GORUN_AGREEMENT_TIMEOUT (seconds) bounds the wait for
+an epoch; GORUN_SHRINK_NEWCOMER=n makes the worker a newcomer for slot RANK,
+n being the last epoch decided before it started; GORUN_GROW_TIMEOUT
+(seconds, default 30, the agents' default) bounds, on top of the agreement
+timeout, the waits that a grow can make longer.
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
-``ranks``, ``world_size``, ``action``, ``reasons``); ``ack/<n>`` counts the
-survivors that moved to epoch n.
+``added``, ``ranks``, ``world_size``, ``action``, ``base``, ``reasons``);
+``ack/<n>`` counts the members that moved to epoch n; ``report/next``
+counts the notices and ``report/<i>`` holds notice i, JSON with one of
+``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own).
 """
 import datetime
 import gc
@@ -54,7 +92,8 @@ import torch
 import torch.distributed as dist
 
 BOARD_PREFIX = "gorun/shrink"
-# How long the watcher's store wait lasts before it checks whether to stop.
+# How long the watcher's store wait lasts before it checks whether to stop;
+# also the slice of the waits that give up when the next epoch appears.
 WATCH_WAIT = datetime.timedelta(seconds=1)
 # How long a survivor waits for the agents' next epoch, past the agreement
 # timeout gorun passes (GORUN_AGREEMENT_TIMEOUT, seconds), for the agents to
@@ -62,6 +101,9 @@ WATCH_WAIT = datetime.timedelta(seconds=1)
 # be declared dead; a hung rank, the heartbeat timeout).
 DETECTION_SLACK = 10.0
 DEFAULT_AGREEMENT_TIMEOUT = 10.0
+# The agents' grow timeout (shrink.DefaultGrowTimeout): how long a grow has
+# to complete before they exclude its newcomers again.
+DEFAULT_GROW_TIMEOUT = 30.0
 
 
 def _torch_version():
@@ -89,47 +131,76 @@ class Excluded(Exception):
 
 
 class Epoch:
-    """One agreed membership. Ranks are global ranks (the launch numbering)."""
+    """One agreed membership. Ranks are global ranks (the launch numbering,
+    which a newcomer keeps: its RANK is the slot it fills)."""
 
-    def __init__(self, number, excluded, lost, ranks, world_size, action, reasons=None):
+    def __init__(self, number, excluded, lost, ranks, world_size, action, reasons=None, added=(), base=None):
         self.number = number
         self.excluded = sorted(excluded)
         self.lost = sorted(lost)
+        self.added = sorted(added)
         self.ranks = list(ranks)  # ranks[g]: g's rank in this epoch's group, -1 if lost
         self.world_size = world_size
         self.action = action
+        # The epoch whose group the members move from: the one before, or,
+        # after a grow that did not complete, that grow's own base.
+        self.base = number - 1 if base is None else base
         self.reasons = reasons or {}
 
     @classmethod
     def initial(cls, world):
-        return cls(0, [], [], range(world), world, "shrink")
+        return cls(0, [], [], range(world), world, "shrink", base=0)
 
     @classmethod
     def decode(cls, raw):
         d = json.loads(raw)
         return cls(d["epoch"], d.get("excluded") or [], d.get("lost") or [], d["ranks"],
-                   d["world_size"], d["action"], d.get("reasons"))
+                   d["world_size"], d["action"], d.get("reasons"), d.get("added") or [], d.get("base"))
 
     def alive(self, g):
         return 0 <= g < len(self.ranks) and self.ranks[g] >= 0
 
-    def shrink_list(self, prev):
-        """This epoch's excluded ranks in prev's numbering: what shrink_group takes."""
-        return sorted(prev.ranks[g] for g in self.excluded if prev.alive(g))
+    def newcomer(self, g):
+        """Whether launch slot g joins this epoch's group as a newcomer."""
+        return g in self.added
+
+    def shrink_list(self, base):
+        """The ranks alive in base and not in this epoch, in base's numbering:
+        what shrink_group takes to move base's group to this epoch's."""
+        return sorted(base.ranks[g] for g in range(len(base.ranks)) if base.alive(g) and not self.alive(g))
+
+    def line(self):
+        """What a member prints on moving to this epoch."""
+        if self.action == "grow":
+            return "grow epoch=%d world=%d added=%s" % (self.number, self.world_size, self.added)
+        return "shrink epoch=%d world=%d excluded=%s" % (self.number, self.world_size, self.excluded)
 
 
-def _connect_store(timeout):
-    """The worker store: the agent's (TORCHELASTIC_USE_AGENT_STORE=True), or
-    rank 0's, as env:// would have it."""
+def _agent_store():
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _connect_store(timeout, serve=False):
+    """A connection to the worker store: the agent's
+    (TORCHELASTIC_USE_AGENT_STORE=True), or rank 0's, as env:// would have
+    it; with serve, rank 0 serves it (its first connection only)."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    master = not agent and int(os.environ["RANK"]) == 0
-    world = None if agent else int(os.environ["WORLD_SIZE"])
-    return dist.TCPStore(host, port, world, master, timeout, wait_for_workers=False)
+    world = None if _agent_store() else int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(host, port, world, serve, timeout, wait_for_workers=False)
 
 
 def _key(*parts):
     return "/".join((BOARD_PREFIX,) + tuple(str(p) for p in parts))
+
+
+def _now():
+    """The time as RFC 3339, which Go's time.Time reads."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _seconds(name, default):
+    v = os.environ.get(name)
+    return float(v) if v else default
 
 
 class _KeyWaiter:
@@ -142,13 +213,13 @@ class _KeyWaiter:
         self._timeout = timeout
         self._store = None
 
-    def wait(self, key, seconds):
-        """True once key exists, False if seconds passed first. Raises
+    def wait(self, keys, seconds):
+        """True once every key exists, False if seconds passed first. Raises
         RuntimeError when the store cannot be reached."""
         if self._store is None:
             self._store = _connect_store(self._timeout)
         try:
-            self._store.wait([key], datetime.timedelta(seconds=seconds))
+            self._store.wait(list(keys), datetime.timedelta(seconds=max(seconds, 0.001)))
             return True
         except RuntimeError as e:
             if not WAIT_CANCELS or "timeout" not in str(e).lower():
@@ -158,7 +229,7 @@ class _KeyWaiter:
             raise
 
     def get(self, key):
-        """key's value; call it only after wait(key) returned True."""
+        """key's value; call it only after wait([key]) returned True."""
         return self._store.get(key)
 
     def close(self):
@@ -166,31 +237,54 @@ class _KeyWaiter:
 
 
 class ElasticGroup:
-    """The worker's default process group, moved from epoch to epoch."""
+    """The worker's default process group, moved from epoch to epoch.
+
+    A worker that gorun started as a newcomer (GORUN_SHRINK_NEWCOMER) joins
+    the running group here, by the grow epoch that brings its slot back;
+    ``newcomer`` is then True, and the worker takes the model from the
+    survivors with resync() before its first step."""
 
     def __init__(self, backend="gloo", timeout=datetime.timedelta(seconds=60), log=None):
         self.backend = backend
         self.timeout = timeout
         self.global_rank = int(os.environ["RANK"])
-        self.epoch = Epoch.initial(int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        after = os.environ.get("GORUN_SHRINK_NEWCOMER", "")
+        self.newcomer = after != ""
+        if self.newcomer and not after.isdigit():
+            raise ValueError("GORUN_SHRINK_NEWCOMER=%r: want the number of the last epoch decided" % after)
         self._log = log or (lambda msg: print(msg, flush=True))
         # Each restart of the job bootstraps under its own namespace.
         self._ns = "gorun_ft/attempt_" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        agreement = float(os.environ.get("GORUN_AGREEMENT_TIMEOUT") or DEFAULT_AGREEMENT_TIMEOUT)
+        agreement = _seconds("GORUN_AGREEMENT_TIMEOUT", DEFAULT_AGREEMENT_TIMEOUT)
         self._epoch_wait = agreement + DETECTION_SLACK
+        self._grow_wait = _seconds("GORUN_GROW_TIMEOUT", DEFAULT_GROW_TIMEOUT)
         # The main connection never waits with a timeout (see WAIT_CANCELS);
-        # waits for epochs go through _KeyWaiters.
-        self.store = _connect_store(timeout)
+        # waits for epochs and members go through _KeyWaiters, and each
+        # group gets a connection of its own (its formation waits, and a
+        # formation can time out).
+        self.store = _connect_store(timeout, serve=not _agent_store() and self.global_rank == 0 and not self.newcomer)
         self._awaiter = _KeyWaiter(timeout)
-        self._seen = threading.Event()  # the watcher saw epoch n+1
-        self._moved = threading.Event()  # recover() has moved past it
+        self._group = None  # the epoch whose group is the default group
+        self._group_store = None
+        # Whether this worker's state is the job's: a newcomer's is not
+        # until its first resync.
+        self._synced = not self.newcomer
+        self._published = 0  # the highest epoch the watcher has seen
         self._stop = threading.Event()
         # Held while the epoch changes, so the watcher never aborts a group
         # that recover() has just built.
         self._lock = threading.Lock()
-        self._init_group()
-        self._watcher = threading.Thread(target=self._watch, name="gorun-ft-watch", daemon=True)
+        if self.newcomer:
+            self.epoch = Epoch(int(after), [], [], [-1] * world, 0, "shrink")
+        else:
+            self.epoch = Epoch.initial(world)
+            self._init(self.epoch, "%s/epoch_0" % self._ns)
+        self._watcher = threading.Thread(target=self._watch, args=(self.epoch.number + 1,),
+                                         name="gorun-ft-watch", daemon=True)
         self._watcher.start()
+        if self.newcomer:
+            self._enter()
 
     @property
     def rank(self):
@@ -200,50 +294,55 @@ class ElasticGroup:
     def world_size(self):
         return self.epoch.world_size
 
-    def _init_group(self):
-        prefix = "%s/epoch_%d" % (self._ns, self.epoch.number)
-        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, self.store),
-                                rank=self.rank, world_size=self.world_size, timeout=self.timeout)
+    def _init(self, e, prefix):
+        """Initialise epoch e's group as the default group, on a store
+        connection of its own under prefix."""
+        store = _connect_store(self.timeout)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
+                                rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout)
+        with self._lock:
+            self._group, self._group_store = e, store
 
-    def _watch(self):
-        """Wait on the next epoch's key through a store connection of its own
-        (a store wait, not polling); when it appears, flag it and, unless the
-        group will be shrunk in place, abort it where the backend can, so a
-        collective stuck on a dead peer returns to the training loop."""
+    def _watch(self, n):
+        """Wait on each next epoch's key through a store connection of its own
+        (a store wait, not polling); when epoch n appears, record it and,
+        unless the group will be shrunk in place, abort the group in use
+        where the backend can, so a collective stuck on a dead peer returns
+        to the training loop and, for a grow, every member stops at once."""
         waiter = _KeyWaiter(self.timeout)
         while not self._stop.is_set():
-            n = self.epoch.number + 1
+            key = _key("epoch", n)
             try:
                 # Short waits, so that close() can join this thread soon.
-                if not waiter.wait(_key("epoch", n), WATCH_WAIT.total_seconds()):
+                if not waiter.wait([key], WATCH_WAIT.total_seconds()):
                     continue  # ask again
-            except RuntimeError:
-                # The store is unreachable: pause rather than spin;
-                # recover() will report it when the worker needs it.
+                e = Epoch.decode(waiter.get(key))
+            except (RuntimeError, ValueError, KeyError):
+                # The store is unreachable (or the record unreadable):
+                # pause rather than spin; recover() will report it when
+                # the worker needs it.
                 self._stop.wait(1.0)
                 continue
             with self._lock:
-                if n != self.epoch.number + 1:
-                    continue  # recover() moved on meanwhile
-                self._seen.set()
-                if not self._shrinks():
+                self._published = n
+                if n > self.epoch.number and not self._in_place(e):
                     _abort_default_group()
-            while not self._moved.wait(0.5) and not self._stop.is_set():
-                pass
-            self._moved.clear()
+            n += 1
         waiter.close()
 
     def check(self):
         """Move to the next epoch if the watcher has seen one, and say whether
         it did. Call it once a step, before the step's collectives."""
-        if self._seen.is_set():
+        if self._published > self.epoch.number:
             self.recover()
             return True
         return False
 
     def recover(self, err=None):
         """Wait for the next epoch and move the group to it. Raises Excluded if
-        this rank is out, RestartRequired if the agents chose a restart."""
+        this rank is out, RestartRequired if the agents chose a restart. An
+        epoch whose group cannot be formed (a grow that does not complete)
+        is followed to the next one, which settles it."""
         if err is not None:
             self._log("rank %d: collective failed, awaiting the agents' decision: %s"
                       % (self.global_rank, str(err).splitlines()[0]))
@@ -254,37 +353,129 @@ class ElasticGroup:
             # Tear the broken group down now, not after the decision: closing
             # our connections fails the collectives of peers still blocked
             # on us (ULFM's revoke), instead of leaving them to the group's
-            # timeout.
+            # timeout. For a grow it stops every member where it is.
             self._destroy()
-        nxt = self._await(self.epoch.number + 1)
-        with self._lock:
-            prev, self.epoch = self.epoch, nxt
-            if self._seen.is_set():
-                self._seen.clear()
-                self._moved.set()
-        if not nxt.alive(self.global_rank):
-            self.close()
-            raise Excluded("rank %d excluded in epoch %d" % (self.global_rank, nxt.number))
-        if nxt.action == "restart":
-            self.close()
-            raise RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (nxt.number, nxt.world_size))
-        if self._shrinks():
-            flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
-            dist.shrink_group(nxt.shrink_list(prev), shrink_flags=flags)
-        else:
-            self._destroy()
-            self._init_group()
-        self.store.add(_key("ack", nxt.number), 1)
-        self._log("shrink epoch=%d world=%d excluded=%s" % (nxt.number, nxt.world_size, nxt.excluded))
+        while True:
+            nxt = self._await(self.epoch.number + 1, grow=self.epoch.action == "grow")
+            with self._lock:
+                self.epoch = nxt
+            if not nxt.alive(self.global_rank):
+                self.close()
+                raise Excluded("rank %d excluded in epoch %d" % (self.global_rank, nxt.number))
+            if nxt.action == "restart":
+                raise self._restart(nxt)
+            if self._move(nxt):
+                break
+            self._log("%s epoch=%d did not complete: awaiting the next epoch" % (nxt.action, nxt.number))
+        self._arrive(nxt)
+        self._log(nxt.line())
         return nxt
 
+    def _enter(self):
+        """A newcomer's way in: say the slot is ready, wait for the grow that
+        adds it, and join that epoch's group; when the grow does not
+        complete, offer the slot again and wait for the next one."""
+        slot = self.global_rank
+        self._log("newcomer slot=%d after epoch=%d" % (slot, self.epoch.number))
+        self._file_join()
+        while True:
+            nxt = self._await(self.epoch.number + 1, grow=True)
+            with self._lock:
+                self.epoch = nxt
+            if nxt.action == "restart":
+                raise self._restart(nxt)
+            if not nxt.newcomer(slot):
+                continue
+            if self._form(nxt):
+                break
+            self._log("grow epoch=%d did not complete: joining again" % nxt.number)
+            self._file_join()
+        self._file({"joined": {"epoch": nxt.number, "slot": slot, "at": _now()}})
+        self._arrive(nxt)
+        self._log(nxt.line())
+
+    def _restart(self, e):
+        """Stop for restart epoch e: the error to raise."""
+        self.close()
+        return RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (e.number, e.world_size))
+
+    def _move(self, e):
+        """Move to epoch e's group: in place where the backend shrinks and this
+        worker holds the group e builds on, afresh otherwise. False when the
+        group could not be formed."""
+        if self._in_place(e):
+            flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
+            dist.shrink_group(e.shrink_list(self._group), shrink_flags=flags)
+            with self._lock:
+                self._group = e
+            return True
+        self._destroy()
+        return self._form(e)
+
+    def _in_place(self, e):
+        """Whether epoch e shrinks the group in use in place (NCCL with
+        PyTorch's shrink_group, from the group e builds on) rather than
+        forming a fresh one."""
+        return self._shrinks() and e.action == "shrink" and self._group is not None and self._group.number == e.base
+
+    def _form(self, e):
+        """Form epoch e's group afresh among its members. The members first
+        wait, in short waits, until every one of them is there; a grow's
+        formation (and any, where every group is formed afresh) gives up
+        when the next epoch appears, since every member moves on to it. A
+        formation the backend fails is given up too: the next epoch settles
+        it. Returns whether the group was formed."""
+        ns = "%s/epoch_%d" % (self._ns, e.number)
+        rank = e.ranks[self.global_rank]
+        yields = e.action == "grow" or not self._shrinks()
+        self.store.set("%s/member/%d" % (ns, rank), str(self.global_rank))
+        members = ["%s/member/%d" % (ns, r) for r in range(e.world_size)]
+        bound = self._epoch_wait + (self._grow_wait if e.action == "grow" else 0)
+        deadline = time.monotonic() + bound
+        while True:
+            if yields and self._published > e.number:
+                return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise RestartRequired("epoch %d: its members were not all there within %.0f s, and no epoch "
+                                      "followed: restart" % (e.number, bound))
+            if self._awaiter.wait(members, min(left, WATCH_WAIT.total_seconds())):
+                break
+        try:
+            self._init(e, ns + "/pg")
+        except RuntimeError as err:
+            self._log("rank %d: the group of epoch %d did not form: %s"
+                      % (self.global_rank, e.number, str(err).splitlines()[0]))
+            err.__traceback__ = None
+            self._destroy()
+            return False
+        return True
+
+    def _arrive(self, e):
+        """Acknowledge epoch e; the member whose acknowledgement completes a
+        grow says so, for the agents."""
+        n = self.store.add(_key("ack", e.number), 1)
+        if e.action == "grow" and n == e.world_size:
+            self._file({"complete": {"epoch": e.number, "at": _now()}})
+
+    def _file_join(self):
+        slot = self.global_rank
+        self._file({"join": {"slots": [slot], "from": "slot %d" % slot, "seen_at": _now()}})
+
+    def _file(self, notice):
+        """Add a notice to the board's log."""
+        i = self.store.add(_key("report", "next"), 1)
+        self.store.set(_key("report", i), json.dumps(notice))
+
     def _shrinks(self):
-        """Whether the group shrinks in place (NCCL with PyTorch's shrink_group)
-        rather than being re-initialised among the survivors."""
+        """Whether the backend shrinks a group in place (NCCL with PyTorch's
+        shrink_group) rather than re-initialising it."""
         return self.backend == "nccl" and hasattr(dist, "shrink_group")
 
-    @staticmethod
-    def _destroy():
+    def _destroy(self):
+        with self._lock:
+            self._group, self._group_store = None, None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -294,27 +485,41 @@ class ElasticGroup:
         # (frames, exceptions), and its connections close only when they go.
         gc.collect()
 
-    def _await(self, n):
-        """Epoch n, once the agents publish it. A survivor never waits without
-        end: past the agreement timeout (and the time to detect a failure)
+    def _await(self, n, grow=False):
+        """Epoch n, once the agents publish it. A worker never waits without
+        end: past the agreement timeout and the time to detect a failure
+        (and the grow timeout, with grow: a grow is under way, or awaited)
         the agents have fallen back to a restart, or cannot decide; either
         way this worker stops as for a restart."""
         key = _key("epoch", n)
-        deadline = time.monotonic() + self._epoch_wait
+        bound = self._epoch_wait + (self._grow_wait if grow else 0)
+        deadline = time.monotonic() + bound
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
-                raise RestartRequired("no epoch %d within %.0f s (GORUN_AGREEMENT_TIMEOUT plus %.0f s to detect "
-                                      "the failure): restart" % (n, self._epoch_wait, DETECTION_SLACK))
-            if self._awaiter.wait(key, min(left, 5.0)):
+                why = "GORUN_AGREEMENT_TIMEOUT plus %.0f s to detect the failure" % DETECTION_SLACK
+                if grow:
+                    why += ", plus the grow timeout"
+                raise RestartRequired("no epoch %d within %.0f s (%s): restart" % (n, bound, why))
+            if self._awaiter.wait([key], min(left, 5.0)):
                 return Epoch.decode(self._awaiter.get(key))
 
     def resync(self, *tensors):
-        """Copy the new rank 0's tensors to every survivor: after a failure some
-        survivors may have finished the failed step and others not."""
+        """Copy the tensors of the lowest rank whose state is the job's to
+        every member: after a failure some survivors may have finished the
+        failed step and others not, and a newcomer has no state yet. The
+        members first agree on that rank (a newcomer's state counts once it
+        has been resynced), then it broadcasts."""
+        device = tensors[0].device if tensors else None  # NCCL reduces on the GPU
+        src = torch.tensor([self.rank if self._synced else self.world_size], dtype=torch.int64, device=device)
+        dist.all_reduce(src, op=dist.ReduceOp.MIN)
+        src = int(src.item())
+        if src >= self.world_size:
+            raise RuntimeError("resync: no member of epoch %d holds the job's state" % self.epoch.number)
         for t in tensors:
-            dist.broadcast(t, 0)
+            dist.broadcast(t, src)
+        self._synced = True
 
     def close(self):
         self._stop.set()

@@ -2,9 +2,7 @@ package torch_test
 
 import (
 	"context"
-	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -35,8 +33,7 @@ var killTimes = []struct {
 // and finish with the same model, and gorun exits 0 naming the lost rank.
 func TestGorunShrinksTorchGloo(t *testing.T) {
 	py := torchtest.Python(t)
-	_, self, _, _ := runtime.Caller(0)
-	script := filepath.Join(filepath.Dir(self), "train_elastic.py")
+	script := filepath.Join(thisDir(), "train_elastic.py")
 	for _, tc := range killTimes {
 		t.Run(tc.name, func(t *testing.T) { testGorunShrinksTorchGloo(t, py, script, tc.after, tc.steps) })
 	}
@@ -47,20 +44,10 @@ func TestGorunShrinksTorchGloo(t *testing.T) {
 // directory, so the script and its helper are copied there.
 func TestGorunShrinksTorch214Gloo(t *testing.T) {
 	bed := sidbed.Require(t)
-	_, self, _, _ := runtime.Caller(0)
-	dir := t.TempDir()
-	for _, name := range []string{"train_elastic.py", "gorun_ft.py"} {
-		b, err := os.ReadFile(filepath.Join(filepath.Dir(self), name))
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	script := copyScripts(t)
 	for _, tc := range killTimes {
 		t.Run(tc.name, func(t *testing.T) {
-			testGorunShrinksTorchGloo(t, bed.Python(), filepath.Join(dir, "train_elastic.py"), tc.after, tc.steps)
+			testGorunShrinksTorchGloo(t, bed.Python(), script, tc.after, tc.steps)
 		})
 	}
 }

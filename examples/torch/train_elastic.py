@@ -4,14 +4,18 @@ Linear regression, y = x·w*, trained by data-parallel SGD: each rank computes
 the gradient on its own samples (drawn from a generator seeded by its global
 rank and the step), the gradients are summed with all_reduce and divided by
 the world size. Under gorun --on-failure shrink, when a rank dies the
-survivors move to the agents' next epoch (gorun_ft), re-sync the model from
-the new rank 0 and carry on. Every survivor ends with
+survivors move to the agents' next epoch (gorun_ft), re-sync the model and
+the step from the lowest rank and carry on. When gorun respawns the lost
+rank (heal), the newcomer joins the survivors' group by a grow epoch, takes
+the model and the step from them the same way, and trains with its launch
+slot's samples. Every member ends with
 
-    done rank=R world=W steps=S loss=X
+    done rank=R world=W steps=S loss=X pid=P
 
-where loss is measured on a fixed evaluation set, so all survivors print the
-same X. With --timestamps every rank also prints, after its first successful
-collective of each attempt and epoch (bench/ftbench measures recovery so),
+where loss is measured on a fixed evaluation set, so all members print the
+same X, and P is the process's id (a survivor is never restarted). With
+--timestamps every rank also prints, after its first successful collective
+of each attempt and epoch (bench/ftbench measures recovery so),
 
     first-collective attempt=A epoch=E unix_ns=T
 
@@ -71,15 +75,19 @@ def main():
     me = group.global_rank
     w = torch.zeros(DIM, dtype=torch.float64)
     step = torch.zeros(1, dtype=torch.float64)  # a tensor, so resync can broadcast it
-    print("rank %d: training, world %d" % (me, group.world_size), flush=True)
-    resync = False
+    print("rank %d: training, world %d%s" % (me, group.world_size, " (newcomer)" if group.newcomer else ""),
+          flush=True)
+    # A newcomer's first collective takes the model and the step from the
+    # survivors.
+    resync = group.newcomer
     while int(step.item()) < args.steps:
         try:
             if resync:
                 # After a change of membership some survivors may have
-                # finished the failed step and others not: every survivor
-                # takes the new rank 0's model and step count, as its first
-                # collective in the new group.
+                # finished the failed step and others not, and a newcomer
+                # has nothing: every member takes the lowest survivor's
+                # model and step count, as its first collective in the new
+                # group.
                 group.resync(w, step)
                 collective_done()
                 resync = False
@@ -99,7 +107,8 @@ def main():
         if args.step_ms:
             time.sleep(args.step_ms / 1000)
     loss = eval_loss(w)
-    print("done rank=%d world=%d steps=%d loss=%.9g" % (group.rank, group.world_size, int(step.item()), loss), flush=True)
+    print("done rank=%d world=%d steps=%d loss=%.9g pid=%d"
+          % (group.rank, group.world_size, int(step.item()), loss, os.getpid()), flush=True)
     group.close()
     return 0
 

@@ -1,0 +1,428 @@
+// Tests of heal in the PyTorch helper (gorun_ft.py): lost ranks are grown
+// back by grow epochs. The test plays the agents: it serves the worker
+// store, runs a real shrink.Coordinator, which decides on the failures it
+// files and on the notices the workers file (join, joined, complete), and
+// starts the newcomer that gorun would respawn.
+package torch_test
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/sidbed"
+	"github.com/gorunhq/gorun/internal/torchtest"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+// coordinate starts the agents' side on j's store: a Coordinator leading,
+// on three connections of its own as an agent's is. Closed by the test's
+// cleanup.
+func (j job) coordinate(ctx context.Context, t *testing.T, cfg shrink.Config) *shrink.Coordinator {
+	t.Helper()
+	var boards [3]*shrink.Board
+	for i := range boards {
+		boards[i] = shrink.NewBoard(j.dial(ctx, t), "")
+	}
+	c := shrink.NewCoordinator(shrink.CoordinatorConfig{Config: cfg, Name: "test-agent", World: j.world},
+		boards[0], boards[1], boards[2])
+	t.Cleanup(c.Close) // before the connections close
+	c.Lead(ctx, true)
+	return c
+}
+
+// healRun is a job of four train_elastic.py ranks on a fresh store served
+// by gorun, training under a leading coordinator.
+type healRun struct {
+	ctx   context.Context // bounds the test
+	j     job
+	coord *shrink.Coordinator
+	board *shrink.Board // on a connection of the test's own
+	ws    []*worker     // the launched ranks, every one training
+}
+
+// startHealRun starts a healRun of steps steps of 10 ms at least, with
+// interpreter py and train_elastic.py at script, the agents tuned by cfg.
+func startHealRun(t *testing.T, py, script string, cfg shrink.Config, steps int) healRun {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	t.Cleanup(cancel)
+	j := newJob(ctx, t, py, script, gorunServer, nil, 4, "--steps", strconv.Itoa(steps), "--step-ms", "10")
+	coord := j.coordinate(ctx, t, cfg)
+	board := shrink.NewBoard(j.dial(ctx, t), "")
+	return healRun{ctx: ctx, j: j, coord: coord, board: board, ws: j.startAll(ctx, t)}
+}
+
+// nextEpoch returns the next epoch the coordinator adopts.
+func nextEpoch(ctx context.Context, t *testing.T, c *shrink.Coordinator) shrink.Epoch {
+	t.Helper()
+	select {
+	case e := <-c.Epochs():
+		return e
+	case err := <-c.Err():
+		t.Fatalf("the agreement failed: %v", err)
+	case <-ctx.Done():
+		t.Fatal("no next epoch")
+	}
+	return shrink.Epoch{}
+}
+
+// killAndReport SIGKILLs the given ranks and files their failure, as their
+// agent does.
+func killAndReport(ctx context.Context, t *testing.T, c *shrink.Coordinator, ws []*worker, ranks ...int) {
+	t.Helper()
+	for _, r := range ranks {
+		ws[r].cmd.Process.Kill()
+	}
+	if err := c.File(ctx, shrink.Report{Ranks: ranks, Reason: "Signal 9 (SIGKILL)"}); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// awaitJoin waits until a join notice offers slot, and returns the index
+// of the notice after it.
+func awaitJoin(ctx context.Context, t *testing.T, board *shrink.Board, slot, from int) int {
+	t.Helper()
+	for i := from; ; i++ {
+		n, err := board.AwaitNotice(ctx, i)
+		if err != nil {
+			t.Fatalf("awaiting the join of slot %d: %v", slot, err)
+		}
+		if n.Join != nil && slices.Equal(n.Join.Slots, []int{slot}) {
+			return i + 1
+		}
+	}
+}
+
+var donePID = regexp.MustCompile(`done rank=\d+ world=\d+ steps=\d+ loss=\S+ pid=(\d+)`)
+
+// member is a process expected to finish in the final epoch.
+type member struct {
+	slot int // its launch slot (global rank)
+	w    *worker
+}
+
+// finish waits for every member to exit 0 and checks that they finished in
+// epoch final, each with its rank there, after steps steps, with the same
+// model, each printing its own process's id (a survivor was never
+// restarted), and that each printed the lines in want (by slot).
+func finish(ctx context.Context, t *testing.T, final shrink.Epoch, steps int, ms []member, want func(slot int) []string) {
+	t.Helper()
+	var losses []string
+	for _, m := range ms {
+		err, ok := m.w.wait(ctx)
+		if !ok {
+			t.Fatalf("slot %d did not finish\n%s", m.slot, m.w.out)
+		}
+		if err != nil {
+			t.Fatalf("slot %d: %v\n%s", m.slot, err, m.w.out)
+		}
+		out := m.w.out.String()
+		for _, line := range want(m.slot) {
+			if !strings.Contains(out, line) {
+				t.Errorf("slot %d did not print %q:\n%s", m.slot, line, out)
+			}
+		}
+		d := doneLine.FindStringSubmatch(out)
+		if d == nil {
+			t.Fatalf("slot %d printed no done line:\n%s", m.slot, out)
+		}
+		wantDone := fmt.Sprintf("done rank=%d world=%d steps=%d", final.Ranks[m.slot], final.WorldSize, steps)
+		if !strings.HasPrefix(d[0], wantDone) {
+			t.Errorf("slot %d: %s, want %s", m.slot, d[0], wantDone)
+		}
+		if p := donePID.FindStringSubmatch(out); p == nil || p[1] != strconv.Itoa(m.w.cmd.Process.Pid) {
+			t.Errorf("slot %d finished in another process than the one started (pid %d): %q", m.slot, m.w.cmd.Process.Pid, p)
+		}
+		losses = append(losses, d[4])
+	}
+	for i := range losses {
+		if losses[i] != losses[0] {
+			t.Errorf("the members disagree on the model: losses %v", losses)
+			break
+		}
+	}
+	if loss, err := strconv.ParseFloat(losses[0], 64); err != nil || loss > 1e-3 {
+		t.Errorf("final loss %v (%v): the members did not keep training", losses[0], err)
+	}
+}
+
+// notices returns every notice on the board.
+func notices(ctx context.Context, t *testing.T, board *shrink.Board) []shrink.Notice {
+	t.Helper()
+	ns, _, err := board.Notices(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns
+}
+
+// TestTorchGlooHeal is heal with real PyTorch 1.13 gloo workers: four ranks
+// train, rank 2 is SIGKILLed, the survivors shrink to three; a newcomer is
+// started for slot 2, says it is ready, and the agents grow it back in; all
+// four finish with the same model, the survivors in the processes they
+// started in.
+func TestTorchGlooHeal(t *testing.T) {
+	testTorchGlooHeal(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"))
+}
+
+// TestTorch214GlooHeal is the same with PyTorch 2.14 (the sid bed's
+// python): the bed sees only the temporary directory, so the script and
+// its helper are copied there.
+func TestTorch214GlooHeal(t *testing.T) {
+	bed := sidbed.Require(t)
+	testTorchGlooHeal(t, bed.Python(), copyScripts(t))
+}
+
+// copyScripts copies train_elastic.py and gorun_ft.py to a temporary
+// directory and returns the script's path there.
+func copyScripts(t *testing.T) string {
+	t.Helper()
+	dir := t.TempDir()
+	for _, name := range []string{"train_elastic.py", "gorun_ft.py"} {
+		b, err := os.ReadFile(filepath.Join(thisDir(), name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(dir, name), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return filepath.Join(dir, "train_elastic.py")
+}
+
+func testTorchGlooHeal(t *testing.T, py, script string) {
+	// Long enough for the newcomer to start (torch's import takes seconds
+	// on a loaded machine) while the survivors still train.
+	const steps = 1200
+	const growTimeout = 10 * time.Second
+	h := startHealRun(t, py, script, shrink.Config{SettleWindow: 100 * time.Millisecond, GrowTimeout: growTimeout}, steps)
+	ctx, ws := h.ctx, h.ws
+	time.Sleep(400 * time.Millisecond)
+	killAndReport(ctx, t, h.coord, ws, 2)
+	if e := nextEpoch(ctx, t, h.coord); e.Action != shrink.ActionShrink || e.WorldSize != 3 {
+		t.Fatalf("%v, want a shrink to 3", e)
+	}
+
+	started := time.Now()
+	newcomer := h.j.start(t, 2, "GORUN_SHRINK_NEWCOMER=1")
+	grow := nextEpoch(ctx, t, h.coord)
+	if grow.Action != shrink.ActionGrow || !slices.Equal(grow.Added, []int{2}) || grow.WorldSize != 4 || grow.Base != 1 {
+		t.Fatalf("%v (base %d), want a grow adding slot 2 to epoch 1's group", grow, grow.Base)
+	}
+	t.Logf("grow decided %v after the newcomer's start", time.Since(started).Round(time.Millisecond))
+	for g, w := range ws {
+		if g != 2 && strings.Contains(w.out.String(), "done rank=") {
+			t.Fatalf("slot %d finished before the grow: the run is too short\n%s", g, w.out)
+		}
+	}
+	ms := []member{{0, ws[0]}, {1, ws[1]}, {3, ws[3]}, {2, newcomer}}
+	finish(ctx, t, grow, steps, ms, func(slot int) []string {
+		if slot == 2 {
+			return []string{"newcomer slot=2 after epoch=1", "grow epoch=2 world=4 added=[2]"}
+		}
+		return []string{"shrink epoch=1 world=3 excluded=[2]", "grow epoch=2 world=4 added=[2]"}
+	})
+
+	if n, err := h.board.Acks(ctx, 2); err != nil || n != 4 {
+		t.Errorf("acks of the grow = %d %v, want 4", n, err)
+	}
+	var joined, complete bool
+	for _, n := range notices(ctx, t, h.board) {
+		joined = joined || n.Joined != nil && n.Joined.Epoch == 2 && n.Joined.Slot == 2 && !n.Joined.At.IsZero()
+		complete = complete || n.Complete != nil && n.Complete.Epoch == 2 && !n.Complete.At.IsZero()
+	}
+	if !joined || !complete {
+		t.Errorf("notices: joined epoch 2 slot 2 %v, complete epoch 2 %v; want both", joined, complete)
+	}
+	// The coordinator took the grow as complete: past the grow timeout it
+	// would otherwise have published a shrink excluding the newcomer.
+	time.Sleep(time.Until(grow.DecidedAt.Add(growTimeout + time.Second)))
+	if e, ok, err := h.board.Lookup(ctx, 3); err != nil || ok {
+		t.Errorf("an epoch after the grow: %v %v", e, err)
+	}
+}
+
+// TestTorchGlooHealIncomplete: grows that do not complete. A newcomer
+// files its join and is killed before it joins: the survivors wait for it
+// only until the agents' grow timeout, when the shrink that excludes it
+// comes, and then finish at world 3. And a grow that adds two slots, one
+// of whose newcomers never comes: the other, joining, waits for the
+// shrink that ends the grow, offers its slot again and is grown in by the
+// next grow.
+func TestTorchGlooHealIncomplete(t *testing.T) {
+	py := torchtest.Python(t)
+	script := filepath.Join(thisDir(), "train_elastic.py")
+	// A settle window long enough for the test to act between a join
+	// notice and the grow it leads to.
+	cfg := shrink.Config{SettleWindow: time.Second, GrowTimeout: 3 * time.Second}
+	const steps = 1200
+
+	t.Run("newcomer killed before joining", func(t *testing.T) {
+		h := startHealRun(t, py, script, cfg, steps)
+		ctx, ws := h.ctx, h.ws
+		killAndReport(ctx, t, h.coord, ws, 2)
+		nextEpoch(ctx, t, h.coord)
+		newcomer := h.j.start(t, 2, "GORUN_SHRINK_NEWCOMER=1")
+		awaitJoin(ctx, t, h.board, 2, 1)
+		newcomer.cmd.Process.Kill()
+		grow := nextEpoch(ctx, t, h.coord)
+		back := nextEpoch(ctx, t, h.coord)
+		if grow.Action != shrink.ActionGrow || !slices.Equal(grow.Added, []int{2}) {
+			t.Fatalf("%v, want a grow adding slot 2", grow)
+		}
+		if back.Action != shrink.ActionShrink || !slices.Equal(back.Excluded, []int{2}) || back.Base != 1 || back.WorldSize != 3 {
+			t.Fatalf("%v (base %d), want a shrink excluding slot 2 back to epoch 1's group", back, back.Base)
+		}
+		ms := []member{{0, ws[0]}, {1, ws[1]}, {3, ws[3]}}
+		finish(ctx, t, back, steps, ms, func(int) []string {
+			return []string{"grow epoch=2 did not complete: awaiting the next epoch", "shrink epoch=3 world=3 excluded=[2]"}
+		})
+		for _, n := range notices(ctx, t, h.board) {
+			if n.Complete != nil || n.Joined != nil {
+				t.Errorf("notice %+v: nobody joined, nothing completed", n)
+			}
+		}
+		if n, err := h.board.Acks(ctx, 3); err != nil || n != 3 {
+			t.Errorf("acks of epoch 3 = %d %v, want 3", n, err)
+		}
+	})
+
+	t.Run("newcomer joins again", func(t *testing.T) {
+		h := startHealRun(t, py, script, cfg, steps)
+		ctx, ws := h.ctx, h.ws
+		killAndReport(ctx, t, h.coord, ws, 2, 3)
+		if e := nextEpoch(ctx, t, h.coord); e.WorldSize != 2 {
+			t.Fatalf("%v, want a shrink to 2", e)
+		}
+		newcomer := h.j.start(t, 2, "GORUN_SHRINK_NEWCOMER=1")
+		next := awaitJoin(ctx, t, h.board, 2, 1)
+		// Slot 3 is offered too, by a respawn that never comes.
+		if _, err := h.board.FileJoin(ctx, shrink.Join{Slots: []int{3}, From: "a respawn that dies at once", SeenAt: time.Now()}); err != nil {
+			t.Fatal(err)
+		}
+		grow := nextEpoch(ctx, t, h.coord)
+		if grow.Action != shrink.ActionGrow || !slices.Equal(grow.Added, []int{2, 3}) {
+			t.Fatalf("%v, want a grow adding slots 2 and 3", grow)
+		}
+		back := nextEpoch(ctx, t, h.coord)
+		if back.Action != shrink.ActionShrink || !slices.Equal(back.Excluded, []int{2, 3}) || back.Base != 1 {
+			t.Fatalf("%v (base %d), want a shrink excluding 2 and 3 back to epoch 1's group", back, back.Base)
+		}
+		awaitJoin(ctx, t, h.board, 2, next) // the newcomer's second offer
+		regrow := nextEpoch(ctx, t, h.coord)
+		if regrow.Action != shrink.ActionGrow || !slices.Equal(regrow.Added, []int{2}) || regrow.WorldSize != 3 {
+			t.Fatalf("%v, want a grow adding slot 2", regrow)
+		}
+		ms := []member{{0, ws[0]}, {1, ws[1]}, {2, newcomer}}
+		finish(ctx, t, regrow, steps, ms, func(slot int) []string {
+			if slot == 2 {
+				return []string{"grow epoch=2 did not complete: joining again", "grow epoch=4 world=3 added=[2]"}
+			}
+			return []string{"grow epoch=2 did not complete: awaiting the next epoch", "shrink epoch=3 world=2 excluded=[2, 3]",
+				"grow epoch=4 world=3 added=[2]"}
+		})
+		if n, err := h.board.Acks(ctx, 4); err != nil || n != 3 {
+			t.Errorf("acks of the second grow = %d %v, want 3", n, err)
+		}
+	})
+}
+
+// TestTorchFTMoves checks, without a GPU, how gorun_ft.py moves between the
+// epochs that the real shrink.Decider decides: NCCL shrinks in place only
+// from the group the epoch builds on (shrink_group, where PyTorch has it;
+// here a stand-in, since the decision is all that runs), and forms a fresh
+// communicator for a grow and after a grow that did not complete; gloo
+// always forms a fresh group. It also checks that the helper reads Go's
+// epochs (added, base) and prints them as the Go worker does.
+func TestTorchFTMoves(t *testing.T) {
+	now := time.Now()
+	cfg := shrink.Config{SettleWindow: time.Millisecond, GrowTimeout: time.Second}
+	decide := func(d *shrink.Decider, at time.Time) shrink.Epoch {
+		t.Helper()
+		e, ok, err := d.Decide(at)
+		if !ok || err != nil {
+			t.Fatalf("Decide: %v %v", ok, err)
+		}
+		d.Adopt(e)
+		return e
+	}
+	d := shrink.NewDecider("test", cfg, shrink.Initial(4))
+	e0 := d.Current()
+	d.Report(now, shrink.Report{Ranks: []int{2}, Reason: "killed", SeenAt: now})
+	e1 := decide(d, now.Add(time.Second))
+	d.Join(now, shrink.Join{Slots: []int{2}, SeenAt: now.Add(time.Second)})
+	e2 := decide(d, now.Add(2*time.Second))
+	// The grow does not complete: the epoch after it goes back to e1's group.
+	back := decide(shrink.NewDecider("test", cfg, e2), e2.DecidedAt.Add(cfg.GrowTimeout))
+	// Or it completes, and then global rank 0 dies.
+	d.Complete(e2.Number)
+	d.Report(now, shrink.Report{Ranks: []int{0}, Reason: "killed", SeenAt: now.Add(3 * time.Second)})
+	after := decide(d, now.Add(4*time.Second))
+
+	type move struct {
+		Backend string        `json:"backend"`
+		Held    *shrink.Epoch `json:"held"` // the epoch whose group the worker holds
+		Next    shrink.Epoch  `json:"next"`
+		// What the helper does.
+		InPlace    bool   `json:"in_place"`
+		ShrinkList []int  `json:"shrink_list"`
+		Line       string `json:"line"`
+	}
+	cases := []move{
+		{Backend: "nccl", Held: &e0, Next: e1, InPlace: true, ShrinkList: []int{2}, Line: "shrink epoch=1 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e1, Next: e2, Line: "grow epoch=2 world=4 added=[2]", ShrinkList: []int{}},
+		{Backend: "nccl", Next: back, Line: "shrink epoch=3 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e2, Next: back, ShrinkList: []int{3}, Line: "shrink epoch=3 world=3 excluded=[2]"},
+		{Backend: "nccl", Held: &e2, Next: after, InPlace: true, ShrinkList: []int{0}, Line: "shrink epoch=3 world=3 excluded=[0]"},
+		{Backend: "gloo", Held: &e0, Next: e1, ShrinkList: []int{2}, Line: "shrink epoch=1 world=3 excluded=[2]"},
+	}
+	in, err := json.Marshal(cases)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := torchtest.Run(t, time.Minute, nil, `
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gorun_ft
+import torch.distributed as dist
+if not hasattr(dist, "shrink_group"):
+    dist.shrink_group = None  # a stand-in: only whether it exists counts here
+moves = json.loads(sys.argv[2])
+for m in moves:
+    g = object.__new__(gorun_ft.ElasticGroup)
+    g.backend = m["backend"]
+    g._group = gorun_ft.Epoch.decode(json.dumps(m["held"])) if m["held"] else None
+    e = gorun_ft.Epoch.decode(json.dumps(m["next"]))
+    m["in_place"] = g._in_place(e)
+    m["shrink_list"] = e.shrink_list(g._group) if g._group else None
+    m["line"] = e.line()
+print(json.dumps(moves))
+`, thisDir(), string(in))
+	var got []move
+	if err := json.Unmarshal([]byte(out), &got); err != nil {
+		t.Fatalf("%v: %s", err, out)
+	}
+	if len(got) != len(cases) {
+		t.Fatalf("%d moves back, want %d: %s", len(got), len(cases), out)
+	}
+	for i, want := range cases {
+		g := got[i]
+		if g.InPlace != want.InPlace || !slices.Equal(g.ShrinkList, want.ShrinkList) || g.Line != want.Line {
+			held := "none"
+			if want.Held != nil {
+				held = want.Held.String()
+			}
+			t.Errorf("%s holding %s, moving to %v: in place %v, shrink list %v, line %q; want %v, %v, %q",
+				want.Backend, held, want.Next, g.InPlace, g.ShrinkList, g.Line, want.InPlace, want.ShrinkList, want.Line)
+		}
+	}
+}
