@@ -46,6 +46,10 @@ type WorkerEnv struct {
 	// survivor waiting for an epoch knows when the agents have given up
 	// and never waits without end.
 	AgreementTimeout time.Duration
+	// GrowTimeout is heal's grow timeout (GORUN_GROW_TIMEOUT, in seconds,
+	// shrink mode only), so a worker sizes its waits on a grow by the
+	// agents'.
+	GrowTimeout time.Duration
 	// Heartbeat is the socket workers send heartbeats to (GORUN_HEARTBEAT),
 	// "" when heartbeats are off.
 	Heartbeat string
@@ -99,6 +103,9 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 	}
 	if w.OnFailure == OnFailureShrink && w.AgreementTimeout > 0 {
 		set["GORUN_AGREEMENT_TIMEOUT"] = strconv.FormatFloat(w.AgreementTimeout.Seconds(), 'g', -1, 64)
+	}
+	if w.OnFailure == OnFailureShrink && w.GrowTimeout > 0 {
+		set["GORUN_GROW_TIMEOUT"] = strconv.FormatFloat(w.GrowTimeout.Seconds(), 'g', -1, 64)
 	}
 	if w.NewcomerAfter > 0 {
 		set["GORUN_SHRINK_NEWCOMER"] = strconv.Itoa(w.NewcomerAfter)

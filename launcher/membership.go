@@ -266,6 +266,7 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 		OnFailure:    cfg.OnFailure,
 
 		AgreementTimeout: cfg.AgreementTimeout,
+		GrowTimeout:      cfg.GrowTimeout,
 		SignalsToHandle:  signalList(cfg.SignalsToHandle),
 		VirtualLocalRank: cfg.VirtualLocalRank,
 	}

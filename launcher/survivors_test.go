@@ -73,7 +73,7 @@ func epochsPrinted(t *testing.T, out string) []shrink.Epoch {
 func TestShrinkModeSurvivorsCarryOn(t *testing.T) {
 	gorun := testutil.BuildGorun(t)
 	cfg := shConfig(t, 4, `test "$GORUN_ON_FAILURE" = shrink || exit 9
-		test "$GORUN_AGREEMENT_TIMEOUT" = 10 || exit 9
+		test "$GORUN_AGREEMENT_TIMEOUT" = 10 && test "$GORUN_GROW_TIMEOUT" = 30 || exit 9
 		[ "$RANK" = 2 ] && { sleep 0.3; exit 3; }
 		`+awaitEpochScript(gorun))
 	cfg.OnFailure = OnFailureShrink

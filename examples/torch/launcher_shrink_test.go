@@ -27,8 +27,8 @@ var killTimes = []struct {
 }
 
 // TestGorunShrinksTorchGloo is the whole of shrink mode with real PyTorch
-// 1.13 gloo workers: gorun --on-failure shrink runs four ranks of
-// train_elastic.py; the test SIGKILLs rank 2 mid-training; the agent
+// 1.13 gloo workers: gorun --on-failure shrink --regrow off runs four ranks
+// of train_elastic.py; the test SIGKILLs rank 2 mid-training; the agent
 // reports it, decides and publishes epoch 1, the three survivors shrink
 // and finish with the same model, and gorun exits 0 naming the lost rank.
 func TestGorunShrinksTorchGloo(t *testing.T) {
@@ -57,7 +57,7 @@ func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Durat
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
-		"--on-failure", "shrink", "--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+		"--on-failure", "shrink", "--regrow", "off", "--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
 	g.AwaitLines(ctx, t, ": training, world 4", 4)
 	time.Sleep(after)
 	if strings.Contains(g.Stdout.String(), "done rank=") {
@@ -84,5 +84,68 @@ func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Durat
 	}
 	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 1 epoch(s), world 4 -> 3") {
 		t.Errorf("gorun's log does not sum up the loss:\n%s", errs)
+	}
+}
+
+// TestGorunHealsTorchGloo is heal through the real CLI with PyTorch gloo
+// workers: gorun --on-failure shrink (heal on) runs four ranks of
+// train_elastic.py; the test SIGKILLs rank 2; the survivors shrink and go
+// on training, gorun respawns rank 2, the newcomer takes the model from
+// the survivors and is grown in, and all four finish at world 4 with the
+// same loss, the survivors in the processes they started in.
+func TestGorunHealsTorchGloo(t *testing.T) {
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"))
+}
+
+// TestGorunHealsTorch214Gloo is the same with PyTorch 2.14 (the sid bed).
+func TestGorunHealsTorch214Gloo(t *testing.T) {
+	testGorunHealsTorchGloo(t, sidbed.Require(t).Python(), copyScripts(t))
+}
+
+func testGorunHealsTorchGloo(t *testing.T, py, script string) {
+	gorun := testutil.BuildGorun(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const steps = 2000 // 30 s at 15 ms: the newcomer's start-up fits, loaded
+	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
+		"--on-failure", "shrink", "--respawn-backoff", "0.1", "--log-dir", t.TempDir(),
+		script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	g.AwaitLines(ctx, t, ": training, world 4", 4)
+	time.Sleep(300 * time.Millisecond)
+	survivors := map[string]bool{}
+	for _, r := range []int{0, 1, 3} {
+		pid, err := testutil.ChildWithEnv(g.Cmd.Process.Pid, "RANK", strconv.Itoa(r))
+		if err != nil {
+			t.Fatal(err)
+		}
+		survivors[strconv.Itoa(pid)] = true
+	}
+	g.KillRank(t, 2)
+	g.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2]", 4)
+	g.Wait(ctx, t)
+	out := g.Stdout.String()
+	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
+		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, g.Output())
+	}
+	dones := doneLine.FindAllStringSubmatch(out, -1)
+	if len(dones) != 4 {
+		t.Fatalf("%d done lines, want 4:\n%s", len(dones), g.Output())
+	}
+	for _, m := range dones {
+		if m[2] != "4" || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
+			t.Errorf("%s: want world=4 steps=%d and the same loss as %s", m[0], steps, dones[0][0])
+		}
+	}
+	kept := 0
+	for _, m := range donePID.FindAllStringSubmatch(out, -1) {
+		if survivors[m[1]] {
+			kept++
+		}
+	}
+	if kept != 3 {
+		t.Errorf("%d done lines from the survivors' original processes %v, want 3:\n%s", kept, survivors, out)
+	}
+	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
+		t.Errorf("gorun's log does not sum up the heal:\n%s", errs)
 	}
 }
