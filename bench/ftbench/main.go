@@ -18,8 +18,12 @@
 //  5. gorun --on-failure shrink with PyTorch gloo
 //     (examples/torch/train_elastic.py on gorun_ft): the survivors
 //     re-initialise gloo among themselves.
+//  6. and 7. heal, gorun --on-failure shrink --regrow on, with the Go and
+//     the PyTorch worker: the killed rank is respawned and grown back in;
+//     the value is the kill → every rank's first collective at full size
+//     (epoch 2), and a second table splits it.
 //
-// Rows 3–5 need PyTorch (-python); without it they are skipped, with one
+// Rows 3–5 and 7 need PyTorch (-python); without it they are skipped, with one
 // line saying so.
 //
 // Every worker prints `first-collective attempt=A epoch=E unix_ns=T` after

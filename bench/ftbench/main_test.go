@@ -76,10 +76,10 @@ func TestSelectRows(t *testing.T) {
 		want    []int // row numbers
 		wantErr string
 	}{
-		{"", []int{1, 2, 3, 4, 5, 6}, ""},
+		{"", []int{1, 2, 3, 4, 5, 6, 7}, ""},
 		{"5,1", []int{1, 5}, ""},
 		{"2, 2", []int{2}, ""},
-		{"7", nil, `"7" is not a row number 1..6`},
+		{"8", nil, `"8" is not a row number 1..7`},
 		{"one", nil, `"one" is not a row number`},
 	}
 	for _, tt := range tests {
@@ -118,6 +118,7 @@ func TestRecovery(t *testing.T) {
 		{1, faultBlackhole, 3, 2, 0, 1, 4},
 		{6, faultKill, 1, 8, 0, 2, 8}, // heal: every rank, at full size in epoch 2
 		{6, faultKill, 2, 4, 0, 2, 8},
+		{7, faultKill, 1, 8, 0, 2, 8},
 	}
 	for _, tt := range tests {
 		a, e, n := rows[tt.row-1].recovery(tt.fault, tt.hosts, tt.nproc)
@@ -213,6 +214,7 @@ func TestAgentCommands(t *testing.T) {
 		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure restart --max-restarts 1 /repo/bench/gloo_resume.py --step-ms 5",
 		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow off /repo/examples/torch/train_elastic.py --steps 1000000 --step-ms 5 --timestamps",
 		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow on --respawn-backoff 0.1 --no-python /b/allreduce --steps 1000000 --step-ms 5 --timestamps",
+		"/b/gorun --standalone --nproc-per-node 8 --log-dir /d/logs --on-failure shrink --regrow on --respawn-backoff 0.1 /repo/examples/torch/train_elastic.py --steps 1000000 --step-ms 5 --timestamps",
 	}
 	for i, r := range rows {
 		specs, err := c.agents(r, "/d", "run")

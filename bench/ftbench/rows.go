@@ -56,6 +56,7 @@ var rows = []row{
 	{"gorun restart, PyTorch gloo", gorunLauncher, modeRestart, glooWorker},
 	{"gorun shrink, PyTorch gloo (gorun_ft)", gorunLauncher, modeShrink, elasticWorker},
 	{"gorun heal, Go allreduce (pg/cpu)", gorunLauncher, modeHeal, goWorker},
+	{"gorun heal, PyTorch gloo (gorun_ft)", gorunLauncher, modeHeal, elasticWorker},
 }
 
 // torch reports whether the row's workers need PyTorch.

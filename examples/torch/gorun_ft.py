@@ -330,6 +330,11 @@ class ElasticGroup:
             n += 1
         waiter.close()
 
+    def pending(self):
+        """Whether the watcher has seen the next epoch: check() would move to
+        it now."""
+        return self._published > self.epoch.number
+
     def check(self):
         """Move to the next epoch if the watcher has seen one, and say whether
         it did. Call it once a step, before the step's collectives."""

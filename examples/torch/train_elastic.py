@@ -19,15 +19,23 @@ of each attempt and epoch (bench/ftbench measures recovery so),
 
     first-collective attempt=A epoch=E unix_ns=T
 
+and, as the process starts and when a new epoch stops its steps in epoch E,
+
+    started attempt=A unix_ns=T
+    stopped attempt=A epoch=E unix_ns=T
+
     gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
 """
-import argparse
-import datetime
-import os
-import sys
 import time
 
-import torch
+STARTED_NS = time.time_ns()  # before the imports: a newcomer's start-up counts from here
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -64,6 +72,12 @@ def main():
     args = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     stamped = -1  # the last epoch whose first collective was stamped
+    if args.timestamps:
+        print("started attempt=%d unix_ns=%d" % (attempt, STARTED_NS), flush=True)
+
+    def stopped():
+        if args.timestamps:
+            print("stopped attempt=%d epoch=%d unix_ns=%d" % (attempt, group.epoch.number, time.time_ns()), flush=True)
 
     def collective_done():
         nonlocal stamped
@@ -91,6 +105,8 @@ def main():
                 group.resync(w, step)
                 collective_done()
                 resync = False
+            if group.pending():
+                stopped()
             if group.check():
                 resync = True
                 continue
@@ -101,6 +117,7 @@ def main():
             w -= args.lr * grad / group.world_size
             step += 1
         except RuntimeError as err:
+            stopped()
             group.recover(err)
             resync = True
             continue
