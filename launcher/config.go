@@ -312,6 +312,15 @@ type Config struct {
 	// each worker sees its GPU as device 0 (torchrun 2.14's
 	// --virtual-local-rank).
 	VirtualLocalRank bool
+	// NUMABinding binds each worker's CPUs near its GPU, torchrun 2.14's
+	// --numa-binding: "node", "socket", "exclusive" or "core-complex"
+	// (package internal/numa says what each gives); "" (the default)
+	// leaves workers unbound. Worker i is placed by GPU i. Only the CPU
+	// affinity is set, no memory policy, as in torchrun: the kernel's
+	// default policy then allocates on the node the worker runs on. A
+	// binding this machine cannot honour fails the start of the workers
+	// with ErrLocalResource.
+	NUMABinding string
 	// SignalsToHandle are the signals the agent catches and forwards to the
 	// worker groups; default SIGTERM, SIGINT, SIGHUP, SIGQUIT.
 	SignalsToHandle []syscall.Signal
@@ -554,6 +563,7 @@ func (c *Config) Validate() error {
 		c.validateLogs,
 		c.validateHealth,
 		c.validateFaultTolerance,
+		c.validateNUMA,
 	} {
 		if err := check(); err != nil {
 			return err

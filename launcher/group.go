@@ -66,11 +66,16 @@ type spawnSpec struct {
 // of its own process group, so that stopping it reaches its children too,
 // and gets SIGKILL if the agent dies (Pdeathsig), so that no worker
 // outlives its agent. If one fails to start, those already started are
-// killed.
+// killed. Under --numa-binding each starts bound to its CPUs, which are
+// found for all first: a binding that cannot be honoured starts none.
 func startGroup(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, as []Assignment) (*group, error) {
+	cpus, err := numaCPUs(cfg, as)
+	if err != nil {
+		return nil, err
+	}
 	g := &group{exits: make(chan workerExit, len(as))}
 	for _, a := range as {
-		w, err := startWorker(rp, con, cfg, spec, a, g.exits)
+		w, err := startWorker(rp, con, cfg, spec, a, cpus[a.LocalRank], g.exits)
 		if err != nil {
 			g.kill()
 			g.wait(nil, 0, nil)
@@ -82,7 +87,8 @@ func startGroup(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, as
 	return g, nil
 }
 
-func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a Assignment, exits chan<- workerExit) (*worker, error) {
+// startWorker starts one worker, bound to cpus unless they are nil.
+func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a Assignment, cpus []int, exits chan<- workerExit) (*worker, error) {
 	dir := filepath.Join(spec.dir, strconv.Itoa(a.LocalRank))
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return nil, err
@@ -106,7 +112,12 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 		Files: []*os.File{os.Stdin, ends[0], ends[1]},
 		Sys:   &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL},
 	}
-	proc, ch, err := rp.Start(spec.path, spec.argv, attr)
+	var proc *os.Process
+	var ch <-chan reaper.Exit
+	err = startBound(cpus, func() (err error) {
+		proc, ch, err = rp.Start(spec.path, spec.argv, attr)
+		return err
+	})
 	out.started()
 	if err != nil {
 		out.abort()
@@ -129,7 +140,11 @@ func (g *group) respawn(rp *reaper.Reaper, con *console, cfg *Config, spec spawn
 	syscall.Kill(-old.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
 	old.out.drain(outputDrainTimeout)
 	spec.env.NewcomerAfter, spec.appendLogs = after, true
-	w, err := startWorker(rp, con, cfg, spec, old.a, g.exits)
+	cpus, err := numaCPUs(cfg, []Assignment{old.a})
+	if err != nil {
+		return nil, err
+	}
+	w, err := startWorker(rp, con, cfg, spec, old.a, cpus[old.a.LocalRank], g.exits)
 	if err != nil {
 		return nil, err
 	}

@@ -12,6 +12,7 @@ import (
 	"github.com/urfave/cli/v2"
 	"go.uber.org/zap"
 
+	"github.com/gorunhq/gorun/internal/numa"
 	"github.com/gorunhq/gorun/launcher"
 	"github.com/gorunhq/gorun/rendezvous"
 )
@@ -126,12 +127,14 @@ func launchFlags() []cli.Flag {
 		torchString(catLogs, "duplicate-stdout-filters", "", "copy tee'd stdout lines containing any of these comma-separated `STRINGS` (\",,\" is a comma) to filtered_stdout.log in the attempt's log dir"),
 		torchString(catLogs, "duplicate-stderr-filters", "", "the same for stderr, to filtered_stderr.log"),
 		torchBool(catWorkers, "virtual-local-rank", "every worker gets LOCAL_RANK=0 and only its own GPU in CUDA_VISIBLE_DEVICES"),
+		torchString(catWorkers, "numa-binding", "", "bind each worker's CPUs near its GPU (local rank i: CUDA device i); `MODE` is node (the GPU's NUMA node), "+
+			"socket (its socket), exclusive (a disjoint share of the node's physical cores) or core-complex (one L3 cache domain); "+
+			"exit code 8 when this machine cannot (no GPU for a rank, no NUMA information, too few cores)"),
 		torchString(catCompat, "print-completion", "", "print a completion script for `SHELL` (bash, zsh or tcsh) and exit"),
 
 		torchString(catCompat, "start-method", def.StartMethod, "spawn, fork or forkserver; only affects Python function entrypoints, so no effect here"),
 		torchString(catCompat, "event-log-handler", "null", "torchelastic event handler name; ignored (gorun logs events itself)"),
 		torchString(catCompat, "logs-specs", "", "torchrun.logs_specs plugin name; ignored (Python plugins only)"),
-		torchString(catCompat, "numa-binding", "", "node, socket, exclusive or core-complex; not supported yet, ignored with a warning"),
 
 		&cli.BoolFlag{Name: "init", Usage: "insist on PID 1's duties when not PID 1: gorun always becomes a child subreaper that reaps and, when a worker group ends, kills what the workers leave behind; with --init, failing to become one is an error, not a warning",
 			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
@@ -197,9 +200,6 @@ func healthAddr(c *cli.Context) (string, error) {
 	}
 	return ":" + port, nil
 }
-
-// numaModes are torchrun's --numa-binding choices.
-var numaModes = []string{"node", "socket", "exclusive", "core-complex"}
 
 // runLaunch is the root command's action: build the Config, then run the
 // agent until the job ends.
@@ -316,8 +316,10 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	cfg.DuplicateStdoutFilters = parseFilters(c.String("duplicate-stdout-filters"))
 	cfg.DuplicateStderrFilters = parseFilters(c.String("duplicate-stderr-filters"))
 	cfg.VirtualLocalRank = c.Bool("virtual-local-rank")
-	if m := c.String("numa-binding"); m != "" && !slices.Contains(numaModes, m) {
-		return cfg, usageErrorf("--numa-binding %q: want one of %s", m, strings.Join(numaModes, ", "))
+	if cfg.NUMABinding = c.String("numa-binding"); cfg.NUMABinding != "" {
+		if _, err := numa.ParseMode(cfg.NUMABinding); err != nil {
+			return cfg, flagError(c, "numa-binding", err)
+		}
 	}
 	cfg.Init = c.Bool("init")
 	if cfg.HealthAddr, err = healthAddr(c); err != nil {
@@ -374,9 +376,6 @@ func noteIgnoredFlags(c *cli.Context, log *zap.Logger) {
 	if s := c.String("logs-specs"); s != "" {
 		log.Warn("--logs-specs names a Python LogsSpecs plugin, which gorun cannot load; using torchrun's default log layout",
 			zap.String("logs_specs", s))
-	}
-	if m := c.String("numa-binding"); m != "" {
-		log.Warn("--numa-binding is not supported yet; workers are not bound to NUMA nodes", zap.String("numa_binding", m))
 	}
 	standalone := c.Bool("standalone")
 	if standalone && (c.IsSet("rdzv-backend") || c.IsSet("rdzv-endpoint") || c.IsSet("rdzv-id")) {

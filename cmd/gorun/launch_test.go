@@ -140,7 +140,8 @@ func TestLaunchFlags(t *testing.T) {
 		{[]string{"--master-port", "--master_port"}, "23456", nil, func(c launcher.Config) any { return c.Rendezvous.MasterPort }, 23456},
 		{[]string{"--local-addr", "--local_addr"}, "10.0.0.9", nil, func(c launcher.Config) any { return c.Rendezvous.LocalAddr }, "10.0.0.9"},
 		{[]string{"--logs-specs", "--logs_specs"}, "my_specs", nil, accepted, nil},
-		{[]string{"--numa-binding", "--numa_binding"}, "node", nil, accepted, nil},
+		{[]string{"--numa-binding", "--numa_binding"}, "node", nil, func(c launcher.Config) any { return c.NUMABinding }, "node"},
+		{[]string{"--numa-binding", "--numa_binding"}, "core-complex", nil, func(c launcher.Config) any { return c.NUMABinding }, "core-complex"},
 		{[]string{"--log-line-prefix-template", "--log_line_prefix_template"}, "${hostname}:${rank}: ", nil,
 			func(c launcher.Config) any { return c.LogLinePrefixTemplate }, "${hostname}:${rank}: "},
 		{[]string{"--duplicate-stdout-filters", "--duplicate_stdout_filters"}, "apple,or,,ange", nil,
@@ -222,6 +223,9 @@ func TestLaunchEnv(t *testing.T) {
 			func(c launcher.Config) any { return c.ShutdownTimeout }, 45 * time.Second},
 		{"exit barrier", map[string]string{"TORCH_ELASTIC_EXIT_BARRIER_TIMEOUT": "60"}, nil, func(c launcher.Config) any { return c.ExitBarrierTimeout }, time.Minute},
 		{"init", map[string]string{"GORUN_INIT": "1"}, nil, func(c launcher.Config) any { return c.Init }, true},
+		{"numa binding", map[string]string{"PET_NUMA_BINDING": "exclusive"}, nil, func(c launcher.Config) any { return c.NUMABinding }, "exclusive"},
+		{"flag beats PET_NUMA_BINDING", map[string]string{"PET_NUMA_BINDING": "exclusive"}, []string{"--numa-binding", "socket"},
+			func(c launcher.Config) any { return c.NUMABinding }, "socket"},
 		{"health addr", map[string]string{"GORUN_HEALTH_ADDR": "127.0.0.1:8080"}, nil, health, "127.0.0.1:8080"},
 		{"torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil, health, ":8080"},
 		{"torchrun health port spaces", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": " 9000 "}, nil, health, ":9000"},
@@ -399,7 +403,8 @@ func TestLaunchBadInput(t *testing.T) {
 		{nil, []string{"--signals-to-handle", "SIGFOO", "train.py"}, `unknown signal "SIGFOO"`},
 		{nil, []string{"--signals-to-handle", "SIGTERM,SIGKILL", "train.py"}, "SIGKILL cannot be caught"},
 		{nil, []string{"--local-ranks-filter", "0,x", "train.py"}, "--local-ranks-filter"},
-		{nil, []string{"--numa-binding", "everywhere", "train.py"}, "--numa-binding"},
+		{nil, []string{"--numa-binding", "everywhere", "train.py"}, `--numa-binding: "everywhere" is not a NUMA binding mode; want one of node, socket, exclusive, core-complex`},
+		{map[string]string{"PET_NUMA_BINDING": "sockets"}, []string{"train.py"}, `--numa-binding (from $PET_NUMA_BINDING): "sockets"`},
 		{nil, []string{"--start-method", "thread", "train.py"}, "--start-method"},
 		{nil, []string{"--max-restarts", "-1", "train.py"}, "--max-restarts -1"},
 		{nil, []string{"--max-restarts", "many", "train.py"}, "max-restarts"},
@@ -452,7 +457,7 @@ func TestNoteIgnoredFlags(t *testing.T) {
 		{[]string{"train.py"}, 0, ""},
 		{[]string{"--rdzv-backend", "c10d", "--rdzv-id", "x", "train.py"}, 0, ""},
 		{[]string{"--logs-specs", "custom", "train.py"}, zapcore.WarnLevel, "--logs-specs"},
-		{[]string{"--numa_binding", "socket", "train.py"}, zapcore.WarnLevel, "--numa-binding"},
+		{[]string{"--numa_binding", "socket", "train.py"}, 0, ""}, // it binds: nothing to note
 		{[]string{"--standalone", "--rdzv-id", "x", "train.py"}, zapcore.WarnLevel, "--standalone ignores"},
 		{[]string{"--rdzv-backend", "c10d", "--master-addr", "h", "train.py"}, zapcore.WarnLevel, "--master-addr"},
 		{[]string{"--event-log-handler", "console", "train.py"}, zapcore.DebugLevel, "--event-log-handler"},
@@ -472,6 +477,27 @@ func TestNoteIgnoredFlags(t *testing.T) {
 		case tc.hint != "" && (len(all) != 1 || all[0].Level != tc.level || !strings.Contains(all[0].Message, tc.hint)):
 			t.Errorf("gorun %q logged %+v; want one %v line mentioning %q", tc.args, all, tc.level, tc.hint)
 		}
+	}
+}
+
+// TestLaunchNUMABindingNoGPU: --numa-binding with no GPU visible fails
+// with the local-resource code and says why, as torchrun fails ("No
+// accelerator available for NUMA binding"); the worker never runs.
+// CUDA_VISIBLE_DEVICES="" hides any GPU this machine has.
+func TestLaunchNUMABindingNoGPU(t *testing.T) {
+	cleanEnv(t)
+	t.Setenv("CUDA_VISIBLE_DEVICES", "")
+	ran := filepath.Join(t.TempDir(), "ran")
+	code, out, errs := gorun(t, "", "--standalone", "--log-dir", t.TempDir(), "--numa-binding", "node",
+		"--no-python", "touch", ran)
+	lines := strings.Split(strings.TrimSpace(errs), "\n")
+	last := lines[len(lines)-1]
+	if code != ExitLocalResource || out != "" || !strings.HasPrefix(last, "gorun: ") ||
+		!strings.Contains(last, "--numa-binding node: local rank 0: no NVIDIA GPU is visible") {
+		t.Fatalf("code %d, stdout %q, stderr %q; want code %d and a last line naming the missing GPU", code, out, errs, ExitLocalResource)
+	}
+	if _, err := os.Stat(ran); !os.IsNotExist(err) {
+		t.Fatalf("the worker ran (%v)", err)
 	}
 }
 
