@@ -412,14 +412,15 @@ func printHeal(w io.Writer, selected []row, all []result) {
 		return
 	}
 	fmt.Fprintf(w, "\nHeal rows (the killed rank respawned and grown back in): medians, p90 in parentheses, ms.\n\n")
-	fmt.Fprintf(w, "| # | row | trials ok | kill → shrunk (epoch 1) | kill → newcomer started | newcomer started → full size | survivors' stall for the grow (longest) |\n")
-	fmt.Fprintf(w, "|---|---|---|---|---|---|---|\n")
+	fmt.Fprintf(w, "| # | row | trials ok | kill → shrunk (epoch 1) | kill → newcomer started | newcomer started → full size | newcomer ready → full size | survivors' stall for the grow (longest) |\n")
+	fmt.Fprintf(w, "|---|---|---|---|---|---|---|---|\n")
 	for _, r := range heal {
-		var shrink, start, from, stall []float64
+		var shrink, start, from, fromReady, stall []float64
 		for _, res := range all {
 			if res.Row == r.name && res.Error == "" {
 				shrink, start = append(shrink, res.ShrinkMs), append(start, res.NewcomerMs)
 				from, stall = append(from, res.FromNewcomerMs), append(stall, res.GrowStallMs)
+				fromReady = append(fromReady, res.FromReadyMs)
 			}
 		}
 		if len(from) == 0 {
@@ -428,8 +429,8 @@ func printHeal(w io.Writer, selected []row, all []result) {
 		mp := func(v []float64) string {
 			return fmt.Sprintf("%.1f (%.1f)", stats.Median(v), stats.Quantile(v, 0.9))
 		}
-		fmt.Fprintf(w, "| %d | %s | %d | %s | %s | %s | %s |\n", slices.Index(rows, r)+1, r.name, len(from),
-			mp(shrink), mp(start), mp(from), mp(stall))
+		fmt.Fprintf(w, "| %d | %s | %d | %s | %s | %s | %s | %s |\n", slices.Index(rows, r)+1, r.name, len(from),
+			mp(shrink), mp(start), mp(from), mp(fromReady), mp(stall))
 	}
 }
 

@@ -29,6 +29,8 @@ func TestParseStamp(t *testing.T) {
 		{"[default0]:first-collective attempt=0 epoch=1 unix_ns=42 \r", stamp{agent: 2, prefix: "[default0]:", kind: stampFirst, epoch: 1, ns: 42}, true},
 		{"[default2]:started attempt=0 unix_ns=7", stamp{agent: 2, prefix: "[default2]:", kind: stampStarted, ns: 7}, true},
 		{"[default1]:stopped attempt=0 epoch=1 unix_ns=8", stamp{agent: 2, prefix: "[default1]:", kind: stampStopped, epoch: 1, ns: 8}, true},
+		{"[default3]:ready attempt=0 unix_ns=9", stamp{agent: 2, prefix: "[default3]:", kind: stampReady, ns: 9}, true},
+		{"ready attempt=0 epoch=2 unix_ns=9", stamp{}, false},    // readiness has no epoch
 		{"started attempt=0 epoch=1 unix_ns=7", stamp{}, false},  // a start has no epoch
 		{"stopped attempt=0 unix_ns=8", stamp{}, false},          // a stop has one
 		{"first-collective attempt=0 unix_ns=8", stamp{}, false}, // so has a first collective
@@ -146,6 +148,7 @@ func TestHealMeasures(t *testing.T) {
 		st(stampFirst, "[default0]:", 1, 110),
 		st(stampFirst, "[default2]:", 1, 130),
 		st(stampStarted, "[default1]:", 0, 240), // the newcomer
+		st(stampReady, "[default1]:", 0, 250),
 		st(stampStopped, "[default0]:", 1, 350),
 		st(stampStopped, "[default2]:", 1, 352),
 		st(stampFirst, "[default2]:", 2, 360),
@@ -156,9 +159,10 @@ func TestHealMeasures(t *testing.T) {
 	if err := res.heal(seen); err != nil {
 		t.Fatal(err)
 	}
-	if res.ShrinkMs != 130 || res.NewcomerMs != 240 || res.FromNewcomerMs != 122 || res.GrowStallMs != 11 {
-		t.Errorf("heal measures: shrink %v newcomer %v from newcomer %v stall %v; want 130 240 122 11",
-			res.ShrinkMs, res.NewcomerMs, res.FromNewcomerMs, res.GrowStallMs)
+	if res.ShrinkMs != 130 || res.NewcomerMs != 240 || res.FromNewcomerMs != 122 || res.GrowStallMs != 11 ||
+		res.ReadyMs != 250 || res.FromReadyMs != 112 {
+		t.Errorf("heal measures: shrink %v newcomer %v from newcomer %v stall %v ready %v from ready %v; want 130 240 122 11 250 112",
+			res.ShrinkMs, res.NewcomerMs, res.FromNewcomerMs, res.GrowStallMs, res.ReadyMs, res.FromReadyMs)
 	}
 	if err := (&result{KillUnixNs: kill}).heal(seen[:5]); err == nil {
 		t.Error("no error without the newcomer's start")

@@ -51,9 +51,13 @@ type result struct {
 	// FromNewcomerMs: that start → full size (LastMs − NewcomerMs);
 	// GrowStallMs: the longest a survivor did no step for the grow (its
 	// first collective of epoch 2 − the moment epoch 2 stopped its steps).
+	// ReadyMs: fault → the newcomer asking to be grown in (its start-up
+	// over); FromReadyMs: that → full size, the grow itself.
 	ShrinkMs       float64 `json:"shrink_ms,omitempty"`
 	NewcomerMs     float64 `json:"newcomer_ms,omitempty"`
 	FromNewcomerMs float64 `json:"from_newcomer_ms,omitempty"`
+	ReadyMs        float64 `json:"ready_ms,omitempty"`
+	FromReadyMs    float64 `json:"from_ready_ms,omitempty"`
 	GrowStallMs    float64 `json:"grow_stall_ms,omitempty"`
 	// LeftBehind counts the processes still there (alive, or unreaped)
 	// after the launchers stopped, which the benchmark killed and reaped
@@ -80,15 +84,16 @@ type stamp struct {
 const (
 	stampFirst   = "first-collective"
 	stampStarted = "started"
+	stampReady   = "ready" // a newcomer's start-up is over: it asks to be grown in
 	stampStopped = "stopped"
 )
 
-var stampRE = regexp.MustCompile(`^(.*?)(first-collective|started|stopped) attempt=(\d+)(?: epoch=(\d+))? unix_ns=(\d+)\s*$`)
+var stampRE = regexp.MustCompile(`^(.*?)(first-collective|started|ready|stopped) attempt=(\d+)(?: epoch=(\d+))? unix_ns=(\d+)\s*$`)
 
 // parseStamp reads a timestamp line as a launcher prints it.
 func parseStamp(agent int, line string) (stamp, bool) {
 	m := stampRE.FindStringSubmatch(line)
-	if m == nil || (m[4] == "") != (m[2] == stampStarted) {
+	if m == nil || (m[4] == "") != (m[2] == stampStarted || m[2] == stampReady) {
 		return stamp{}, false
 	}
 	s := stamp{agent: agent, prefix: m[1], kind: m[2]}
@@ -237,12 +242,12 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 }
 
 // heal fills in a heal row's measures from the stamps of the trial: the
-// shrink (epoch 1), the newcomer's start, and each survivor's stall for
-// the grow (epoch 2).
+// shrink (epoch 1), the newcomer's start and readiness, and each survivor's
+// stall for the grow (epoch 2).
 func (res *result) heal(seen []stamp) error {
 	ms := func(ns int64) float64 { return float64(ns-res.KillUnixNs) / 1e6 }
 	shrunk, stopped, grown := map[string]int64{}, map[string]int64{}, map[string]int64{}
-	var newcomer int64
+	var newcomer, ready int64
 	for _, s := range seen {
 		if s.attempt != 0 {
 			continue
@@ -251,6 +256,8 @@ func (res *result) heal(seen []stamp) error {
 		switch {
 		case s.kind == stampStarted && s.ns > res.KillUnixNs && newcomer == 0:
 			newcomer = s.ns
+		case s.kind == stampReady && ready == 0:
+			ready = s.ns
 		case s.kind == stampFirst && s.epoch == 1:
 			shrunk[k] = s.ns
 		case s.kind == stampStopped && s.epoch == 1:
@@ -259,15 +266,15 @@ func (res *result) heal(seen []stamp) error {
 			grown[k] = s.ns
 		}
 	}
-	if newcomer == 0 || len(shrunk) == 0 || len(stopped) == 0 {
-		return fmt.Errorf("heal: stamps missing (newcomer start %v, %d survivors at epoch 1, %d stopped for the grow)",
-			newcomer != 0, len(shrunk), len(stopped))
+	if newcomer == 0 || ready == 0 || len(shrunk) == 0 || len(stopped) == 0 {
+		return fmt.Errorf("heal: stamps missing (newcomer start %v, ready %v, %d survivors at epoch 1, %d stopped for the grow)",
+			newcomer != 0, ready != 0, len(shrunk), len(stopped))
 	}
 	for _, ns := range shrunk {
 		res.ShrinkMs = max(res.ShrinkMs, ms(ns))
 	}
-	res.NewcomerMs = ms(newcomer)
-	res.FromNewcomerMs = res.LastMs - res.NewcomerMs
+	res.NewcomerMs, res.ReadyMs = ms(newcomer), ms(ready)
+	res.FromNewcomerMs, res.FromReadyMs = res.LastMs-res.NewcomerMs, res.LastMs-res.ReadyMs
 	for k, at := range stopped {
 		if g, ok := grown[k]; ok {
 			res.GrowStallMs = max(res.GrowStallMs, float64(g-at)/1e6)

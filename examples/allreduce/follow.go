@@ -48,6 +48,10 @@ func (w *worker) enter(ctx context.Context, e workerEnv, store rendezvous.Store)
 		return nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
 	}
 	fmt.Fprintf(w.out, "newcomer slot=%d after epoch=%d\n", e.rank, e.after)
+	if w.opt.timestamps {
+		// Enter files the join first thing: from here the start-up is over.
+		fmt.Fprintf(w.out, "ready attempt=%d unix_ns=%d\n", w.attempt, time.Now().UnixNano())
+	}
 	// The grow comes within the agents' settle window, or, while another
 	// grow is under way, within their grow timeout.
 	ectx, cancel := context.WithTimeout(ctx, w.opt.timeout+shrink.DefaultGrowTimeout)

@@ -40,8 +40,12 @@
 //	started attempt=A unix_ns=T
 //	stopped attempt=A epoch=E unix_ns=T
 //
+// and a newcomer, once its start-up is over and it asks to be grown in,
+//
+//	ready attempt=A unix_ns=T
+//
 // bench/ftbench measures recovery from these: the group working again, a
-// newcomer's start, and how long a survivor did no step. `allreduce -h` lists the
+// newcomer's start and readiness, and how long a survivor did no step. `allreduce -h` lists the
 // flags and the exit codes.
 //
 // The group is pg/cpu by default (host memory over TCP); --backend nccl uses
@@ -86,6 +90,7 @@ of each attempt (TORCHELASTIC_RESTART_COUNT) and shrink epoch,
 with T the wall clock in nanoseconds since the Unix epoch, so that a
 benchmark can tell when the group was working again after a failure; and
   started attempt=A unix_ns=T            as the process starts
+  ready attempt=A unix_ns=T              a newcomer, asking to be grown in
   stopped attempt=A epoch=E unix_ns=T    when a new epoch stops its steps
 
 Exit codes:

@@ -244,8 +244,11 @@ class ElasticGroup:
     ``newcomer`` is then True, and the worker takes the model from the
     survivors with resync() before its first step."""
 
-    def __init__(self, backend="gloo", timeout=datetime.timedelta(seconds=60), log=None):
+    def __init__(self, backend="gloo", timeout=datetime.timedelta(seconds=60), log=None, on_ready=None):
+        """on_ready, if given, is called once a newcomer has said it is
+        ready (filed its first join): its start-up is over."""
         self.backend = backend
+        self._on_ready = on_ready
         self.timeout = timeout
         self.global_rank = int(os.environ["RANK"])
         world = int(os.environ["WORLD_SIZE"])
@@ -383,6 +386,8 @@ class ElasticGroup:
         slot = self.global_rank
         self._log("newcomer slot=%d after epoch=%d" % (slot, self.epoch.number))
         self._file_join()
+        if self._on_ready is not None:
+            self._on_ready()
         while True:
             nxt = self._await(self.epoch.number + 1, grow=True)
             with self._lock:

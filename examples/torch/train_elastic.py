@@ -19,9 +19,11 @@ of each attempt and epoch (bench/ftbench measures recovery so),
 
     first-collective attempt=A epoch=E unix_ns=T
 
-and, as the process starts and when a new epoch stops its steps in epoch E,
+and, as the process starts, when a newcomer has said it is ready (its
+start-up over), and when a new epoch stops its steps in epoch E,
 
     started attempt=A unix_ns=T
+    ready attempt=A unix_ns=T
     stopped attempt=A epoch=E unix_ns=T
 
     gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
@@ -85,7 +87,11 @@ def main():
             stamped = group.epoch.number
             print("first-collective attempt=%d epoch=%d unix_ns=%d" % (attempt, stamped, time.time_ns()), flush=True)
 
-    group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60))
+    def ready():
+        if args.timestamps:
+            print("ready attempt=%d unix_ns=%d" % (attempt, time.time_ns()), flush=True)
+
+    group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60), on_ready=ready)
     me = group.global_rank
     w = torch.zeros(DIM, dtype=torch.float64)
     step = torch.zeros(1, dtype=torch.float64)  # a tensor, so resync can broadcast it
