@@ -97,6 +97,30 @@ func TestStopSignalInEveryState(t *testing.T) {
 			waitStderr(t, host, "re-rendezvous without the lost node")
 			return host
 		}, "while waiting for the rendezvous"},
+		{"shrink/respawn backoff", func(t *testing.T) *agentProc {
+			// Rank 1 fails at once; its respawn waits a minute.
+			p := startAgent(t, bin, "--standalone", "--nproc-per-node", "2", "--on-failure", "shrink",
+				"--respawn-backoff", "60", "--log-dir", t.TempDir(),
+				"--no-python", "sh", "-c", `[ "$RANK" = 1 ] && exit 3; exec sleep 60`)
+			waitStderr(t, p, "rank will be respawned")
+			return p
+		}, "stopping workers on signal"},
+		{"c10d/spare waiting for room", func(t *testing.T) *agentProc {
+			port := freePort(t)
+			args := append(c10dArgs(port, "2", "--on-failure", "shrink"), "--no-python", "sleep", "60")
+			var members []*agentProc
+			for range 2 {
+				members = append(members, startAgent(t, bin, append([]string{"--log-dir", t.TempDir()}, args...)...))
+			}
+			for _, p := range members {
+				waitStderr(t, p, "starting workers")
+			}
+			// A third agent finds the round full: a spare, in the
+			// rendezvous until a node is lost.
+			spare := startAgent(t, bin, append([]string{"--log-dir", t.TempDir()}, args...)...)
+			waitStderr(t, spare, "rendezvous complete")
+			return spare
+		}, "while waiting for the rendezvous"},
 	}
 	signals := []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT}
 	for _, st := range states {
