@@ -6,6 +6,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/gorunhq/gorun/internal/etcdtest"
 )
 
 // TestMultiNodeHeal is heal across nodes on loopback: two agents with two
@@ -16,8 +18,20 @@ import (
 // node's place, its workers are grown in, and everyone finishes at world 4
 // with the sum 1+2+3+4.
 func TestMultiNodeHeal(t *testing.T) {
+	t.Run("c10d", func(t *testing.T) { testMultiNodeHeal(t, loopback(t)) })
+	// etcd: no node holds the stores; the admission goes through etcd's
+	// rendezvous state, and the replacement serves the worker store too.
+	t.Run("etcd", func(t *testing.T) {
+		cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+		at := loopback(t)
+		at.rdzv = func(_ int, nnodes string) []string { return etcdArgs(cluster, nnodes, "") }
+		at.hostLine = ""
+		testMultiNodeHeal(t, at)
+	})
+}
+
+func testMultiNodeHeal(t *testing.T, at placement) {
 	const nodes, nproc, steps = 2, 2, 1000 // 5 s of steps
-	at := loopback(t)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
 	time.Sleep(300 * time.Millisecond)
 	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
