@@ -84,9 +84,13 @@ type roundWatch struct {
 	g    *group
 	sigs <-chan os.Signal
 	// poll ticks when the job is to be asked for changes (multi-node
-	// jobs only; nil otherwise).
-	poll     <-chan time.Time
-	stopPoll func()
+	// jobs only; nil otherwise), every pollEvery, or every monitor
+	// interval while heal waits to admit a node (pollSoon).
+	poll      <-chan time.Time
+	stopPoll  func()
+	ticker    *time.Ticker
+	pollEvery time.Duration
+	soon      bool
 	// epochs, agreementFailed and grown are shrink mode's (nil otherwise).
 	epochs          <-chan shrink.Epoch
 	agreementFailed <-chan error
@@ -103,14 +107,31 @@ type roundWatch struct {
 func (a *agent) watchRound(p *plan, g *group, spec spawnSpec, sigs <-chan os.Signal, sv *survivors) *roundWatch {
 	w := &roundWatch{a: a, p: p, g: g, spec: spec, sigs: sigs, stopPoll: func() {}}
 	if a.multiNode {
-		t := time.NewTicker(a.m.watchEvery(a.cfg.MonitorInterval))
-		w.poll, w.stopPoll = t.C, t.Stop
+		w.pollEvery = a.m.watchEvery(a.cfg.MonitorInterval)
+		w.ticker = time.NewTicker(w.pollEvery)
+		w.poll, w.stopPoll = w.ticker.C, w.ticker.Stop
 	}
 	if sv != nil {
 		w.epochs, w.agreementFailed, w.grown = sv.coord.Epochs(), sv.coord.Err(), sv.coord.Completions()
 		w.respawns = newRespawns(a.cfg.Regrow, a.cfg.RespawnBackoff, len(p.assignments))
 	}
 	return w
+}
+
+// pollSoon asks the job for changes every monitor interval while on (a
+// place is vacant and a spare or replacement may come at any moment: the
+// rendezvous's own pace, a fifth of its keep-alive, would add up to a
+// second to heal), and at the usual pace otherwise.
+func (w *roundWatch) pollSoon(on bool) {
+	if w.ticker == nil || on == w.soon {
+		return
+	}
+	w.soon = on
+	d := w.pollEvery
+	if on {
+		d = min(d, w.a.cfg.MonitorInterval)
+	}
+	w.ticker.Reset(d)
 }
 
 func (w *roundWatch) close() {

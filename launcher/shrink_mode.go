@@ -63,6 +63,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			for _, wk := range w.g.workers {
 				a.respawnLater(w, sv, wk)
 			}
+			w.pollSoon(a.cfg.Regrow && sv.leading && len(sv.vacant()) > 0)
 		case evRespawnDue:
 			a.respawn(ctx, w, sv, ev.slot)
 		case evGrown:
@@ -99,6 +100,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				if ev.change.waiting > 0 {
 					a.admitWaiting(ctx, w, sv)
 				}
+				w.pollSoon(a.cfg.Regrow && sv.leading && len(sv.vacant()) > 0)
 				continue
 			}
 			a.log.Warn("stopping workers: the job changed", zap.Stringer("change", ev.change))

@@ -49,7 +49,11 @@ func (c *config) setUpHosts(ctx context.Context) (tearDown func() error, err err
 			return nil, fmt.Errorf("-backend etcd: %w (install Debian's etcd-server, or name the binary with -etcd)", err)
 		}
 	}
-	bed, err := netns.Create(c.hosts, netns.Options{})
+	n := c.hosts
+	if c.fault == faultBlackhole {
+		n++ // a host for the heal rows' spare (config.hasSpare)
+	}
+	bed, err := netns.Create(n, netns.Options{})
 	if err != nil {
 		return nil, fmt.Errorf("-hosts %d: %w", c.hosts, err)
 	}

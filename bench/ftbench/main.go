@@ -19,9 +19,10 @@
 //     (examples/torch/train_elastic.py on gorun_ft): the survivors
 //     re-initialise gloo among themselves.
 //  6. and 7. heal, gorun --on-failure shrink --regrow on, with the Go and
-//     the PyTorch worker: the killed rank is respawned and grown back in;
-//     the value is the kill → every rank's first collective at full size
-//     (epoch 2), and a second table splits it.
+//     the PyTorch worker: the killed rank is respawned and grown back in
+//     (after a cut-off host, a spare agent standing by on an extra host of
+//     the bed takes its place); the value is the fault → every rank's first
+//     collective at full size (epoch 2), and a second table splits it.
 //
 // Rows 3–5 and 7 need PyTorch (-python); without it they are skipped, with one
 // line saying so.
@@ -215,10 +216,6 @@ func run(ctx context.Context, c *config, stdout io.Writer) (err error) {
 	}
 	if c.torchVersion == "" {
 		skip(row.torch, fmt.Sprintf("PyTorch rows skipped: %s cannot import torch.", c.python))
-	}
-	if c.fault == faultBlackhole {
-		skip(func(r row) bool { return r.mode == modeHeal },
-			"heal row skipped: a cut-off host's ranks come back on a replacement node, which gorun does not admit yet.")
 	}
 	if why := c.torchrunMissing(); why != "" {
 		skip(func(r row) bool { return r.launcher == torchrunLauncher }, "torchrun row skipped: "+why+".")

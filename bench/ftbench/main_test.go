@@ -494,3 +494,29 @@ func TestRunHosts(t *testing.T) {
 		})
 	}
 }
+
+// TestAgentCommandsHealSpare: a heal row after a cut-off host runs a spare
+// agent on the bed's extra host, with the job's command (so it finds the
+// round full and waits for room) and its own address; after a killed rank
+// there is no spare (the rank is respawned in place).
+func TestAgentCommandsHealSpare(t *testing.T) {
+	c := config{hosts: 2, nproc: 4, stepMs: 5, fault: faultBlackhole, backend: backendC10d, respawnBackoff: "0.1",
+		rdzvConf: "join_timeout=30", gorun: "/b/gorun", worker: "/b/allreduce", python: "/py", root: "/repo",
+		hostIPs: []string{"198.18.0.2", "198.18.0.3", "198.18.0.4"}, hostNames: []string{"h0", "h1", "h2"}}
+	heal := rows[5]
+	specs, err := c.agents(heal, "/d", "run")
+	if err != nil || len(specs) != 3 {
+		t.Fatalf("%d agents, %v; want 2 and a spare", len(specs), err)
+	}
+	for i, sp := range specs {
+		argv := strings.Join(sp.argv, " ")
+		if sp.host != i || !strings.Contains(argv, "--nnodes 2 ") || !strings.Contains(argv, "--local-addr "+c.hostIPs[i]+" ") ||
+			!strings.Contains(argv, "--on-failure shrink --regrow on") {
+			t.Errorf("agent %d on host %d: %s", i, sp.host, argv)
+		}
+	}
+	c.fault = faultKill
+	if specs, err := c.agents(heal, "/d", "run"); err != nil || len(specs) != 2 {
+		t.Errorf("after a kill: %d agents, %v; want 2, no spare", len(specs), err)
+	}
+}

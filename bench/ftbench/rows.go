@@ -105,13 +105,18 @@ type agentSpec struct {
 // own directory (for the launchers' logs), runID its --rdzv-id (a fresh
 // one per run: etcd keeps a finished run's state). With -hosts 1 there is
 // one agent, started with --standalone; with several, agent i runs in host
-// i and the agents meet through the -backend rendezvous.
+// i and the agents meet through the -backend rendezvous; a heal row after
+// a cut-off host adds a spare (see hasSpare).
 func (c *config) agents(r row, dir, runID string) ([]agentSpec, error) {
 	if r.launcher == torchrunLauncher && r.mode != modeRestart {
 		return nil, fmt.Errorf("torchrun has no %s mode", r.mode)
 	}
 	var specs []agentSpec
-	for host := range c.hosts {
+	agents := c.hosts
+	if c.hasSpare(r) {
+		agents++ // the spare, on the bed's extra host
+	}
+	for host := range agents {
 		var (
 			argv []string
 			err  error
@@ -208,6 +213,14 @@ const asHost = `mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec
 
 // torchrunEtcd says why the torchrun row runs with the c10d backend only.
 const torchrunEtcd = "torchrun 1.13's etcd rendezvous speaks etcd's v2 API through the python-etcd package; it runs with -backend c10d only"
+
+// hasSpare reports whether a run of r has a spare agent standing by: heal
+// after a cut-off host needs a node to take its place. It runs on the
+// bed's extra host (setUpHosts makes one more with -fault blackhole), with
+// the job's command: it finds the round full and waits for room.
+func (c *config) hasSpare(r row) bool {
+	return r.mode == modeHeal && c.fault == faultBlackhole && c.hosts > 1
+}
 
 // nnodes is --nnodes for a multi-host run of r: every host, except that a
 // restart after a cut-off host needs a range that lets the others carry on.
