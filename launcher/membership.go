@@ -116,7 +116,7 @@ type plan struct {
 	late bool
 }
 
-// replace makes the admitted node a the round's member of its group rank,
+// replace makes the admitted node the round's member of its group rank,
 // in the lost node's place.
 func (p *plan) replace(a admitted) {
 	p.nodeIDs[a.groupRank] = a.id

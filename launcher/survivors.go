@@ -33,7 +33,6 @@ type survivors struct {
 	me      int      // this node's group rank
 	nodeIDs []string // the round's nodes, by group rank
 	nodes   nodeRanks
-	lost    map[int]bool // group ranks of nodes known lost, or with no rank left
 	dead    map[int]bool // group ranks of nodes whose agents were found lost
 	leading bool
 
@@ -52,7 +51,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 	me := p.assignments[0].GroupRank
 	s := &survivors{
 		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
-		lost: map[int]bool{}, dead: map[int]bool{}, pending: map[int]string{},
+		dead: map[int]bool{}, pending: map[int]string{},
 		epoch: shrink.Initial(p.nodes.world()),
 	}
 	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
@@ -79,14 +78,23 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 }
 
 // leader is the agreement's leader: the first node of the round, in
-// group-rank order, not known to be lost.
+// group-rank order, not gone.
 func (s *survivors) leader() int {
 	for g := range s.nodeIDs {
-		if !s.lost[g] {
+		if !s.gone(g) {
 			return g
 		}
 	}
 	return -1
+}
+
+// gone reports whether the node of group rank g no longer counts, for
+// leadership and the exit barrier: its agent was found lost, or every one
+// of its ranks is out of the current epoch (it may finish and leave at any
+// time; a grow that gives its ranks back brings it back). This node never
+// is.
+func (s *survivors) gone(g int) bool {
+	return g != s.me && (s.dead[g] || allGone(s.epoch, s.nodes.ranksOf(g)))
 }
 
 func (s *survivors) updateLeader(ctx context.Context) {
@@ -124,7 +132,7 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 		if g < 0 || s.dead[g] || g == s.me {
 			continue
 		}
-		s.lost[g], s.dead[g] = true, true
+		s.dead[g] = true
 		names = append(names, id)
 		for _, r := range s.nodes.ranksOf(g) {
 			if s.epoch.Alive(r) {
@@ -209,14 +217,6 @@ func (s *survivors) adopt(e shrink.Epoch, local []int) (excluded []int, reported
 	if hadPending && len(s.pending) == 0 {
 		reportedAt, s.since = s.since, time.Time{}
 	}
-	// A node whose ranks are all gone no longer counts for leadership: it
-	// may finish and leave at any time.
-	// A grow gives such a node ranks again (its agent respawned them).
-	for g := range s.nodeIDs {
-		if g != s.me && !s.dead[g] {
-			s.lost[g] = allGone(e, s.nodes.ranksOf(g))
-		}
-	}
 	return excluded, reportedAt
 }
 
@@ -235,10 +235,10 @@ func (s *survivors) settled() bool { return len(s.pending) == 0 }
 // liveNodes is the number of round nodes not known lost: who meets at the
 // exit barrier.
 func (s *survivors) liveNodes() int {
-	n := len(s.nodeIDs)
-	for _, lost := range s.lost {
-		if lost {
-			n--
+	n := 0
+	for g := range s.nodeIDs {
+		if !s.gone(g) {
+			n++
 		}
 	}
 	return n

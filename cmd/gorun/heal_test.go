@@ -38,8 +38,10 @@ func testMultiNodeHeal(t *testing.T, at placement) {
 	j.agents[1].exitCode(t, 10*time.Second)
 	j.await(t, "]:shrink epoch=1 world=2 excluded=[2 3]", 2, 30*time.Second)
 
+	started := time.Now()
 	replacement := j.start(t, 1)
 	j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
+	t.Logf("replacement agent started → grown in: %v", time.Since(started).Round(time.Millisecond))
 	j.expectExit0(t, []*agentProc{j.agents[0], replacement})
 	done := map[string]bool{}
 	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {

@@ -152,7 +152,7 @@ func launchFlags() []cli.Flag {
 			Usage:   "`SECONDS` shrink mode gathers failure reports before deciding, so that failures seen together make one epoch",
 			EnvVars: []string{"GORUN_SETTLE_WINDOW"}, Category: catFT},
 		&cli.StringFlag{Name: "regrow", Value: "on",
-			Usage:   "shrink mode's heal: `on` (respawn a rank that died on this node and grow it back into the running group, the survivors never restarted) or off (the job runs on smaller)",
+			Usage:   "shrink mode's heal: `on` (respawn a rank that died, admit a node waiting to join in a lost node's place, and grow them back into the running group, the survivors never restarted) or off (the job runs on smaller)",
 			EnvVars: []string{"GORUN_REGROW"}, Category: catFT},
 		&cli.IntFlag{Name: "max-respawns", Value: def.MaxRespawns,
 			Usage:   "shrink mode's heal: respawns the whole job may make (every node counts against it); once spent, a lost rank stays out",

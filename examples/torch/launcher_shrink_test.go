@@ -69,19 +69,7 @@ func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Durat
 	if took := time.Since(killed); took > 60*time.Second {
 		t.Errorf("the job ended %v after the kill: recovery waited out a timeout", took.Round(time.Millisecond))
 	}
-	out := g.Stdout.String()
-	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
-		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, g.Output())
-	}
-	dones := doneLine.FindAllStringSubmatch(out, -1)
-	if len(dones) != 3 {
-		t.Fatalf("%d done lines, want 3:\n%s", len(dones), g.Output())
-	}
-	for _, m := range dones {
-		if m[2] != "3" || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
-			t.Errorf("%s: want world=3 steps=%d and the same loss as %s", m[0], steps, dones[0][0])
-		}
-	}
+	expectTrained(t, g, 3, steps)
 	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 1 epoch(s), world 4 -> 3") {
 		t.Errorf("gorun's log does not sum up the loss:\n%s", errs)
 	}
@@ -123,19 +111,7 @@ func testGorunHealsTorchGloo(t *testing.T, py, script string) {
 	g.KillRank(t, 2)
 	g.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2]", 4)
 	g.Wait(ctx, t)
-	out := g.Stdout.String()
-	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
-		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, g.Output())
-	}
-	dones := doneLine.FindAllStringSubmatch(out, -1)
-	if len(dones) != 4 {
-		t.Fatalf("%d done lines, want 4:\n%s", len(dones), g.Output())
-	}
-	for _, m := range dones {
-		if m[2] != "4" || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
-			t.Errorf("%s: want world=4 steps=%d and the same loss as %s", m[0], steps, dones[0][0])
-		}
-	}
+	out := expectTrained(t, g, 4, steps)
 	kept := 0
 	for _, m := range donePID.FindAllStringSubmatch(out, -1) {
 		if survivors[m[1]] {
@@ -148,4 +124,26 @@ func testGorunHealsTorchGloo(t *testing.T, py, script string) {
 	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
 		t.Errorf("gorun's log does not sum up the heal:\n%s", errs)
 	}
+}
+
+// expectTrained checks a 4-rank train_elastic.py job under gorun whose
+// rank 2 was killed: the three survivors reported the shrink to world 3,
+// and world ranks printed a done line at world after every step, all with
+// the same loss. It returns the job's stdout.
+func expectTrained(t *testing.T, g *testutil.Gorun, world, steps int) string {
+	t.Helper()
+	out := g.Stdout.String()
+	if n := strings.Count(out, "shrink epoch=1 world=3 excluded=[2]"); n != 3 {
+		t.Errorf("%d survivors reported the shrink, want 3:\n%s", n, g.Output())
+	}
+	dones := doneLine.FindAllStringSubmatch(out, -1)
+	if len(dones) != world {
+		t.Fatalf("%d done lines, want %d:\n%s", len(dones), world, g.Output())
+	}
+	for _, m := range dones {
+		if m[2] != strconv.Itoa(world) || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
+			t.Errorf("%s: want world=%d steps=%d and the same loss as %s", m[0], world, steps, dones[0][0])
+		}
+	}
+	return out
 }
