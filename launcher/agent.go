@@ -244,10 +244,26 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 			a.log.Warn("setting OMP_NUM_THREADS=1 for each worker, as torchrun does, to avoid overloading the system; tune it for your job")
 		}
 	}
+	// The pre-started workers (--spare-prestart) wait for the first
+	// round; until runRound takes them, whatever ends the agent stops them.
+	var pk *parked
+	if a.cfg.SparePrestart {
+		var err error
+		if pk, err = a.prestart(); err != nil {
+			a.endpoint.SetPhase(PhaseFailed)
+			return err
+		}
+		defer func() { pk.stop(ctx, a, sigs) }()
+	}
 	for {
 		a.endpoint.SetPhase(PhaseRendezvous)
 		began := time.Now()
-		p, err := a.m.next(ctx)
+		p, err := a.nextRound(ctx, pk)
+		if errors.Is(err, errParkedExited) {
+			a.endpoint.SetPhase(PhaseFailed)
+			a.m.leave(context.WithoutCancel(ctx))
+			return a.parkedFailed(pk)
+		}
 		if err != nil {
 			a.endpoint.SetPhase(PhaseFailed)
 			if stoppedBy(ctx) != 0 {
@@ -275,7 +291,8 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 		if a.gossip != nil {
 			a.gossip.join(ctx, p.gossip)
 		}
-		out, err := a.runRound(ctx, p, sigs, sv)
+		out, err := a.runRound(ctx, p, sigs, sv, pk)
+		pk = nil // the round's group now, stopped with it
 		if err != nil {
 			sv.close()
 			p.release()

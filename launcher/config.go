@@ -390,6 +390,17 @@ type Config struct {
 	// come is excluded again and the survivors go on. Default 30 s
 	// (shrink.DefaultGrowTimeout). --grow-timeout.
 	GrowTimeout time.Duration
+	// SparePrestart starts the local workers while the agent waits for
+	// its first rendezvous round — a hot spare standing by, or any agent
+	// whose job has not formed yet — so that their start-up (interpreter,
+	// imports, device set-up) is over when the round needs them. They are
+	// parked: the round's part of their environment (RANK, WORLD_SIZE,
+	// MASTER_ADDR, GORUN_SHRINK_NEWCOMER, …) reaches them on an inherited
+	// pipe once the agent has it, which the worker must read (package
+	// prestart, gorun_ft.await_assignment). A parked worker that exits
+	// ends the agent's wait with its failure. Default false.
+	// --spare-prestart.
+	SparePrestart bool
 	// HeartbeatTimeout turns on hang detection: a worker that has sent a
 	// heartbeat to GORUN_HEARTBEAT and then sends none for this long (hung,
 	// deadlocked, SIGSTOPped) is killed and counts as failed. 0 (default)

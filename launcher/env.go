@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/gorunhq/gorun/health"
+	"github.com/gorunhq/gorun/prestart"
 )
 
 // Assignment is where one worker stands in the job, as a rendezvous round
@@ -77,6 +78,40 @@ type WorkerEnv struct {
 // handler lays its dict over os.environ. errorFile is the worker's
 // TORCHELASTIC_ERROR_FILE.
 func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []string {
+	return overlay(base, w.vars(lookup(base), a, errorFile), nil)
+}
+
+// roundVars are the variables only a rendezvous round decides: a parked
+// worker (Config.SparePrestart) starts without them, whatever the agent's
+// own environment holds, and receives them with its assignment.
+var roundVars = []string{
+	"RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+	"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+	"GORUN_STORE", "GORUN_GENERATION", "GORUN_SHRINK_NEWCOMER",
+}
+
+// ParkedEnviron returns the environment of a parked worker of local rank
+// localRank: Environ's without roundVars, and prestart.EnvFD naming the
+// inherited descriptor fd its assignment comes on. w need hold only what
+// does not depend on the round.
+func (w WorkerEnv) ParkedEnviron(base []string, localRank int, errorFile string, fd int) []string {
+	set := w.vars(lookup(base), Assignment{LocalRank: localRank}, errorFile)
+	for _, k := range roundVars {
+		delete(set, k)
+	}
+	set[prestart.EnvFD] = strconv.Itoa(fd)
+	return overlay(base, set, roundVars)
+}
+
+// Assigned returns what a parked worker receives once its round is known:
+// every variable Environ would have set for it.
+func (w WorkerEnv) Assigned(base []string, a Assignment, errorFile string) prestart.Assignment {
+	return prestart.Assignment{Env: w.vars(lookup(base), a, errorFile)}
+}
+
+// vars are the variables gorun sets for the worker with assignment a;
+// inherited is the agent's own environment.
+func (w WorkerEnv) vars(inherited map[string]string, a Assignment, errorFile string) map[string]string {
 	set := map[string]string{
 		"RANK":                         strconv.Itoa(a.Rank),
 		"LOCAL_RANK":                   strconv.Itoa(a.LocalRank),
@@ -113,7 +148,6 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 	if w.Heartbeat != "" {
 		set[health.HeartbeatEnv] = w.Heartbeat
 	}
-	inherited := lookup(base)
 	if w.SignalsToHandle != "" {
 		set["TORCHELASTIC_SIGNALS_TO_HANDLE"] = w.SignalsToHandle
 	}
@@ -134,10 +168,16 @@ func (w WorkerEnv) Environ(base []string, a Assignment, errorFile string) []stri
 	if _, ok := inherited["OMP_NUM_THREADS"]; !ok && w.OMPThreads != "" {
 		set["OMP_NUM_THREADS"] = w.OMPThreads
 	}
+	return set
+}
+
+// overlay returns base with set laid over it and the variables named in
+// drop left out, set's in sorted order after base's.
+func overlay(base []string, set map[string]string, drop []string) []string {
 	out := make([]string, 0, len(base)+len(set))
 	for _, kv := range base {
 		k, _, _ := strings.Cut(kv, "=")
-		if _, over := set[k]; !over {
+		if _, over := set[k]; !over && !slices.Contains(drop, k) {
 			out = append(out, kv)
 		}
 	}

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/gorunhq/gorun/launcher/reaper"
+	"github.com/gorunhq/gorun/prestart"
 )
 
 // group is one attempt of the local worker group.
@@ -39,6 +40,9 @@ type worker struct {
 	// newcomer: heal respawned it into a lost slot (or a node admitted
 	// late started it), to be grown back in; grown once a grow epoch has.
 	newcomer, grown bool
+	// assignTo is a parked worker's assignment pipe (the agent's end),
+	// nil once assigned or for a worker started with its assignment.
+	assignTo *os.File
 }
 
 type workerExit struct {
@@ -60,7 +64,14 @@ type spawnSpec struct {
 	// appendLogs: the workers' log files are added to, not started afresh
 	// (heal's newcomers, in a slot whose worker wrote them before).
 	appendLogs bool
+	// parked starts the workers before their round (SparePrestart): only
+	// their local ranks count, and they wait for assign.
+	parked bool
 }
+
+// assignmentFD is the descriptor a parked worker reads its assignment from:
+// the first after stdin, stdout and stderr.
+const assignmentFD = 3
 
 // startGroup starts one worker per assignment. Each worker is the leader
 // of its own process group, so that stopping it reaches its children too,
@@ -112,6 +123,15 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 		Files: []*os.File{os.Stdin, ends[0], ends[1]},
 		Sys:   &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL},
 	}
+	var assignFrom *os.File
+	if spec.parked {
+		if assignFrom, w.assignTo, err = os.Pipe(); err != nil {
+			out.abort()
+			return nil, err
+		}
+		attr.Env = spec.env.ParkedEnviron(spec.base, a.LocalRank, w.errorFile, assignmentFD)
+		attr.Files = append(attr.Files, assignFrom)
+	}
 	var proc *os.Process
 	var ch <-chan reaper.Exit
 	err = startBound(cpus, func() (err error) {
@@ -119,8 +139,12 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 		return err
 	})
 	out.started()
+	if assignFrom != nil {
+		assignFrom.Close() // the worker's end
+	}
 	if err != nil {
 		out.abort()
+		w.closeAssignment()
 		return nil, fmt.Errorf("start %s: %w", spec.path, err)
 	}
 	w.proc, w.out = proc, out
@@ -152,6 +176,42 @@ func (g *group) respawn(rp *reaper.Reaper, con *console, cfg *Config, spec spawn
 	g.workers[i] = w
 	g.running++
 	return w, nil
+}
+
+// assign gives the parked workers of g (spec.parked) their round: as, by
+// local rank, with spec's environment; spec.dir is the attempt's log
+// directory, where their error files are now. A worker that has exited
+// meanwhile gets nothing: its exit is the round's to handle.
+func (g *group) assign(spec spawnSpec, as []Assignment) error {
+	if len(as) != len(g.workers) {
+		return fmt.Errorf("%d assignments for %d pre-started workers", len(as), len(g.workers))
+	}
+	for _, w := range g.workers {
+		i := slices.IndexFunc(as, func(a Assignment) bool { return a.LocalRank == w.a.LocalRank })
+		if i < 0 {
+			return fmt.Errorf("no assignment for the pre-started worker of local rank %d", w.a.LocalRank)
+		}
+		w.a = as[i]
+		w.errorFile = filepath.Join(spec.dir, strconv.Itoa(w.a.LocalRank), "error.json")
+		w.out.setPrefix(spec.prefix(w.a))
+		if w.assignTo == nil {
+			continue
+		}
+		// A worker that died meanwhile closed its end: the write fails
+		// (EPIPE, no signal on this descriptor) and its exit tells.
+		prestart.Write(w.assignTo, spec.env.Assigned(spec.base, w.a, w.errorFile))
+		w.closeAssignment()
+	}
+	return nil
+}
+
+// closeAssignment closes a parked worker's assignment pipe: one not
+// assigned yet reads end of file and exits.
+func (w *worker) closeAssignment() {
+	if w.assignTo != nil {
+		w.assignTo.Close()
+		w.assignTo = nil
+	}
 }
 
 // pids lists the workers' PIDs in local-rank order.
@@ -214,6 +274,7 @@ func (g *group) wait(sigs <-chan os.Signal, grace time.Duration, forward func(os
 	}
 	for _, w := range g.workers {
 		syscall.Kill(-w.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
+		w.closeAssignment()
 	}
 	for _, w := range g.workers {
 		w.out.drain(outputDrainTimeout)

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -45,7 +46,13 @@ type workerOutput struct {
 	readers []*os.File // the agent's ends of the pipes
 	writers []*os.File // the worker's ends; closed once the worker started
 	wg      sync.WaitGroup
+	// prefix is what the worker's console lines start with; a parked
+	// worker's changes when it gets its assignment (its rank).
+	prefix atomic.Pointer[string]
 }
+
+// setPrefix changes the prefix of the lines copied from now on.
+func (o *workerOutput) setPrefix(p string) { o.prefix.Store(&p) }
 
 // streamPlan says where one stream goes.
 type streamPlan struct {
@@ -100,6 +107,7 @@ func contains(xs []int, x int) bool {
 // The returned files are the worker's stdout and stderr.
 func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput, [2]*os.File, error) {
 	o := &workerOutput{}
+	o.setPrefix(prefix)
 	var ends [2]*os.File
 	for i, p := range plans {
 		r, w, err := os.Pipe()
@@ -123,14 +131,14 @@ func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput
 			o.files = append(o.files, file)
 		}
 		o.wg.Add(1)
-		go o.copy(r, file, con, p, prefix)
+		go o.copy(r, file, con, p)
 	}
 	return o, ends, nil
 }
 
 // copy moves one stream line by line until the worker (and any child that
 // inherited the stream) closes it.
-func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPlan, prefix string) {
+func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPlan) {
 	defer o.wg.Done()
 	br := bufio.NewReaderSize(r, 64<<10)
 	for {
@@ -139,6 +147,7 @@ func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPla
 			err = nil // an overlong line goes out in pieces
 		}
 		if len(line) > 0 {
+			prefix := *o.prefix.Load()
 			if file != nil {
 				file.Write(line)
 			}

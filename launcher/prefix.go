@@ -16,10 +16,14 @@ func (a *agent) linePrefix(as Assignment) string {
 	if tmpl == "" {
 		tmpl = defaultLinePrefix
 	}
+	rank := "?" // a parked worker's, before its round
+	if as.Rank >= 0 {
+		rank = strconv.Itoa(as.Rank)
+	}
 	return expandTemplate(tmpl, map[string]string{
 		"role_name":  a.cfg.Role,
 		"local_rank": strconv.Itoa(as.LocalRank),
-		"rank":       strconv.Itoa(as.Rank),
+		"rank":       rank,
 		"hostname":   a.host,
 	})
 }

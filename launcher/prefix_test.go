@@ -4,6 +4,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -89,5 +90,51 @@ func TestPrefixTemplateAndDuplicateFilters(t *testing.T) {
 	}
 	if got := files("filtered_stderr.log"); !slices.Equal(got, []string{"<default:0:0> orange, 0", "<default:1:1> orange, 1"}) {
 		t.Errorf("filtered_stderr.log = %q", got)
+	}
+}
+
+// TestSparePrestartPrefixAndLogs: a pre-started worker's lines carry its
+// rank in the prefix from its assignment on (lines the agent copied before
+// it, "?"), and go to the attempt's logs and filtered logs as any
+// worker's.
+func TestSparePrestartPrefixAndLogs(t *testing.T) {
+	cfg := shConfig(t, 2, `echo "early $LOCAL_RANK"; cat <&3 >/dev/null; echo "apple $LOCAL_RANK"`)
+	cfg.SparePrestart = true
+	cfg.LogLinePrefixTemplate = "<${rank}:${local_rank}> "
+	cfg.Tee = StdSpec{Default: StdAll}
+	cfg.DuplicateStdoutFilters = []string{"apple"}
+	err, out, errs := runAgent(t, cfg, 30*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, errs)
+	}
+	for _, want := range []string{"<0:0> apple 0", "<1:1> apple 1"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("console lacks %q:\n%s", want, out)
+		}
+	}
+	// The assignment comes at once on one node: an early line may be
+	// copied before it or after.
+	for lr := range 2 {
+		n := strconv.Itoa(lr)
+		if !strings.Contains(out, "<?:"+n+"> early "+n) && !strings.Contains(out, "<"+n+":"+n+"> early "+n) {
+			t.Errorf("console lacks local rank %d's early line:\n%s", lr, out)
+		}
+	}
+	matches, _ := filepath.Glob(filepath.Join(cfg.LogDir, "*", "attempt_0", "filtered_stdout.log"))
+	if len(matches) != 1 {
+		t.Fatalf("filtered_stdout.log: %v", matches)
+	}
+	b, _ := os.ReadFile(matches[0])
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	slices.Sort(lines)
+	if !slices.Equal(lines, []string{"<0:0> apple 0", "<1:1> apple 1"}) {
+		t.Errorf("filtered_stdout.log = %q", lines)
+	}
+	logs, _ := filepath.Glob(filepath.Join(cfg.LogDir, "*", "attempt_0", "1", "stdout.log"))
+	if len(logs) != 1 {
+		t.Fatalf("stdout.log of local rank 1: %v", logs)
+	}
+	if b, _ := os.ReadFile(logs[0]); string(b) != "early 1\napple 1\n" {
+		t.Errorf("stdout.log of local rank 1 = %q", b)
 	}
 }

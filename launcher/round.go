@@ -4,7 +4,6 @@ import (
 	"context"
 	"net"
 	"os"
-	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -241,35 +240,46 @@ func (w *roundWatch) gatherFailures(first Failure, window time.Duration) []Failu
 // finish waits for the last of the workers' output once all have exited.
 func (w *roundWatch) finish() { w.g.wait(nil, 0, nil) }
 
-// runRound starts the local workers of a round and supervises them under
-// the job's failure policy until the round ends here.
-func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv *survivors) (outcome, error) {
-	dir := filepath.Join(a.runDir, "attempt_"+strconv.Itoa(p.env.RestartCount))
+// runRound starts the local workers of a round, or gives pk's parked
+// workers the round when it is not nil, and supervises them under the
+// job's failure policy until the round ends here.
+func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv *survivors, pk *parked) (outcome, error) {
+	dir := a.attemptDir(p.env.RestartCount)
 	if a.heartbeats != nil {
 		p.env.Heartbeat = a.heartbeats.Path()
 	}
-	spec := spawnSpec{path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir, prefix: a.linePrefix}
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return outcome{}, localf("log directory: %w", err)
+	var at *attempt
+	var err error
+	if pk != nil {
+		at = pk.at
+	} else if at, err = a.openAttempt(dir); err != nil {
+		return outcome{}, err
 	}
-	for i, needles := range [][]string{a.cfg.DuplicateStdoutFilters, a.cfg.DuplicateStderrFilters} {
-		name := [...]string{"filtered_stdout.log", "filtered_stderr.log"}[i]
-		l, err := openFilteredLog(filepath.Join(dir, name), needles)
-		if err != nil {
-			return outcome{}, localf("--duplicate-std*-filters: %w", err)
-		}
-		defer l.close() // after the round: the copies are drained by then
-		spec.filtered[i] = l
-	}
+	defer at.close() // after the round: the copies are drained by then
+	spec := spawnSpec{path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir, prefix: a.linePrefix,
+		filtered: at.filtered}
 	first := p.assignments[0]
-	a.log.Info("starting workers",
+	msg := "starting workers"
+	if pk != nil {
+		msg = "assigning the pre-started workers"
+	}
+	a.log.Info(msg,
 		zap.Int("round", p.round), zap.Int("restart", p.env.RestartCount),
 		zap.Int("group_rank", first.GroupRank), zap.Int("group_world_size", first.GroupWorldSize),
 		zap.Int("local_world_size", len(p.assignments)), zap.Int("world_size", first.WorldSize),
 		zap.String("master", net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))),
 		zap.String("run_id", a.runID), zap.String("log_dir", dir))
-	g, err := startGroup(a.reaper, a.con, &a.cfg, spec, p.assignments)
+	var g *group
+	if pk != nil {
+		g, err = pk.adopt(spec, p)
+	} else {
+		g, err = startGroup(a.reaper, a.con, &a.cfg, spec, p.assignments)
+	}
 	if err != nil {
+		if pk != nil {
+			pk.g.kill()
+			pk.g.wait(nil, 0, nil)
+		}
 		return outcome{}, localf("starting the workers: %w", err)
 	}
 	for _, w := range g.workers {

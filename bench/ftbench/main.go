@@ -102,6 +102,9 @@ type config struct {
 	// respawnBackoff is gorun's --respawn-backoff in the heal rows.
 	respawnBackoff string
 	gorunFlags     string // more gorun flags for every gorun agent, space-separated
+	// sparePrestart: the heal rows' spare agent pre-starts its workers
+	// (--spare-prestart), and the fault waits until they are parked.
+	sparePrestart bool
 	// rdzvConf is every multi-host agent's --rdzv-conf; c10dConf and
 	// etcdConf are added to gorun's for its backend.
 	rdzvConf, c10dConf, etcdConf string
@@ -146,6 +149,7 @@ func main() {
 	flag.StringVar(&c.settleWindow, "settle-window", "", "gorun's --settle-window (SECONDS) in the shrink rows (default: gorun's, 0.1)")
 	flag.StringVar(&c.respawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff (SECONDS) in the heal rows")
 	flag.StringVar(&c.gorunFlags, "gorun-flags", "", "more flags for every gorun agent, space-separated (e.g. \"--node-suspicion-mult 200\", to leave a lost node to the rendezvous's own detection)")
+	flag.BoolVar(&c.sparePrestart, "spare-prestart", false, "heal rows with a spare (-fault blackhole): the spare agent runs with --spare-prestart, and the fault waits until its workers are parked (imports done)")
 	flag.StringVar(&c.gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
 	flag.StringVar(&c.worker, "worker", "", "examples/allreduce binary (default: build it)")
 	flag.StringVar(&c.python, "python", "/usr/bin/python3", "Python with PyTorch 1.13: torchrun, the Python workers")
@@ -459,6 +463,9 @@ func header(c *config) string {
 	}
 	if c.gorunFlags != "" {
 		fmt.Fprintf(&b, " gorun's rows: %s.", c.gorunFlags)
+	}
+	if c.sparePrestart && c.fault == faultBlackhole && c.hosts > 1 {
+		b.WriteString(" The heal rows' spare runs with --spare-prestart; the cut waits until its workers are parked, and \"newcomer started\" is then before the cut.")
 	}
 	if c.settleWindow != "" {
 		fmt.Fprintf(&b, " gorun's shrink rows: --settle-window %s.", c.settleWindow)

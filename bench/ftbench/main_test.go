@@ -30,6 +30,9 @@ func TestParseStamp(t *testing.T) {
 		{"[default2]:started attempt=0 unix_ns=7", stamp{agent: 2, prefix: "[default2]:", kind: stampStarted, ns: 7}, true},
 		{"[default1]:stopped attempt=0 epoch=1 unix_ns=8", stamp{agent: 2, prefix: "[default1]:", kind: stampStopped, epoch: 1, ns: 8}, true},
 		{"[default3]:ready attempt=0 unix_ns=9", stamp{agent: 2, prefix: "[default3]:", kind: stampReady, ns: 9}, true},
+		{"[default1]:parked unix_ns=6", stamp{agent: 2, prefix: "[default1]:", kind: stampParked, ns: 6}, true},
+		{"parked attempt=0 unix_ns=6", stamp{}, false},           // a parked worker has no attempt yet
+		{"started unix_ns=6", stamp{}, false},                    // every other stamp has one
 		{"ready attempt=0 epoch=2 unix_ns=9", stamp{}, false},    // readiness has no epoch
 		{"started attempt=0 epoch=1 unix_ns=7", stamp{}, false},  // a start has no epoch
 		{"stopped attempt=0 unix_ns=8", stamp{}, false},          // a stop has one
@@ -156,7 +159,7 @@ func TestHealMeasures(t *testing.T) {
 		st(stampFirst, "[default1]:", 2, 362),
 	}
 	res := result{KillUnixNs: kill, LastMs: 362}
-	if err := res.heal(seen); err != nil {
+	if err := res.heal(seen, -1); err != nil {
 		t.Fatal(err)
 	}
 	if res.ShrinkMs != 130 || res.NewcomerMs != 240 || res.FromNewcomerMs != 122 || res.GrowStallMs != 11 ||
@@ -164,8 +167,23 @@ func TestHealMeasures(t *testing.T) {
 		t.Errorf("heal measures: shrink %v newcomer %v from newcomer %v stall %v ready %v from ready %v; want 130 240 122 11 250 112",
 			res.ShrinkMs, res.NewcomerMs, res.FromNewcomerMs, res.GrowStallMs, res.ReadyMs, res.FromReadyMs)
 	}
-	if err := (&result{KillUnixNs: kill}).heal(seen[:5]); err == nil {
+	if err := (&result{KillUnixNs: kill}).heal(seen[:5], -1); err == nil {
 		t.Error("no error without the newcomer's start")
+	}
+
+	// A pre-started spare (agent 2): its workers started before the cut,
+	// and that start counts, though it precedes the fault.
+	spare := slices.Clone(seen)
+	spare[5] = stamp{agent: 2, kind: stampStarted, prefix: "[default1]:", ns: kill - 5000*ms}
+	res = result{KillUnixNs: kill, LastMs: 362}
+	if err := res.heal(spare, 2); err != nil {
+		t.Fatal(err)
+	}
+	if res.NewcomerMs != -5000 || res.ReadyMs != 250 || res.FromReadyMs != 112 {
+		t.Errorf("pre-started spare: newcomer %v ready %v from ready %v; want -5000 250 112", res.NewcomerMs, res.ReadyMs, res.FromReadyMs)
+	}
+	if err := (&result{KillUnixNs: kill}).heal(spare, -1); err == nil {
+		t.Error("a start before the fault counted without a spare")
 	}
 }
 

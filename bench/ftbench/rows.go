@@ -172,6 +172,9 @@ func (c *config) gorunArgs(r row, host int, dir, runID string) []string {
 		argv = append(argv, "--settle-window", c.settleWindow)
 	}
 	argv = append(argv, strings.Fields(c.gorunFlags)...)
+	if c.sparePrestart && c.hasSpare(r) && host == c.spareHost() {
+		argv = append(argv, "--spare-prestart")
+	}
 	if r.worker == goWorker {
 		argv = append(argv, "--no-python")
 	}
@@ -221,6 +224,10 @@ const torchrunEtcd = "torchrun 1.13's etcd rendezvous speaks etcd's v2 API throu
 func (c *config) hasSpare(r row) bool {
 	return r.mode == modeHeal && c.fault == faultBlackhole && c.hosts > 1
 }
+
+// spareHost is the host (and agent index) of the heal rows' spare: the
+// bed's extra host.
+func (c *config) spareHost() int { return c.hosts }
 
 // nnodes is --nnodes for a multi-host run of r: every host, except that a
 // restart after a cut-off host needs a range that lets the others carry on.

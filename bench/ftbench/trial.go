@@ -86,19 +86,28 @@ const (
 	stampStarted = "started"
 	stampReady   = "ready" // a newcomer's start-up is over: it asks to be grown in
 	stampStopped = "stopped"
+	stampParked  = "parked" // a pre-started worker's start-up is over: it waits for its place
+	// stampRendezvous is an agent's log line saying it saw a round
+	// complete (a spare: the running one, full).
+	stampRendezvous = "rendezvous"
 )
 
-var stampRE = regexp.MustCompile(`^(.*?)(first-collective|started|ready|stopped) attempt=(\d+)(?: epoch=(\d+))? unix_ns=(\d+)\s*$`)
+var stampRE = regexp.MustCompile(`^(.*?)(first-collective|started|ready|stopped|parked)(?: attempt=(\d+))?(?: epoch=(\d+))? unix_ns=(\d+)\s*$`)
 
-// parseStamp reads a timestamp line as a launcher prints it.
+// parseStamp reads a timestamp line as a launcher prints it. A parked
+// worker knows no attempt yet; every other stamp names one, and the
+// collective ones an epoch too.
 func parseStamp(agent int, line string) (stamp, bool) {
 	m := stampRE.FindStringSubmatch(line)
-	if m == nil || (m[4] == "") != (m[2] == stampStarted || m[2] == stampReady) {
+	if m == nil || (m[3] == "") != (m[2] == stampParked) ||
+		(m[4] == "") != (m[2] == stampStarted || m[2] == stampReady || m[2] == stampParked) {
 		return stamp{}, false
 	}
 	s := stamp{agent: agent, prefix: m[1], kind: m[2]}
 	var err1, err2, err3 error
-	s.attempt, err1 = strconv.Atoi(m[3])
+	if m[3] != "" {
+		s.attempt, err1 = strconv.Atoi(m[3])
+	}
 	if m[4] != "" {
 		s.epoch, err2 = strconv.Atoi(m[4])
 	}
@@ -189,6 +198,10 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 	if err := j.await(ctx, started, res.World); err != nil {
 		return fail(fmt.Errorf("waiting for every rank's first collective: %w", err))
 	}
+	if err := j.startSpare(ctx, c); err != nil {
+		return fail(fmt.Errorf("starting the spare: %w", err))
+	}
+	res.Commands = j.commands
 	select {
 	case <-time.After(c.warmup):
 	case <-ctx.Done():
@@ -234,7 +247,11 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 		return fail(fmt.Errorf("a rank stamped attempt %d epoch %d %.1f ms before the %s", attempt, epoch, -res.FirstMs, c.fault))
 	}
 	if r.mode == modeHeal {
-		if err := res.heal(j.seen); err != nil {
+		spare := -1
+		if c.hasSpare(r) {
+			spare = c.spareHost()
+		}
+		if err := res.heal(j.seen, spare); err != nil {
 			return fail(err)
 		}
 	}
@@ -243,8 +260,10 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 
 // heal fills in a heal row's measures from the stamps of the trial: the
 // shrink (epoch 1), the newcomer's start and readiness, and each survivor's
-// stall for the grow (epoch 2).
-func (res *result) heal(seen []stamp) error {
+// stall for the grow (epoch 2). spare is the agent of the spare standing
+// by, or -1: its workers' start counts even before the fault (they were
+// pre-started).
+func (res *result) heal(seen []stamp, spare int) error {
 	ms := func(ns int64) float64 { return float64(ns-res.KillUnixNs) / 1e6 }
 	shrunk, stopped, grown := map[string]int64{}, map[string]int64{}, map[string]int64{}
 	var newcomer, ready int64
@@ -254,7 +273,7 @@ func (res *result) heal(seen []stamp) error {
 		}
 		k := strconv.Itoa(s.agent) + s.prefix
 		switch {
-		case s.kind == stampStarted && s.ns > res.KillUnixNs && newcomer == 0:
+		case s.kind == stampStarted && (s.ns > res.KillUnixNs || s.agent == spare) && newcomer == 0:
 			newcomer = s.ns
 		case s.kind == stampReady && ready == 0:
 			ready = s.ns
@@ -312,11 +331,16 @@ type job struct {
 	seen    []stamp // every stamp await has read, in order
 	readers sync.WaitGroup
 	pipes   []*os.File // read ends of the agents' output
+	out     io.Writer  // the console
+	// spare is the heal row's spare agent, started by startSpare; nil
+	// when the row has none.
+	spare *agentSpec
 }
 
 // startJob starts the agents of one run of r, their output (stdout and
 // stderr together) copied to console and scanned for first-collective
-// lines.
+// lines. A heal row's spare is not started here: startSpare starts it once
+// the job runs, so that it cannot take a member's place.
 func startJob(c *config, r row, dir, runID string, console io.Writer) (*job, error) {
 	specs, err := c.agents(r, dir, runID)
 	if err != nil {
@@ -325,40 +349,84 @@ func startJob(c *config, r row, dir, runID string, console io.Writer) (*job, err
 	// Room for far more lines than a run prints (one per rank, attempt
 	// and epoch), so that a reader never blocks — a blocked reader would
 	// stall the workers writing to its pipe.
-	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1}
-	out := &lockedWriter{w: console}
-	for i, spec := range specs {
-		cmd := c.command(spec)
-		j.commands = append(j.commands, commandLine(spec, cmd))
-		pr, pw, err := os.Pipe()
-		if err != nil {
+	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1, out: &lockedWriter{w: console}}
+	if c.hasSpare(r) {
+		j.spare, specs = &specs[len(specs)-1], specs[:len(specs)-1]
+	}
+	for _, spec := range specs {
+		if err := j.start(c, spec); err != nil {
 			j.stop(c)
 			return nil, err
 		}
-		cmd.Stdout, cmd.Stderr = pw, pw
-		err = cmd.Start()
-		pw.Close() // the agent and its workers hold it now
-		if err != nil {
-			pr.Close()
-			j.stop(c)
-			return nil, fmt.Errorf("start %s: %w", cmd.Path, err)
-		}
-		done := make(chan struct{})
-		j.agents, j.done, j.pipes = append(j.agents, cmd), append(j.done, done), append(j.pipes, pr)
-		// On several hosts, each console line says whose it is.
-		label := ""
-		if spec.host >= 0 {
-			label = fmt.Sprintf("[h%d] ", spec.host)
-		}
-		j.readers.Add(1)
-		go j.read(i, pr, out, label)
-		go func() {
-			cmd.Wait()
-			close(done)
-			j.exited <- i
-		}()
 	}
 	return j, nil
+}
+
+// startSpare starts the heal row's spare agent, when it has one, and waits
+// until it stands by: it has seen the running round full (its rendezvous
+// says so), and with -spare-prestart its workers are parked (their imports
+// done).
+func (j *job) startSpare(ctx context.Context, c *config) error {
+	if j.spare == nil {
+		return nil
+	}
+	i := len(j.agents)
+	if err := j.start(c, *j.spare); err != nil {
+		return err
+	}
+	want := map[string]bool{}
+	standing := false
+	for !standing || (c.sparePrestart && len(want) < c.nproc) {
+		select {
+		case s := <-j.stamps:
+			j.seen = append(j.seen, s)
+			switch {
+			case s.agent != i:
+			case s.kind == stampRendezvous:
+				standing = true
+			case s.kind == stampParked:
+				want[s.prefix] = true
+			}
+		case a := <-j.exited:
+			return fmt.Errorf("agent %d exited (%v) before the spare stood by", a, j.agents[a].ProcessState)
+		case <-ctx.Done():
+			return fmt.Errorf("%w before the spare stood by (%d of %d workers parked)", context.Cause(ctx), len(want), c.nproc)
+		}
+	}
+	return nil
+}
+
+// start starts one agent, the next of j.agents.
+func (j *job) start(c *config, spec agentSpec) error {
+	i := len(j.agents)
+	cmd := c.command(spec)
+	j.commands = append(j.commands, commandLine(spec, cmd))
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stdout, cmd.Stderr = pw, pw
+	err = cmd.Start()
+	pw.Close() // the agent and its workers hold it now
+	if err != nil {
+		pr.Close()
+		return fmt.Errorf("start %s: %w", cmd.Path, err)
+	}
+	done := make(chan struct{})
+	j.agents, j.done, j.pipes = append(j.agents, cmd), append(j.done, done), append(j.pipes, pr)
+	// On several hosts, each console line says whose it is.
+	label := ""
+	if spec.host >= 0 {
+		label = fmt.Sprintf("[h%d] ", spec.host)
+	}
+	j.readers.Add(1)
+	go j.read(i, pr, j.out, label)
+	go func() {
+		cmd.Wait()
+		close(done)
+		j.exited <- i
+	}()
+	return nil
 }
 
 // command is the process of spec: in its host's network namespace, or in
@@ -407,6 +475,8 @@ func (j *job) read(i int, pr io.Reader, out io.Writer, label string) {
 		fmt.Fprintln(out, label+line)
 		if s, ok := parseStamp(i, line); ok {
 			j.stamps <- s
+		} else if strings.Contains(line, "\trendezvous complete\t") {
+			j.stamps <- stamp{agent: i, kind: stampRendezvous}
 		}
 	}
 }

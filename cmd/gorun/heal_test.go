@@ -75,23 +75,48 @@ func (j *shrinkJob) await(t *testing.T, s string, n int, within time.Duration) {
 // while both nodes run finds the round full and waits for room: a spare.
 // When the second agent is SIGKILLed, the spare is admitted in its place
 // at once and its workers are grown in; everyone finishes at world 4.
+// With --spare-prestart every agent starts its workers before its round,
+// parked: the spare's are running before the loss, and they are the ones
+// grown in, given their ranks by their agent.
 func TestMultiNodeHealSpare(t *testing.T) {
-	const nodes, nproc, steps = 2, 2, 1000 // 5 s of steps
-	at := loopback(t)
-	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
-	spare := j.start(t, 1)
-	waitStderr(t, spare, "rendezvous complete") // it has seen the running round
-	lost := time.Now()
-	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
-	j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
-	t.Logf("node lost → the spare's workers grown in: %v", time.Since(lost))
-	j.expectExit0(t, []*agentProc{j.agents[0], spare})
-	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
-		if m[2] != "4" || m[4] != "10" {
-			t.Errorf("%s: want world=4 sum=10", m[0])
-		}
-	}
-	if n := len(doneRE.FindAllStringSubmatch(j.output(), -1)); n != 4 {
-		t.Errorf("%d done lines, want 4\n%s", n, j.report())
+	for _, tc := range []struct {
+		name     string
+		prestart bool
+	}{
+		{"started when admitted", false},
+		{"pre-started", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			const nodes, nproc, steps = 2, 2, 1000 // 5 s of steps
+			extra := []string{"--regrow", "on", "--respawn-backoff", "0.1"}
+			if tc.prestart {
+				extra = append(extra, "--spare-prestart")
+			}
+			at := loopback(t)
+			j := startShrinkJobAt(t, at, nodes, nproc, steps, extra...)
+			spare := j.start(t, 1)
+			if tc.prestart {
+				waitStderr(t, spare, "pre-started the workers")
+			}
+			waitStderr(t, spare, "rendezvous complete") // it has seen the running round
+			lost := time.Now()
+			j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
+			j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
+			t.Logf("node lost → the spare's workers grown in: %v", time.Since(lost))
+			j.expectExit0(t, []*agentProc{j.agents[0], spare})
+			for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
+				if m[2] != "4" || m[4] != "10" {
+					t.Errorf("%s: want world=4 sum=10", m[0])
+				}
+			}
+			if n := len(doneRE.FindAllStringSubmatch(j.output(), -1)); n != 4 {
+				t.Errorf("%d done lines, want 4\n%s", n, j.report())
+			}
+			log := spare.stderr.String()
+			if assigned := strings.Contains(log, "assigning the pre-started workers"); assigned != tc.prestart ||
+				strings.Contains(log, "starting workers") == tc.prestart {
+				t.Errorf("the spare's workers: pre-started %v, want %v\n%s", assigned, tc.prestart, log)
+			}
+		})
 	}
 }

@@ -163,6 +163,9 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "grow-timeout", Value: def.GrowTimeout.Seconds(),
 			Usage:   "`SECONDS` the ranks of a grow have to form the grown group; a newcomer that does not come is excluded again and the survivors go on",
 			EnvVars: []string{"GORUN_GROW_TIMEOUT"}, Category: catFT},
+		&cli.BoolFlag{Name: "spare-prestart",
+			Usage:   "start the workers while this agent waits for its first round (a hot spare standing by, or a job still forming), parked before their first collective until the round's RANK, WORLD_SIZE, … reach them on $GORUN_ASSIGNMENT_FD (gorun_ft.await_assignment, Go's package prestart)",
+			EnvVars: []string{"GORUN_SPARE_PRESTART"}, Category: catFT},
 		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
@@ -278,6 +281,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	default:
 		return cfg, usageErrorf("--regrow %q: want on or off", c.String("regrow"))
 	}
+	cfg.SparePrestart = c.Bool("spare-prestart")
 	cfg.NodeLiveness.Mode = c.String("node-liveness")
 	cfg.NodeLiveness.SuspicionMult = c.Int("node-suspicion-mult")
 	cfg.StartMethod = c.String("start-method")

@@ -106,21 +106,15 @@ func TestStopSignalInEveryState(t *testing.T) {
 			return p
 		}, "stopping workers on signal"},
 		{"c10d/spare waiting for room", func(t *testing.T) *agentProc {
-			port := freePort(t)
-			args := append(c10dArgs(port, "2", "--on-failure", "shrink"), "--no-python", "sleep", "60")
-			var members []*agentProc
-			for range 2 {
-				members = append(members, startAgent(t, bin, append([]string{"--log-dir", t.TempDir()}, args...)...))
-			}
-			for _, p := range members {
-				waitStderr(t, p, "starting workers")
-			}
-			// A third agent finds the round full: a spare, in the
-			// rendezvous until a node is lost.
-			spare := startAgent(t, bin, append([]string{"--log-dir", t.TempDir()}, args...)...)
-			waitStderr(t, spare, "rendezvous complete")
-			return spare
+			return spareStandingBy(t, bin)
 		}, "while waiting for the rendezvous"},
+		{"c10d/pre-started spare waiting for room", func(t *testing.T) *agentProc {
+			// Its workers run, parked, while it stands by; the signal
+			// stops them too (they are sleeps: they die of it).
+			spare := spareStandingBy(t, bin, "--spare-prestart")
+			waitStderr(t, spare, "pre-started the workers")
+			return spare
+		}, "stopping the pre-started workers"},
 	}
 	signals := []syscall.Signal{syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP, syscall.SIGQUIT}
 	for _, st := range states {
@@ -143,4 +137,23 @@ func TestStopSignalInEveryState(t *testing.T) {
 			})
 		}
 	}
+}
+
+// spareStandingBy starts a two-node shrink-mode job of sleeps and a third
+// agent (with extra flags) that finds the round full: a spare, in the
+// rendezvous until a node is lost. It returns the spare.
+func spareStandingBy(t *testing.T, bin string, extra ...string) *agentProc {
+	t.Helper()
+	port := freePort(t)
+	args := append(c10dArgs(port, "2", "--on-failure", "shrink"), "--no-python", "sleep", "60")
+	var members []*agentProc
+	for range 2 {
+		members = append(members, startAgent(t, bin, append([]string{"--log-dir", t.TempDir()}, args...)...))
+	}
+	for _, p := range members {
+		waitStderr(t, p, "starting workers")
+	}
+	spare := startAgent(t, bin, append(append([]string{"--log-dir", t.TempDir()}, extra...), args...)...)
+	waitStderr(t, spare, "rendezvous complete")
+	return spare
 }

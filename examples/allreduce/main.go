@@ -44,6 +44,11 @@
 //
 //	ready attempt=A unix_ns=T
 //
+// and a worker gorun pre-started (--spare-prestart), before it waits for
+// its place (package prestart),
+//
+//	parked unix_ns=T
+//
 // bench/ftbench measures recovery from these: the group working again, a
 // newcomer's start and readiness, and how long a survivor did no step. `allreduce -h` lists the
 // flags and the exit codes.
@@ -64,6 +69,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/prestart"
 	"github.com/gorunhq/gorun/shrink"
 )
 
@@ -92,6 +98,8 @@ benchmark can tell when the group was working again after a failure; and
   started attempt=A unix_ns=T            as the process starts
   ready attempt=A unix_ns=T              a newcomer, asking to be grown in
   stopped attempt=A epoch=E unix_ns=T    when a new epoch stops its steps
+  parked unix_ns=T                       pre-started (gorun --spare-prestart),
+                                         waiting for its place
 
 Exit codes:
   0  every step's sum was right (shrink mode: this rank survived to the end)
@@ -158,6 +166,15 @@ func run(args []string, stdout, stderr io.Writer) int {
 		return exitUsage
 	}
 
+	// Pre-started (gorun --spare-prestart): wait for this worker's round,
+	// which sets RANK, WORLD_SIZE and the rest.
+	if _, parked := os.LookupEnv(prestart.EnvFD); parked && opt.timestamps {
+		fmt.Fprintf(stdout, "parked unix_ns=%d\n", time.Now().UnixNano())
+	}
+	if _, err := prestart.Await(); err != nil {
+		fmt.Fprintf(stderr, "allreduce: %v\n", err)
+		return exitFail
+	}
 	env, err := readEnv(os.Getenv)
 	if err != nil {
 		fmt.Fprintf(stderr, "allreduce: %v\n", err)

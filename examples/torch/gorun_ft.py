@@ -64,6 +64,11 @@ Use::
             group.recover(err)            # wait for the epoch, then move
             resync = True
 
+A worker that gorun pre-started (``--spare-prestart``: a hot spare's
+workers, started while its agent stands by) is parked until its agent has
+a place for it; ``await_assignment()`` (which ElasticGroup calls) waits for
+it, so a script's imports and set-up are done before the job needs it.
+
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
 TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT as gorun (and
 torchrun) set them; GORUN_AGREEMENT_TIMEOUT (seconds) bounds the wait for
@@ -119,6 +124,39 @@ def _torch_version():
 # key that does not exist. After a timed-out wait on those versions the
 # connection is dropped.
 WAIT_CANCELS = _torch_version() >= (2, 1)
+
+
+class NoAssignment(Exception):
+    """A pre-started worker's agent ended its wait without giving it a place
+    (the agent stopped, or gave the worker up): exit."""
+
+
+def await_assignment():
+    """Wait, if gorun pre-started this worker (--spare-prestart), for the
+    round that gives it its place, and put that place in os.environ.
+
+    A pre-started worker is parked before its first collective: it has done
+    its start-up (imports, device set-up) while its agent waited as a spare
+    or for its job to form, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+    TORCHELASTIC_RESTART_COUNT, GORUN_SHRINK_NEWCOMER … are not set yet.
+    The agent writes them, as one JSON object ``{"env": {...}}``, on the
+    inherited descriptor named in GORUN_ASSIGNMENT_FD and closes it (Go's
+    package prestart is the other side). Returns True when the worker was
+    parked, False at once when it was not, so a script can call it
+    unconditionally, after its imports and before it reads its rank;
+    ElasticGroup calls it too."""
+    fd = os.environ.pop("GORUN_ASSIGNMENT_FD", None)
+    if fd is None:
+        return False
+    if not fd.isdigit():
+        raise ValueError("GORUN_ASSIGNMENT_FD=%r: not a file descriptor" % fd)
+    with os.fdopen(int(fd), "rb") as f:
+        raw = f.read(1 << 20)
+    if not raw:
+        raise NoAssignment("the agent ended the pre-started worker's wait without an assignment")
+    for k, v in json.loads(raw)["env"].items():
+        os.environ[k] = v
+    return True
 
 
 class RestartRequired(Exception):
@@ -247,6 +285,7 @@ class ElasticGroup:
     def __init__(self, backend="gloo", timeout=datetime.timedelta(seconds=60), log=None, on_ready=None):
         """on_ready, if given, is called once a newcomer has said it is
         ready (filed its first join): its start-up is over."""
+        await_assignment()
         self.backend = backend
         self._on_ready = on_ready
         self.timeout = timeout
@@ -568,6 +607,6 @@ def run(main):
     except Excluded as e:
         print(str(e), file=sys.stderr, flush=True)
         return 0
-    except RestartRequired as e:
+    except (RestartRequired, NoAssignment) as e:
         print(str(e), file=sys.stderr, flush=True)
         return 1

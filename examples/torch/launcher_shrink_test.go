@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/sidbed"
 	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
@@ -146,4 +147,69 @@ func expectTrained(t *testing.T, g *testutil.Gorun, world, steps int) string {
 		}
 	}
 	return out
+}
+
+// TestGorunHealsTorchGlooWithPrestartedSpare: heal across nodes with real
+// PyTorch 1.13 gloo workers and a hot spare whose workers are pre-started
+// (--spare-prestart): two agents of two ranks each on loopback run
+// train_elastic.py, and a third agent, started with the same command,
+// finds the round full and stands by, its two workers started, torch
+// imported, parked. The second agent is SIGKILLed with its workers; the
+// survivors shrink, the spare is admitted in the lost node's place, its
+// parked workers get ranks 2 and 3 and are grown in, and all four finish
+// at world 4 with the same loss.
+func TestGorunHealsTorchGlooWithPrestartedSpare(t *testing.T) {
+	py, script := torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py")
+	gorun := testutil.BuildGorun(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const steps = 1500 // about 25 s at 15 ms: the spare's start-up fits, loaded
+	port := etcdtest.FreePorts(t, 1)[0]
+	agent := func() *testutil.Gorun {
+		return testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--nnodes", "2", "--nproc-per-node", "2",
+			"--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(port), "--rdzv-id", "spare",
+			"--local-addr", "127.0.0.1", "--on-failure", "shrink", "--spare-prestart", "--log-dir", t.TempDir(),
+			script, "--steps", strconv.Itoa(steps), "--step-ms", "15", "--timestamps")
+	}
+	nodes := []*testutil.Gorun{agent()}
+	awaitStderr(ctx, t, nodes[0], "hosting the rendezvous store")
+	nodes = append(nodes, agent())
+	for _, n := range nodes {
+		n.AwaitLines(ctx, t, ": training, world 4", 2)
+	}
+	spare := agent()
+	awaitStderr(ctx, t, spare, "pre-started the workers")
+	awaitStderr(ctx, t, spare, "rendezvous complete") // standing by
+	spare.AwaitLines(ctx, t, "]:parked unix_ns=", 2)  // torch imported
+	lost := time.Now()
+	nodes[1].Cmd.Process.Kill()
+	spare.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2, 3]", 2)
+	t.Logf("node lost → the spare's pre-started workers grown in: %v", time.Since(lost).Round(time.Millisecond))
+	nodes[0].Wait(ctx, t)
+	spare.Wait(ctx, t)
+	out := nodes[0].Stdout.String() + spare.Stdout.String()
+	dones := doneLine.FindAllStringSubmatch(out, -1)
+	if len(dones) != 4 {
+		t.Fatalf("%d done lines, want 4:\n%s\n%s", len(dones), nodes[0].Output(), spare.Output())
+	}
+	for _, m := range dones {
+		if m[2] != "4" || m[3] != strconv.Itoa(steps) || m[4] != dones[0][4] {
+			t.Errorf("%s: want world=4 steps=%d and the same loss as %s", m[0], steps, dones[0][0])
+		}
+	}
+	if !strings.Contains(spare.Stderr.String(), "assigning the pre-started workers") {
+		t.Errorf("the spare's workers were not the pre-started ones:\n%s", spare.Stderr.String())
+	}
+}
+
+// awaitStderr waits until g's log holds s.
+func awaitStderr(ctx context.Context, t *testing.T, g *testutil.Gorun, s string) {
+	t.Helper()
+	for !strings.Contains(g.Stderr.String(), s) {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }

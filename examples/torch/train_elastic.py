@@ -26,6 +26,11 @@ start-up over), and when a new epoch stops its steps in epoch E,
     ready attempt=A unix_ns=T
     stopped attempt=A epoch=E unix_ns=T
 
+and a worker that gorun pre-started (--spare-prestart) prints, once its
+imports are done and it waits for its place,
+
+    parked unix_ns=T
+
     gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
 """
 import time
@@ -72,6 +77,11 @@ def main():
                     help="print 'first-collective attempt=A epoch=E unix_ns=T' after the first "
                          "successful collective of each attempt and epoch")
     args = ap.parse_args()
+    # A pre-started worker (gorun --spare-prestart) waits here, its imports
+    # done, for its agent's round: its rank and the rest.
+    if args.timestamps and "GORUN_ASSIGNMENT_FD" in os.environ:
+        print("parked unix_ns=%d" % time.time_ns(), flush=True)
+    gorun_ft.await_assignment()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     stamped = -1  # the last epoch whose first collective was stamped
     if args.timestamps:
