@@ -76,6 +76,13 @@ type NodeConfig struct {
 	// bytes. Default: "" (no label).
 	Cluster string
 
+	// SecretKey, when set, encrypts and authenticates every gossip packet
+	// and stream with AES-GCM (memberlist's keyring, verified both ways):
+	// a member without the key can neither join nor be heard, so it cannot
+	// declare anyone dead. 16, 24 or 32 bytes (AES-128, -192, -256). The
+	// launcher derives it from the job secret. Default: none (plaintext).
+	SecretKey []byte
+
 	// BindAddr and BindPort are where the member listens, UDP and TCP on the
 	// same port. BindPort 0 picks a free port. Default: 0.0.0.0, port 0.
 	BindAddr string
@@ -230,6 +237,8 @@ func (c NodeConfig) validate() error {
 	check(c.BindPort >= 0 && c.BindPort <= 65535, "BindPort %d out of range", c.BindPort)
 	check(c.AdvertisePort >= 0 && c.AdvertisePort <= 65535, "AdvertisePort %d out of range", c.AdvertisePort)
 	check(len(c.Cluster) <= 255, "Cluster label is %d bytes, at most 255", len(c.Cluster))
+	check(len(c.SecretKey) == 0 || len(c.SecretKey) == 16 || len(c.SecretKey) == 24 || len(c.SecretKey) == 32,
+		"SecretKey is %d bytes: want 16, 24 or 32", len(c.SecretKey))
 	check(c.ProbeInterval > 0, "ProbeInterval %v must be positive", c.ProbeInterval)
 	check(c.ProbeTimeout > 0 && c.ProbeTimeout < c.ProbeInterval,
 		"ProbeTimeout %v must be positive and below ProbeInterval %v", c.ProbeTimeout, c.ProbeInterval)

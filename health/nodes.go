@@ -129,6 +129,10 @@ func memberlistConfig(cfg NodeConfig, n *Nodes, logger *zap.Logger) *memberlist.
 	// Gossip messages are a few hundred bytes: compressing them only costs
 	// CPU, which a busy agent needs to answer probes in time.
 	mc.EnableCompression = false
+	if len(cfg.SecretKey) > 0 {
+		mc.SecretKey = cfg.SecretKey
+		mc.GossipVerifyIncoming, mc.GossipVerifyOutgoing = true, true
+	}
 	mc.Delegate = delegate{n}
 	mc.Events = delegate{n}
 	mc.Ping = delegate{n}

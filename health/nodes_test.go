@@ -622,3 +622,44 @@ func TestNodesLogToZap(t *testing.T) {
 		}
 	}
 }
+
+// TestNodesSecretKey: members that share a SecretKey gossip (encrypted,
+// every packet verified); a member without it, or with another key, can
+// neither join them nor be heard: the members report nothing about it, and
+// nobody is declared dead. A bad key length is refused at start.
+func TestNodesSecretKey(t *testing.T) {
+	key := []byte("0123456789abcdef0123456789abcdef")
+	ms := startMembersConfig(t, 3, func(c *NodeConfig) { c.SecretKey = key })
+	converge(t, ms, 3)
+	for _, outsider := range []struct {
+		name string
+		key  []byte
+	}{
+		{"no-key", nil},
+		{"other-key", []byte("fedcba9876543210fedcba9876543210")},
+	} {
+		cfg := testNodeConfig(outsider.name)
+		cfg.SecretKey = outsider.key
+		o := startMemberConfig(t, cfg)
+		if _, err := o.Join(context.Background(), []string{ms[0].Addr(), ms[1].Addr()}); !errors.Is(err, ErrNoSeedReached) {
+			t.Errorf("%s: Join = %v, want ErrNoSeedReached", outsider.name, err)
+		}
+		if got := o.Members(); len(got) != 1 {
+			t.Errorf("%s sees %v, want only itself", outsider.name, got)
+		}
+	}
+	// Several probe rounds: an outsider's packets, were any accepted,
+	// would show as a join or a suspicion by now.
+	time.Sleep(10 * DefaultNodeConfig().ProbeInterval)
+	for _, m := range ms {
+		m.only(t)
+		if got := m.Members(); len(got) != 3 {
+			t.Errorf("%s sees %v, want the 3 keyed members", m.Name(), got)
+		}
+	}
+	cfg := testNodeConfig("short")
+	cfg.SecretKey = []byte("short")
+	if _, err := StartNodes(cfg); err == nil || !strings.Contains(err.Error(), "SecretKey is 5 bytes") {
+		t.Errorf("StartNodes with a 5-byte key = %v", err)
+	}
+}

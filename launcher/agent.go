@@ -58,13 +58,17 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		log.Info("serving /healthz, /readyz and /metrics", zap.Stringer("addr", addr))
 	}
 	a.multiNode = cfg.MaxNodes > 1
+	if a.multiNode && cfg.JobSecret == nil {
+		log.Warn("no job secret (--job-secret-file, " + JobSecretEnv + "): node liveness gossip is not encrypted and " +
+			"nothing the agents and workers read from the stores is authenticated; anyone who reaches their ports can steer the job")
+	}
 	if cfg.NodeLiveness.runs(cfg.MaxNodes, cfg.OnFailure) {
 		// Before the rendezvous: this node's record carries its address.
 		addr := cfg.Rendezvous.LocalAddr
 		if addr == "" {
 			addr, _ = os.Hostname()
 		}
-		if a.gossip, err = startGossip(cfg.NodeLiveness, log, a.runID, addr); err != nil {
+		if a.gossip, err = startGossip(cfg.NodeLiveness, log, a.runID, addr, a.cfg.JobSecret); err != nil {
 			return err
 		}
 		a.cfg.gossip = a.gossip.self()
@@ -126,6 +130,10 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 	a.runID = cfg.Rendezvous.RunID
 	if cfg.Rendezvous.Standalone {
 		a.runID = randomID()
+		if a.cfg.JobSecret == nil {
+			// The job is this agent's alone: its secret too.
+			a.cfg.JobSecret = NewSecret()
+		}
 	}
 	base := cfg.LogDir
 	if base == "" {

@@ -390,6 +390,14 @@ type Config struct {
 	// come is excluded again and the survivors go on. Default 30 s
 	// (shrink.DefaultGrowTimeout). --grow-timeout.
 	GrowTimeout time.Duration
+	// JobSecret is the secret every agent of the job holds (a Kubernetes
+	// Secret mounted as a file, a Slurm job's environment): node liveness
+	// gossip is encrypted and authenticated with a key derived from it,
+	// and workers get it as GORUN_JOB_SECRET to check what they read from
+	// the store. --standalone makes one when none is given. nil: none, and
+	// a multi-node job says at start that nothing is authenticated.
+	// --job-secret-file, GORUN_JOB_SECRET.
+	JobSecret Secret
 	// SparePrestart starts the local workers while the agent waits for
 	// its first rendezvous round — a hot spare standing by, or any agent
 	// whose job has not formed yet — so that their start-up (interpreter,
@@ -725,6 +733,8 @@ func (c Config) validateFaultTolerance() error {
 		return invalidf("--node-probe-interval %v: want a positive interval", c.NodeLiveness.ProbeInterval)
 	case c.NodeLiveness.SuspicionMult < 0:
 		return invalidf("--node-suspicion-mult %d: want 1 or more", c.NodeLiveness.SuspicionMult)
+	case c.JobSecret != nil && len(c.JobSecret) < MinSecretLen:
+		return invalidf("the job secret is %d bytes: want at least %d", len(c.JobSecret), MinSecretLen)
 	}
 	return nil
 }

@@ -70,6 +70,9 @@ type WorkerEnv struct {
 	// started (GORUN_SHRINK_NEWCOMER). 0 for the workers a round starts
 	// (an epoch that lost a slot is at least 1).
 	NewcomerAfter int
+	// JobSecret is the job secret (GORUN_JOB_SECRET), for the worker-side
+	// helpers to check what they read from the store; nil for none.
+	JobSecret Secret
 }
 
 // Environ returns the environment of the worker with assignment a: the
@@ -147,6 +150,9 @@ func (w WorkerEnv) vars(inherited map[string]string, a Assignment, errorFile str
 	}
 	if w.Heartbeat != "" {
 		set[health.HeartbeatEnv] = w.Heartbeat
+	}
+	if w.JobSecret != nil {
+		set[JobSecretEnv] = string(w.JobSecret)
 	}
 	if w.SignalsToHandle != "" {
 		set["TORCHELASTIC_SIGNALS_TO_HANDLE"] = w.SignalsToHandle

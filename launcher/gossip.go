@@ -43,8 +43,10 @@ type gossip struct {
 const gossipJoinTimeout = 5 * time.Second
 
 // startGossip starts this agent's gossip member, advertising an address
-// of the host addr names (--local-addr, or the host name).
-func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string) (*gossip, error) {
+// of the host addr names (--local-addr, or the host name). With a job
+// secret every message is encrypted and authenticated under a key derived
+// from it: an agent without it can neither join nor declare anyone dead.
+func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string, secret Secret) (*gossip, error) {
 	ip, err := advertiseIP(addr)
 	if err != nil {
 		return nil, fmt.Errorf("node liveness: %w", err)
@@ -59,6 +61,9 @@ func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string) (*
 	}
 	if cfg.SuspicionMult > 0 {
 		nc.SuspicionMult = cfg.SuspicionMult
+	}
+	if secret != nil {
+		nc.SecretKey = secret.derive("gossip")
 	}
 	nc.Logger = log.Named("gossip")
 	nodes, err := health.StartNodes(nc)

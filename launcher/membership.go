@@ -269,6 +269,7 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 		GrowTimeout:      cfg.GrowTimeout,
 		SignalsToHandle:  signalList(cfg.SignalsToHandle),
 		VirtualLocalRank: cfg.VirtualLocalRank,
+		JobSecret:        cfg.JobSecret,
 	}
 }
 

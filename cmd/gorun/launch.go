@@ -139,7 +139,7 @@ func launchFlags() []cli.Flag {
 		&cli.BoolFlag{Name: "init", Usage: "insist on PID 1's duties when not PID 1: gorun always becomes a child subreaper that reaps and, when a worker group ends, kills what the workers leave behind; with --init, failing to become one is an error, not a warning",
 			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
 		&cli.StringFlag{Name: "health-addr", Usage: "serve /healthz, /readyz and /metrics (Prometheus) on `HOST:PORT`, e.g. :8080 " +
-			"(default: :$" + healthPortVar + " when that is set, else no endpoint)",
+			"(default: 127.0.0.1:$" + healthPortVar + " when that is set, else no endpoint; :PORT serves every interface, e.g. for Kubernetes probes)",
 			EnvVars: []string{"GORUN_HEALTH_ADDR"}, Category: catGorun},
 
 		&cli.StringFlag{Name: "on-failure", Value: def.OnFailure,
@@ -163,6 +163,9 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "grow-timeout", Value: def.GrowTimeout.Seconds(),
 			Usage:   "`SECONDS` the ranks of a grow have to form the grown group; a newcomer that does not come is excluded again and the survivors go on",
 			EnvVars: []string{"GORUN_GROW_TIMEOUT"}, Category: catFT},
+		&cli.StringFlag{Name: "job-secret-file",
+			Usage:   "read the job secret from `PATH` (every agent of the job holds the same one; at least 16 bytes, e.g. a mounted Kubernetes Secret): node liveness gossip is encrypted with it, and workers get it as $" + launcher.JobSecretEnv + " (default: $" + launcher.JobSecretEnv + "; --standalone makes one)",
+			EnvVars: []string{"GORUN_JOB_SECRET_FILE"}, Category: catGorun},
 		&cli.BoolFlag{Name: "spare-prestart",
 			Usage:   "start the workers while this agent waits for its first round (a hot spare standing by, or a job still forming), parked before their first collective until the round's RANK, WORLD_SIZE, … reach them on $GORUN_ASSIGNMENT_FD (gorun_ft.await_assignment, Go's package prestart)",
 			EnvVars: []string{"GORUN_SPARE_PRESTART"}, Category: catFT},
@@ -181,14 +184,42 @@ func launchFlags() []cli.Flag {
 	}
 }
 
+// jobSecret is the job secret: --job-secret-file's contents, or
+// $GORUN_JOB_SECRET's; nil when neither is given. It has no flag of its
+// own, so that it never shows on a command line.
+func jobSecret(c *cli.Context) (launcher.Secret, error) {
+	text, inEnv := os.LookupEnv(launcher.JobSecretEnv)
+	path := c.String("job-secret-file")
+	switch {
+	case path != "" && inEnv:
+		return nil, usageErrorf("--job-secret-file and $%s both give a job secret: give one", launcher.JobSecretEnv)
+	case path != "":
+		s, err := launcher.ReadSecretFile(path)
+		if err != nil {
+			return nil, usageErrorf("--job-secret-file: %v", err)
+		}
+		return s, nil
+	case inEnv:
+		s, err := launcher.ParseSecret(text)
+		if err != nil {
+			return nil, usageErrorf("$%s: %v", launcher.JobSecretEnv, err)
+		}
+		return s, nil
+	}
+	return nil, nil
+}
+
 // healthPortVar is torchrun's health-check knob. torchrun passes it to a
 // health-check server that is a no-op stub outside Meta; gorun serves its
-// endpoint on every interface at that port when --health-addr (or
+// endpoint on loopback at that port when --health-addr (or
 // GORUN_HEALTH_ADDR, even empty) is not given, so that a deployment that
-// sets it for torchrun gets probes from gorun.
+// sets it for torchrun gets local probes from gorun. Loopback: /metrics
+// says much about a job, and only the host should read it unless
+// --health-addr says otherwise (a Kubernetes probe reaches the pod's IP:
+// give --health-addr :PORT there).
 const healthPortVar = "TORCHELASTIC_HEALTH_CHECK_PORT"
 
-// healthAddr is --health-addr, or ":PORT" from TORCHELASTIC_HEALTH_CHECK_PORT
+// healthAddr is --health-addr, or "127.0.0.1:PORT" from TORCHELASTIC_HEALTH_CHECK_PORT
 // when the flag and GORUN_HEALTH_ADDR are both absent; "" for none.
 func healthAddr(c *cli.Context) (string, error) {
 	if c.IsSet("health-addr") {
@@ -201,7 +232,7 @@ func healthAddr(c *cli.Context) (string, error) {
 	if n, err := strconv.Atoi(port); err != nil || n < 0 || n > 65535 || strings.ContainsAny(port, "+-") {
 		return "", usageErrorf("$%s %q is not a TCP port (0–65535)", healthPortVar, port)
 	}
-	return ":" + port, nil
+	return "127.0.0.1:" + port, nil
 }
 
 // runLaunch is the root command's action: build the Config, then run the
@@ -282,6 +313,9 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		return cfg, usageErrorf("--regrow %q: want on or off", c.String("regrow"))
 	}
 	cfg.SparePrestart = c.Bool("spare-prestart")
+	if cfg.JobSecret, err = jobSecret(c); err != nil {
+		return cfg, err
+	}
 	cfg.NodeLiveness.Mode = c.String("node-liveness")
 	cfg.NodeLiveness.SuspicionMult = c.Int("node-suspicion-mult")
 	cfg.StartMethod = c.String("start-method")

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -232,8 +233,8 @@ func TestLaunchEnv(t *testing.T) {
 		{"flag beats PET_NUMA_BINDING", map[string]string{"PET_NUMA_BINDING": "exclusive"}, []string{"--numa-binding", "socket"},
 			func(c launcher.Config) any { return c.NUMABinding }, "socket"},
 		{"health addr", map[string]string{"GORUN_HEALTH_ADDR": "127.0.0.1:8080"}, nil, health, "127.0.0.1:8080"},
-		{"torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil, health, ":8080"},
-		{"torchrun health port spaces", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": " 9000 "}, nil, health, ":9000"},
+		{"torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil, health, "127.0.0.1:8080"},
+		{"torchrun health port spaces", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": " 9000 "}, nil, health, "127.0.0.1:9000"},
 		{"empty torchrun health port", map[string]string{"TORCHELASTIC_HEALTH_CHECK_PORT": ""}, nil, health, ""},
 		{"GORUN_HEALTH_ADDR beats torchrun's port", map[string]string{"GORUN_HEALTH_ADDR": "127.0.0.1:9", "TORCHELASTIC_HEALTH_CHECK_PORT": "8080"}, nil,
 			health, "127.0.0.1:9"},
@@ -581,5 +582,66 @@ func TestPrintCompletion(t *testing.T) {
 	code := run(context.Background(), []string{"gorun", "--print-completion", "fish"}, strings.NewReader(""), io.Discard, &errb)
 	if code != ExitUsage || !strings.Contains(errb.String(), "want one of bash, zsh, tcsh") {
 		t.Errorf("fish: code %d, stderr %q", code, errb.String())
+	}
+}
+
+// TestLaunchJobSecret: the job secret comes from --job-secret-file (or
+// GORUN_JOB_SECRET_FILE) or from GORUN_JOB_SECRET, white space trimmed;
+// both at once, a missing file or one too short is a usage error (exit
+// 2) that never shows the secret.
+func TestLaunchJobSecret(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	good := write("good", "s3cr3t-0123456789abcdef\n")
+	short := write("short", "tiny-s3cr3t\n")
+	cases := []struct {
+		name string
+		env  map[string]string
+		args []string
+		want string // the secret, or "" for none
+		err  string // a usage error, when set
+	}{
+		{name: "none"},
+		{name: "env", env: map[string]string{"GORUN_JOB_SECRET": " s3cr3t-0123456789abcdef "}, want: "s3cr3t-0123456789abcdef"},
+		{name: "file", args: []string{"--job-secret-file", good}, want: "s3cr3t-0123456789abcdef"},
+		{name: "file from env", env: map[string]string{"GORUN_JOB_SECRET_FILE": good}, want: "s3cr3t-0123456789abcdef"},
+		{name: "both", env: map[string]string{"GORUN_JOB_SECRET": "s3cr3t-0123456789abcdef"}, args: []string{"--job-secret-file", good},
+			err: "both give a job secret"},
+		{name: "missing file", args: []string{"--job-secret-file", filepath.Join(dir, "absent")}, err: "no such file"},
+		{name: "short file", args: []string{"--job-secret-file", short}, err: "is 11 bytes: want at least 16"},
+		{name: "short env", env: map[string]string{"GORUN_JOB_SECRET": "tiny-s3cr3t"}, err: "is 11 bytes: want at least 16"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			cleanEnv(t)
+			for k, v := range tc.env {
+				t.Setenv(k, v)
+			}
+			res := launch(t, append(tc.args, "train.py")...)
+			if tc.err != "" {
+				if res.code != ExitUsage || !strings.Contains(res.stderr, tc.err) {
+					t.Fatalf("code %d, stderr %q; want %d and %q", res.code, res.stderr, ExitUsage, tc.err)
+				}
+				if strings.Contains(res.stderr, "s3cr3t") {
+					t.Errorf("the error shows the secret: %q", res.stderr)
+				}
+				return
+			}
+			if res.code != ExitOK {
+				t.Fatalf("code %d, stderr %q", res.code, res.stderr)
+			}
+			if got := string(res.cfg.JobSecret); got != tc.want {
+				t.Errorf("secret %q, want %q", got, tc.want)
+			}
+			if s := fmt.Sprintf("%v %+v %#v %s", res.cfg.JobSecret, res.cfg, res.cfg, res.cfg.JobSecret); tc.want != "" && strings.Contains(s, tc.want) {
+				t.Errorf("formatting the config shows the secret: %s", s)
+			}
+		})
 	}
 }

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/internal/testutil"
+)
+
+// TestJobSecretReachesWorkersOnly: the workers get the job secret in
+// their environment (GORUN_JOB_SECRET) — the one given, or, under
+// --standalone without one, one the agent made — and it is on no command
+// line and in no log line of the agent.
+func TestJobSecretReachesWorkersOnly(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	const given = "s3cr3t-given-0123456789"
+	script := `echo "pid=$$"; echo "secret=$GORUN_JOB_SECRET"; sleep 1`
+	for _, tc := range []struct {
+		name string
+		env  []string
+		want *regexp.Regexp
+	}{
+		{"given", []string{"GORUN_JOB_SECRET=" + given}, regexp.MustCompile(`^` + given + `$`)},
+		{"made by --standalone", nil, regexp.MustCompile(`^[0-9a-f]{64}$`)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			p := startAgentEnv(t, bin, tc.env, "--standalone", "--nproc-per-node", "2", "--log-dir", dir,
+				"--tee", "3", "--no-python", "sh", "-c", script)
+			var pids []int
+			var secrets []string
+			for len(pids) < 2 || len(secrets) < 2 {
+				l := p.expectLine(t, "=")
+				if _, v, ok := strings.Cut(l, "pid="); ok {
+					pid, err := strconv.Atoi(v)
+					if err != nil {
+						t.Fatalf("line %q", l)
+					}
+					pids = append(pids, pid)
+				} else if _, v, ok := strings.Cut(l, "secret="); ok {
+					secrets = append(secrets, v)
+				}
+			}
+			// While they run: no process of the job carries it in argv.
+			for _, pid := range append(pids, p.cmd.Process.Pid) {
+				argv, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/cmdline")
+				if err == nil && strings.Contains(string(argv), secrets[0]) {
+					t.Errorf("pid %d's command line holds the secret: %q", pid, argv)
+				}
+			}
+			if code := p.exitCode(t, 30*time.Second); code != 0 {
+				t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+			}
+			if secrets[0] != secrets[1] || !tc.want.MatchString(secrets[0]) {
+				t.Errorf("workers saw %q, want twice a match of %v", secrets, tc.want)
+			}
+			if strings.Contains(p.stderr.String(), secrets[0]) {
+				t.Errorf("the agent's log holds the secret:\n%s", p.stderr)
+			}
+		})
+	}
+}
+
+// TestMultiNodeJobSecretGossip: node liveness with a job secret. Two
+// agents that hold the same secret gossip (encrypted): the second agent
+// SIGKILLed, the first finds it dead by node liveness and its workers
+// shrink. Agents without a secret say once that nothing is authenticated;
+// with one they do not.
+func TestMultiNodeJobSecretGossip(t *testing.T) {
+	t.Setenv("GORUN_JOB_SECRET", "s3cr3t-for-the-gossip-0123")
+	const nodes, nproc, steps = 2, 2, 600
+	j := startShrinkJob(t, nodes, nproc, steps)
+	time.Sleep(300 * time.Millisecond)
+	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
+	j.agents[1].exitCode(t, 10*time.Second)
+	j.expectSurvivors(t, j.agents[:1], nodes*nproc, []int{2, 3}, steps)
+	log := j.agents[0].stderr.String()
+	if !strings.Contains(log, "node liveness: unreachable") {
+		t.Errorf("the lost node was not found by node liveness:\n%s", log)
+	}
+	if strings.Contains(log, "no job secret") || strings.Contains(log, "s3cr3t") {
+		t.Errorf("the log warns of no secret, or shows it:\n%s", log)
+	}
+}
+
+// TestMultiNodeJobSecretMismatch: an agent whose secret differs from the
+// others' cannot gossip with them: node liveness is off between them (the
+// rendezvous keep-alive is what is left), and the agent says so.
+func TestMultiNodeJobSecretMismatch(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	args := append(c10dArgs(port, "2", "--on-failure", "shrink", "--log-dir", t.TempDir()), "--no-python", "true")
+	a := startAgentEnv(t, bin, []string{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, args...)
+	b := startAgentEnv(t, bin, []string{"GORUN_JOB_SECRET=s3cr3t-two-0123456789"}, args...)
+	for _, p := range []*agentProc{a, b} {
+		waitStderr(t, p, "node liveness: cannot reach the round's other agents")
+		if code := p.exitCode(t, 30*time.Second); code != 0 {
+			t.Errorf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+}
