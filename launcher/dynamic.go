@@ -223,9 +223,15 @@ func (d *dynamicNode) workerStoreKey(node rendezvous.NodeDesc) string {
 }
 
 // offerWorkerStore starts a fresh, empty worker store on this node and
-// publishes its address, to be used if this node becomes group rank 0.
+// publishes its address, to be used if this node becomes group rank 0. It
+// listens where the others reach it: --local-addr's address when that is
+// an IP address, else every interface.
 func (d *dynamicNode) offerWorkerStore(ctx context.Context) (*tcpstore.Server, error) {
-	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Logger: d.job.log.Named("store")})
+	host := ""
+	if ip := net.ParseIP(d.job.cfg.Rendezvous.LocalAddr); ip != nil {
+		host = ip.String()
+	}
+	srv, err := tcpstore.Listen(net.JoinHostPort(host, "0"), tcpstore.ServerConfig{Logger: d.job.log.Named("store")})
 	if err != nil {
 		return nil, localf("worker store: %w", err)
 	}

@@ -252,7 +252,9 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	}
 	p := &plan{round: round.Number, store: srv, late: round.Late}
 	layout(p, infos, ids, groupRank)
-	p.env = workerEnv(e.job.cfg, e.job.runID, e.job.addr, srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
+	// The store serves this node's workers and agent only (etcd holds
+	// what they share with the other nodes): on loopback.
+	p.env = workerEnv(e.job.cfg, e.job.runID, "127.0.0.1", srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
 	e.members, e.since, e.synced = e.members[:0], since, false
 	for _, m := range round.Members {
 		e.members = append(e.members, m.Node.String())
@@ -282,7 +284,7 @@ func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (
 	}
 	// Storage calls wait on etcd: a goroutine per connection, so that one
 	// worker's round trip holds up no other.
-	srv, err := tcpstore.Listen(":0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.job.log.Named("store")})
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{Storage: st, GoroutinePerConn: true, Logger: e.job.log.Named("store")})
 	if err != nil {
 		st.Close()
 		return nil, localf("worker store: %w", err)

@@ -221,6 +221,10 @@ func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
 			}
 		}
 		listen, advertise = net.JoinHostPort("", strconv.Itoa(port)), host
+		if ip := net.ParseIP(host); ip != nil {
+			// Where the workers are told to reach it, and only there.
+			listen = net.JoinHostPort(ip.String(), strconv.Itoa(port))
+		}
 	}
 	srv, err := tcpstore.Listen(listen, tcpstore.ServerConfig{Logger: s.log.Named("store")})
 	if err != nil {

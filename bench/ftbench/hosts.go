@@ -27,7 +27,12 @@ import (
 const (
 	faultKill      = "kill"      // SIGKILL rank -victim
 	faultBlackhole = "blackhole" // cut the link of the host that runs it
+	faultNode      = "node"      // SIGKILL the agent of that host: its workers die with it
 )
+
+// hostLost reports whether fault takes a whole host out (its agent and
+// every rank on it), not one rank.
+func hostLost(fault string) bool { return fault == faultBlackhole || fault == faultNode }
 
 // Rendezvous backends of several hosts (-backend).
 const (
@@ -50,7 +55,7 @@ func (c *config) setUpHosts(ctx context.Context) (tearDown func() error, err err
 		}
 	}
 	n := c.hosts
-	if c.fault == faultBlackhole {
+	if hostLost(c.fault) {
 		n++ // a host for the heal rows' spare (config.hasSpare)
 	}
 	bed, err := netns.Create(n, netns.Options{})

@@ -136,7 +136,7 @@ func main() {
 	flag.IntVar(&c.hosts, "hosts", 1, "hosts the ranks are spread over: 1 (--standalone), or 2 or more network-namespace hosts (needs root and iproute2)")
 	flag.IntVar(&c.nproc, "nproc", 8, "ranks per host")
 	flag.IntVar(&c.victim, "victim", 3, "the global rank SIGKILLed (-fault kill), or whose host is cut off (-fault blackhole), in every trial")
-	flag.StringVar(&c.fault, "fault", faultKill, "kill: SIGKILL rank -victim; blackhole: cut the link of the host that runs it (-hosts 2 or more)")
+	flag.StringVar(&c.fault, "fault", faultKill, "kill: SIGKILL rank -victim; blackhole: cut the link of the host that runs it; node: SIGKILL that host's agent, its workers dying with it (-hosts 2 or more for both)")
 	flag.StringVar(&c.backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member started in the root namespace)")
 	flag.StringVar(&c.rdzvConf, "rdzv-conf", "join_timeout=30,last_call_timeout=1", "every multi-host agent's --rdzv-conf (gorun's and torchrun's)")
 	flag.StringVar(&c.c10dConf, "c10d-conf", "", "added to gorun's --rdzv-conf with -backend c10d (default none: gorun's keep-alive, 5 s × 3, behind node liveness)")
@@ -253,20 +253,20 @@ func (c *config) validate() error {
 		return fmt.Errorf("-hosts %d: want 1 to %d", c.hosts, netns.MaxHosts)
 	case c.victim < 0 || c.victim >= c.hosts*c.nproc:
 		return fmt.Errorf("-victim %d is not a rank of %d", c.victim, c.hosts*c.nproc)
-	case c.fault != faultKill && c.fault != faultBlackhole:
-		return fmt.Errorf("-fault %q: want %s or %s", c.fault, faultKill, faultBlackhole)
+	case c.fault != faultKill && !hostLost(c.fault):
+		return fmt.Errorf("-fault %q: want %s, %s or %s", c.fault, faultKill, faultBlackhole, faultNode)
 	case c.backend != backendC10d && c.backend != backendEtcd:
 		return fmt.Errorf("-backend %q: want %s or %s", c.backend, backendC10d, backendEtcd)
-	case c.hosts == 1 && c.fault == faultBlackhole:
-		return errors.New("-fault blackhole cuts a host off the others: it needs -hosts 2 or more")
+	case c.hosts == 1 && hostLost(c.fault):
+		return fmt.Errorf("-fault %s takes a host from the others: it needs -hosts 2 or more", c.fault)
 	case c.hosts == 1 && c.backend != backendC10d:
 		return fmt.Errorf("-backend %s needs -hosts 2 or more (-hosts 1 runs --standalone)", c.backend)
-	case c.fault == faultBlackhole && c.backend == backendC10d && c.victim < c.nproc:
+	case hostLost(c.fault) && c.backend == backendC10d && c.victim < c.nproc:
 		// Ranks follow the hosts' addresses: host 0 runs the first
 		// -nproc. (runTrial checks where the rank really runs.)
-		return fmt.Errorf("-fault blackhole -backend c10d: rank %d runs on host 0, which holds the c10d rendezvous store: "+
-			"cutting it off ends the job rather than a part of it; choose a rank of another host (-victim %d or more) or -backend etcd",
-			c.victim, c.nproc)
+		return fmt.Errorf("-fault %s -backend c10d: rank %d runs on host 0, which holds the c10d rendezvous store: "+
+			"losing it ends the job rather than a part of it; choose a rank of another host (-victim %d or more) or -backend etcd",
+			c.fault, c.victim, c.nproc)
 	}
 	return nil
 }
@@ -457,6 +457,9 @@ func header(c *config) string {
 		case faultBlackhole:
 			fault = "cut"
 			fmt.Fprintf(&b, "fault: blackhole, the link of the host that runs rank %d cut (the bridge drops its frames)", c.victim)
+		case faultNode:
+			fault = "node lost"
+			fmt.Fprintf(&b, "fault: the agent of the host that runs rank %d SIGKILLed, its workers dying with it (their connections reset)", c.victim)
 		}
 		fmt.Fprintf(&b, " %v after every rank's first collective; workers pause %d ms between collectives. ", c.warmup, c.stepMs)
 		fmt.Fprintf(&b, "%s → the last survivor's first successful collective (the recovered group's), and the first survivor's; %d trials, rows interleaved within each.", fault, c.trials)
@@ -464,8 +467,8 @@ func header(c *config) string {
 	if c.gorunFlags != "" {
 		fmt.Fprintf(&b, " gorun's rows: %s.", c.gorunFlags)
 	}
-	if c.sparePrestart && c.fault == faultBlackhole && c.hosts > 1 {
-		b.WriteString(" The heal rows' spare runs with --spare-prestart; the cut waits until its workers are parked, and \"newcomer started\" is then before the cut.")
+	if c.sparePrestart && hostLost(c.fault) && c.hosts > 1 {
+		b.WriteString(" The heal rows' spare runs with --spare-prestart; the fault waits until its workers are parked, and \"newcomer started\" is then before the fault.")
 	}
 	if c.settleWindow != "" {
 		fmt.Fprintf(&b, " gorun's shrink rows: --settle-window %s.", c.settleWindow)

@@ -121,6 +121,9 @@ func TestRecovery(t *testing.T) {
 		{2, faultBlackhole, 2, 4, 1, 0, 4}, // restart: the other host's ranks, in a smaller group
 		{2, faultBlackhole, 3, 4, 1, 0, 8},
 		{1, faultBlackhole, 3, 2, 0, 1, 4},
+		{1, faultNode, 2, 4, 0, 1, 4}, // a lost node: like a cut host
+		{2, faultNode, 2, 4, 1, 0, 4},
+		{6, faultNode, 2, 4, 0, 2, 8}, // heal: a spare takes its place
 		{6, faultKill, 1, 8, 0, 2, 8}, // heal: every rank, at full size in epoch 2
 		{6, faultKill, 2, 4, 0, 2, 8},
 		{7, faultKill, 1, 8, 0, 2, 8},
@@ -200,7 +203,7 @@ func TestValidate(t *testing.T) {
 		{"no hosts", func(c *config) { c.hosts = 0 }, "-hosts 0: want 1 to"},
 		{"victim out of range", func(c *config) { c.victim = 8 }, "-victim 8 is not a rank of 8"},
 		{"victim of the second host", func(c *config) { c.hosts, c.victim = 2, 15 }, ""},
-		{"unknown fault", func(c *config) { c.fault = "freeze" }, `-fault "freeze": want kill or blackhole`},
+		{"unknown fault", func(c *config) { c.fault = "freeze" }, `-fault "freeze": want kill, blackhole or node`},
 		{"unknown backend", func(c *config) { c.hosts, c.backend = 2, "static" }, `-backend "static": want c10d or etcd`},
 		{"blackhole on one host", func(c *config) { c.fault = faultBlackhole }, "it needs -hosts 2 or more"},
 		{"etcd on one host", func(c *config) { c.backend = backendEtcd }, "-backend etcd needs -hosts 2 or more"},
@@ -208,6 +211,9 @@ func TestValidate(t *testing.T) {
 			"rank 3 runs on host 0, which holds the c10d rendezvous store"},
 		{"blackhole of another host, c10d", func(c *config) { c.hosts, c.fault, c.victim = 2, faultBlackhole, 8 }, ""},
 		{"blackhole of host 0, etcd", func(c *config) { c.hosts, c.fault, c.backend = 2, faultBlackhole, backendEtcd }, ""},
+		{"node lost on one host", func(c *config) { c.fault = faultNode }, "it needs -hosts 2 or more"},
+		{"node lost: the c10d store's host", func(c *config) { c.hosts, c.fault = 2, faultNode }, "runs on host 0"},
+		{"node lost: another host", func(c *config) { c.hosts, c.fault, c.victim = 2, faultNode, 8 }, ""},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -74,7 +74,7 @@ func (r row) torch() bool { return r.worker != goWorker }
 // epoch 2, every rank there.
 func (r row) recovery(fault string, hosts, nproc int) (attempt, epoch, ranks int) {
 	world, lost := hosts*nproc, 1
-	if fault == faultBlackhole {
+	if hostLost(fault) {
 		lost = nproc
 	}
 	switch {
@@ -82,7 +82,7 @@ func (r row) recovery(fault string, hosts, nproc int) (attempt, epoch, ranks int
 		return 0, 2, world
 	case r.mode == modeShrink:
 		return 0, 1, world - lost
-	case fault == faultBlackhole:
+	case hostLost(fault):
 		return 1, 0, world - lost
 	}
 	return 1, 0, world
@@ -222,7 +222,7 @@ const torchrunEtcd = "torchrun 1.13's etcd rendezvous speaks etcd's v2 API throu
 // bed's extra host (setUpHosts makes one more with -fault blackhole), with
 // the job's command: it finds the round full and waits for room.
 func (c *config) hasSpare(r row) bool {
-	return r.mode == modeHeal && c.fault == faultBlackhole && c.hosts > 1
+	return r.mode == modeHeal && hostLost(c.fault) && c.hosts > 1
 }
 
 // spareHost is the host (and agent index) of the heal rows' spare: the
@@ -232,7 +232,7 @@ func (c *config) spareHost() int { return c.hosts }
 // nnodes is --nnodes for a multi-host run of r: every host, except that a
 // restart after a cut-off host needs a range that lets the others carry on.
 func (c *config) nnodes(r row) string {
-	if r.mode == modeRestart && c.fault == faultBlackhole {
+	if r.mode == modeRestart && hostLost(c.fault) {
 		return "1:" + strconv.Itoa(c.hosts)
 	}
 	return strconv.Itoa(c.hosts)

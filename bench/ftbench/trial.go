@@ -237,6 +237,18 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 		if err := host.Blackhole(); err != nil {
 			return fail(fmt.Errorf("cut %s off: %w", host.Name, err))
 		}
+	case faultNode:
+		if c.backend == backendC10d && agent == 0 {
+			return fail(fmt.Errorf("rank %d runs on host 0, which holds the c10d rendezvous store: losing it ends the job", c.victim))
+		}
+		res.CutHost = c.bed.Hosts[agent].Name
+		// Its agent's exit is the fault, and its ranks are not in the
+		// recovery.
+		j.cut, recovered.skip = agent, agent
+		res.KillUnixNs = time.Now().UnixNano()
+		if err := j.agents[agent].Process.Signal(syscall.SIGKILL); err != nil {
+			return fail(fmt.Errorf("kill the agent of %s: %w", res.CutHost, err))
+		}
 	}
 	if err := j.await(ctx, recovered, ranks); err != nil {
 		return fail(fmt.Errorf("waiting for the first collective of attempt %d epoch %d after the %s: %w", attempt, epoch, c.fault, err))

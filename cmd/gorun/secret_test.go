@@ -1,6 +1,7 @@
 package main
 
 import (
+	"net"
 	"os"
 	"regexp"
 	"strconv"
@@ -103,4 +104,61 @@ func TestMultiNodeJobSecretMismatch(t *testing.T) {
 			t.Errorf("exit %d; stderr:\n%s", code, p.stderr)
 		}
 	}
+}
+
+// TestWorkerStoreBoundWhereUsed: the worker store listens only where its
+// users reach it: on loopback under --standalone, on the endpoint's
+// address for one node, on --local-addr's address on several nodes.
+// Another address of this machine is refused.
+func TestWorkerStoreBoundWhereUsed(t *testing.T) {
+	other := nonLoopbackIP(t)
+	bin := testutil.BuildGorun(t)
+	worker := []string{"--no-python", "sh", "-c", `echo "store=$MASTER_ADDR:$MASTER_PORT"; sleep 2`}
+	port := freePort(t)
+	for _, tc := range []struct {
+		name string
+		args []string
+	}{
+		{"standalone", []string{"--standalone"}},
+		{"one node at 127.0.0.1", c10dArgs(port, "1")},
+		{"c10d, --local-addr 127.0.0.1", c10dArgs(port, "1:2")},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := startAgent(t, bin, append(append(tc.args, "--log-dir", t.TempDir()), worker...)...)
+			l := p.expectLine(t, "store=")
+			_, addr, _ := strings.Cut(l, "store=")
+			host, portStr, err := net.SplitHostPort(addr)
+			if err != nil || host != "127.0.0.1" {
+				t.Fatalf("worker store %q, want 127.0.0.1:PORT", addr)
+			}
+			if c, err := net.DialTimeout("tcp", addr, 2*time.Second); err != nil {
+				t.Errorf("dial %s: %v", addr, err)
+			} else {
+				c.Close()
+			}
+			if c, err := net.DialTimeout("tcp", net.JoinHostPort(other, portStr), 2*time.Second); err == nil {
+				c.Close()
+				t.Errorf("the worker store answers on %s too", other)
+			}
+			if code := p.exitCode(t, 30*time.Second); code != 0 {
+				t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+			}
+		})
+	}
+}
+
+// nonLoopbackIP is an IPv4 address of this machine other than loopback;
+// the test is skipped on a machine without one.
+func nonLoopbackIP(t *testing.T) string {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, a := range addrs {
+		if n, ok := a.(*net.IPNet); ok && n.IP.To4() != nil && !n.IP.IsLoopback() {
+			return n.IP.String()
+		}
+	}
+	t.Skip("no address but loopback")
+	return ""
 }
