@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
 
@@ -119,6 +120,29 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 	return e, nil
 }
 
+// checkAccess makes sure the user may read and write the job's keys: on
+// an etcd with authentication, a role that does not reach them (another
+// job's, a typo in --rdzv-id or prefix) is one clear usage error at start,
+// not a store that fails mid-rendezvous. It writes and deletes one key of
+// this node's under the job's directory.
+func (e *etcdNode) checkAccess(ctx context.Context, timeout time.Duration) error {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	key := e.base + "access/" + e.job.me.String()
+	_, err := e.cli.Put(ctx, key, "")
+	if err == nil {
+		_, err = e.cli.Delete(ctx, key)
+	}
+	switch {
+	case errors.Is(err, rpctypes.ErrPermissionDenied):
+		return invalidf("etcd: user %q may not write the job's keys under %s (grant its role readwrite on that prefix): %w",
+			e.settings.Client.Username, e.base, err)
+	case err != nil:
+		return fmt.Errorf("etcd: %w", err)
+	}
+	return nil
+}
+
 // connect reaches etcd (retrying until join_timeout), opens the
 // rendezvous store, takes this node's lease and starts the expeller.
 func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
@@ -140,6 +164,9 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return fmt.Errorf("etcd: %w", err)
 	}
 	e.cli = cli
+	if err := e.checkAccess(ctx, e.job.cfg.rdzv.readTimeout); err != nil {
+		return err
+	}
 
 	readTimeout := e.job.cfg.rdzv.readTimeout
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{

@@ -147,6 +147,7 @@ type Health struct {
 	world     prometheus.Gauge
 	respawns  *prometheus.CounterVec
 	growTime  prometheus.Histogram
+	refused   *prometheus.CounterVec
 
 	mu      sync.Mutex
 	current Phase
@@ -210,11 +211,15 @@ func NewHealth() *Health {
 			Help:    "From a grow epoch's decision to its last rank arriving in the grown group: the job back at that size.",
 			Buckets: rendezvousBuckets,
 		}),
+		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gorun_records_refused_total",
+			Help: "Records read from a store that failed their check under the job secret (forged, replayed, or written without it) and were ignored, by kind (epoch, notice).",
+		}, []string{"kind"}),
 		current: PhaseStarting,
 		counts:  map[string]int{},
 	}
 	h.reg.MustRegister(h.phase, h.restarts, h.rdzvTime, h.rdzvRound, h.workers, h.failures,
-		h.reported, h.epochs, h.epochWait, h.world, h.respawns, h.growTime,
+		h.reported, h.epochs, h.epochWait, h.world, h.respawns, h.growTime, h.refused,
 		collectors.NewGoCollector(),
 		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for p := range Phase(numPhases) {
@@ -368,6 +373,15 @@ func (h *Health) Respawned(started bool) {
 		outcome = "started"
 	}
 	h.respawns.WithLabelValues(outcome).Inc()
+}
+
+// RecordRefused counts a record of kind (epoch, notice) that failed its
+// check under the job secret and was ignored.
+func (h *Health) RecordRefused(kind string) {
+	if h == nil {
+		return
+	}
+	h.refused.WithLabelValues(kind).Inc()
 }
 
 // GrowComplete records that a grow decided at decided completed at done.

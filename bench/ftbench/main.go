@@ -53,7 +53,11 @@
 // blackhole cuts the link of the host that runs rank -victim (its frames
 // are dropped: no reset, no error); at the trial's end that host's
 // processes are killed (they cannot learn that the job ended) and its link
-// restored. PyTorch workers on the bed get GLOO_SOCKET_IFNAME=eth0. The bed
+// restored. -fault node SIGKILLs that host's agent instead, its workers
+// dying with it (a crashed node: their connections are reset). After
+// either, a heal row runs a spare agent on the bed's extra host, started
+// once the job runs; with -spare-prestart the spare pre-starts its
+// workers and the fault waits until they are parked. PyTorch workers on the bed get GLOO_SOCKET_IFNAME=eth0. The bed
 // and etcd go at the end, on SIGINT too.
 //
 //	go run ./bench/ftbench -trials 10 -out bench/results/ft.jsonl

@@ -245,6 +245,11 @@ func runTrial(ctx context.Context, c *config, r row, trial int) (res result) {
 		// Its agent's exit is the fault, and its ranks are not in the
 		// recovery.
 		j.cut, recovered.skip = agent, agent
+		defer func() {
+			if err := j.reapLost(c); err != nil && res.Error == "" {
+				res.Error = err.Error()
+			}
+		}()
 		res.KillUnixNs = time.Now().UnixNano()
 		if err := j.agents[agent].Process.Signal(syscall.SIGKILL); err != nil {
 			return fail(fmt.Errorf("kill the agent of %s: %w", res.CutHost, err))
@@ -539,10 +544,18 @@ func (j *job) rankPID(rank int) (pid, agent int, err error) {
 // the next trial.
 func (j *job) killCut(c *config, host *netns.Host) error {
 	err := host.Kill()
+	return errors.Join(err, j.reapLost(c), host.Heal())
+}
+
+// reapLost waits for the lost host's agent (j.cut), killed, to be waited
+// for, and reaps what it left (its workers, killed with it): the fault's
+// doing, not leftovers of a launcher that stopped.
+func (j *job) reapLost(c *config) error {
+	var err error
 	select {
 	case <-j.done[j.cut]:
 	case <-time.After(stopGrace):
-		err = errors.Join(err, fmt.Errorf("the agent of %s has not exited %v after SIGKILL", host.Name, stopGrace))
+		err = fmt.Errorf("the lost agent (%d) has not exited %v after SIGKILL", j.cut, stopGrace)
 	}
 	// The others' agents are running and stay; their workers are theirs.
 	spare := slices.Clone(c.spare)
@@ -554,7 +567,7 @@ func (j *job) killCut(c *config, host *netns.Host) error {
 		}
 	}
 	procs.ReapOrphans(spare...)
-	return errors.Join(err, host.Heal())
+	return err
 }
 
 // stopGrace is how long the agents get to stop their workers on SIGTERM.

@@ -348,3 +348,56 @@ func TestEtcdBadConfig(t *testing.T) {
 		})
 	}
 }
+
+// TestEtcdJobRole: on an etcd with authentication on, a job runs as a user
+// whose role reaches its own keys only (README: "A role for the job"): two
+// agents meet and their workers share the store. An agent of another job
+// with that user is refused by etcd, with one clear error.
+func TestEtcdJobRole(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	admin := cluster.Client(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	steps := []func() error{
+		func() error { _, err := admin.RoleAdd(ctx, "root"); return err },
+		func() error { _, err := admin.UserAdd(ctx, "root", "rootpw"); return err },
+		func() error { _, err := admin.UserGrantRole(ctx, "root", "root"); return err },
+		func() error { _, err := admin.RoleAdd(ctx, "gorun-job"); return err },
+		func() error {
+			_, err := admin.RoleGrantPermission(ctx, "gorun-job", "/gorun/job/", clientv3.GetPrefixRangeEnd("/gorun/job/"),
+				clientv3.PermissionType(clientv3.PermReadWrite))
+			return err
+		},
+		func() error { _, err := admin.UserAdd(ctx, "gorun-job", "jobpw"); return err },
+		func() error { _, err := admin.UserGrantRole(ctx, "gorun-job", "gorun-job"); return err },
+		func() error { _, err := admin.AuthEnable(ctx); return err },
+	}
+	for _, step := range steps {
+		if err := step(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	bin := testutil.BuildGorun(t)
+	env := []string{"GORUN_ETCD_USER=gorun-job", "GORUN_ETCD_PASSWORD=jobpw"}
+	var agents []*agentProc
+	for range 2 {
+		agents = append(agents, startAgentEnv(t, bin, env, etcdArgs(cluster, "2", "", "--nproc-per-node", "2",
+			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", storeWorker(bin))...))
+	}
+	for _, p := range agents {
+		if code := p.exitCode(t, 60*time.Second); code != 0 {
+			t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+		}
+	}
+	args := etcdArgs(cluster, "2", "", "--log-dir", t.TempDir(), "--no-python", "true")
+	for i, a := range args {
+		if a == "--rdzv-id" {
+			args[i+1] = "another-job"
+		}
+	}
+	other := startAgentEnv(t, bin, env, args...)
+	code := other.exitCode(t, 30*time.Second)
+	if code != 2 || !strings.Contains(other.stderr.String(), `user "gorun-job" may not write the job's keys under /gorun/another-job/`) {
+		t.Errorf("another job's agent: exit %d; want 2 and a refusal naming the user and the prefix:\n%s", code, other.stderr)
+	}
+}

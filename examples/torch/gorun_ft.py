@@ -481,15 +481,27 @@ class ElasticGroup:
         members = ["%s/member/%d" % (ns, r) for r in range(e.world_size)]
         bound = self._epoch_wait + (self._grow_wait if e.action == "grow" else 0)
         deadline = time.monotonic() + bound
+        # Whether the group is formed is decided once, for every member:
+        # the first to find every member there seals the formation, the
+        # first to see the next epoch first abandons it (a compare-set that
+        # only creates). A member that gave up while another had begun
+        # init_process_group would leave that one blocked in gloo's
+        # connect until its timeout (a minute), and every later epoch
+        # waiting on it.
+        state = "%s/formation" % ns
         while True:
             if yields and self._published > e.number:
-                return False
+                if self.store.compare_set(state, "", "abandoned") != b"sealed":
+                    return False
+                break  # sealed already: every member forms it
             left = deadline - time.monotonic()
             if left <= 0:
                 self.close()
                 raise RestartRequired("epoch %d: its members were not all there within %.0f s, and no epoch "
                                       "followed: restart" % (e.number, bound))
             if self._awaiter.wait(members, min(left, WATCH_WAIT.total_seconds())):
+                if self.store.compare_set(state, "", "sealed") != b"sealed":
+                    return False  # another member abandoned it first
                 break
         try:
             self._init(e, ns + "/pg")
