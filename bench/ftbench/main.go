@@ -423,15 +423,25 @@ func printHeal(w io.Writer, selected []row, all []result) {
 		var shrink, start, from, fromReady, stall []float64
 		for _, res := range all {
 			if res.Row == r.name && res.Error == "" {
-				shrink, start = append(shrink, res.ShrinkMs), append(start, res.NewcomerMs)
-				from, stall = append(from, res.FromNewcomerMs), append(stall, res.GrowStallMs)
+				start, from = append(start, res.NewcomerMs), append(from, res.FromNewcomerMs)
 				fromReady = append(fromReady, res.FromReadyMs)
+				// A trial whose survivors went straight to the grow
+				// (their own epoch never formed) has neither.
+				if res.ShrinkMs > 0 {
+					shrink = append(shrink, res.ShrinkMs)
+				}
+				if res.GrowStallMs > 0 {
+					stall = append(stall, res.GrowStallMs)
+				}
 			}
 		}
 		if len(from) == 0 {
 			continue
 		}
 		mp := func(v []float64) string {
+			if len(v) == 0 {
+				return "–"
+			}
 			return fmt.Sprintf("%.1f (%.1f)", stats.Median(v), stats.Quantile(v, 0.9))
 		}
 		fmt.Fprintf(w, "| %d | %s | %d | %s | %s | %s | %s | %s |\n", slices.Index(rows, r)+1, r.name, len(from),

@@ -173,6 +173,17 @@ func TestHealMeasures(t *testing.T) {
 	if err := (&result{KillUnixNs: kill}).heal(seen[:5], -1); err == nil {
 		t.Error("no error without the newcomer's start")
 	}
+	// Epoch 1 never formed (the grow came first): no shrink, no stall.
+	var skipped []stamp
+	for _, s := range seen {
+		if s.epoch != 1 {
+			skipped = append(skipped, s)
+		}
+	}
+	res = result{KillUnixNs: kill, LastMs: 362}
+	if err := res.heal(skipped, -1); err != nil || res.ShrinkMs != 0 || res.GrowStallMs != 0 || res.FromReadyMs != 112 {
+		t.Errorf("without epoch 1: %v, shrink %v stall %v from ready %v; want nil, 0, 0, 112", err, res.ShrinkMs, res.GrowStallMs, res.FromReadyMs)
+	}
 
 	// A pre-started spare (agent 2): its workers started before the cut,
 	// and that start counts, though it precedes the fault.

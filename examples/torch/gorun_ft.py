@@ -89,6 +89,7 @@ import gc
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -309,6 +310,7 @@ class ElasticGroup:
         self._awaiter = _KeyWaiter(timeout)
         self._group = None  # the epoch whose group is the default group
         self._group_store = None
+        self._group_sockets = set()  # inodes of the connections the group opened
         # Whether this worker's state is the job's: a newcomer's is not
         # until its first resync.
         self._synced = not self.newcomer
@@ -340,10 +342,15 @@ class ElasticGroup:
         """Initialise epoch e's group as the default group, on a store
         connection of its own under prefix."""
         store = _connect_store(self.timeout)
+        before = _socket_inodes()
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
                                 rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout)
+        # The connections the group opened (gloo connects every pair in
+        # its constructor), less any to the store another thread opened
+        # meanwhile: what _sever breaks when the group must stop.
+        opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
         with self._lock:
-            self._group, self._group_store = e, store
+            self._group, self._group_store, self._group_sockets = e, store, set(opened)
 
     def _watch(self, n):
         """Wait on each next epoch's key through a store connection of its own
@@ -369,6 +376,14 @@ class ElasticGroup:
                 self._published = n
                 if n > self.epoch.number and not self._in_place(e):
                     _abort_default_group()
+                    if self.backend == "gloo":
+                        # gloo has no abort, and a collective waiting on a
+                        # peer whose host went silent (cut off: nothing
+                        # resets the connection) would wait for the group's
+                        # timeout. Shutting the group's connections down
+                        # fails it at once, here and, through the peers'
+                        # ends, at every member still connected.
+                        _sever(self._group_sockets)
             n += 1
         waiter.close()
 
@@ -536,7 +551,8 @@ class ElasticGroup:
 
     def _destroy(self):
         with self._lock:
-            self._group, self._group_store = None, None
+            # Its sockets' inodes may be reused once they close: forget them.
+            self._group, self._group_store, self._group_sockets = None, None, set()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -593,6 +609,58 @@ class ElasticGroup:
             self._watcher.join(WATCH_WAIT.total_seconds() * 2)
         self._awaiter.close()
         self._destroy()
+
+
+def _socket_inodes():
+    """This process's sockets: inode → descriptor, from /proc/self/fd."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink("/proc/self/fd/" + name)
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            out[int(target[8:-1])] = int(name)
+    return out
+
+
+def _to_store(fd):
+    """Whether descriptor fd is a TCP connection to the worker store
+    (MASTER_PORT): those are the helper's, not the group's."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        peer = s.getpeername()
+        return isinstance(peer, tuple) and str(peer[1]) == os.environ.get("MASTER_PORT")
+    except OSError:
+        return False
+    finally:
+        s.close()  # the duplicate only
+
+
+def _sever(inodes):
+    """Shut down (both ways) the sockets with these inodes that are still
+    open: the process group's connections. Its pending and later
+    collectives fail at once, where they would wait for a silent peer
+    until the group's timeout; the descriptors stay the group's, to close
+    when it is destroyed."""
+    if not inodes:
+        return
+    for inode, fd in _socket_inodes().items():
+        if inode not in inodes:
+            continue
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # not connected (a listener), or already down
+        finally:
+            s.close()
 
 
 def _abort_default_group():
