@@ -25,6 +25,15 @@ type Config struct {
 	// are excluded again: survivors never wait on a newcomer without
 	// bound. Zero (or less) means DefaultGrowTimeout.
 	GrowTimeout time.Duration
+	// RejoinWait is how long, from the first join of a grow, the grow
+	// waits for the other slots lost in the same epoch as the joined ones
+	// (a node's ranks, lost together) before it brings back only those
+	// that came: what was lost together comes back in one grow, even when
+	// its newcomers are ready more than a settle window apart (a loaded
+	// machine), and a slot that never comes back (its respawn refused, its
+	// node not replaced) holds the others up no longer than this. Zero
+	// means DefaultRejoinWait; negative, no wait beyond the settle window.
+	RejoinWait time.Duration
 }
 
 // Defaults of Config.
@@ -32,11 +41,13 @@ const (
 	DefaultSettleWindow = 100 * time.Millisecond
 	DefaultMinWorldSize = 1
 	DefaultGrowTimeout  = 30 * time.Second
+	DefaultRejoinWait   = time.Second
 )
 
 // DefaultConfig returns the defaults.
 func DefaultConfig() Config {
-	return Config{SettleWindow: DefaultSettleWindow, MinWorldSize: DefaultMinWorldSize, GrowTimeout: DefaultGrowTimeout}
+	return Config{SettleWindow: DefaultSettleWindow, MinWorldSize: DefaultMinWorldSize, GrowTimeout: DefaultGrowTimeout,
+		RejoinWait: DefaultRejoinWait}
 }
 
 func (c Config) withDefaults() Config {
@@ -46,6 +57,12 @@ func (c Config) withDefaults() Config {
 	}
 	if c.GrowTimeout <= 0 {
 		c.GrowTimeout = DefaultGrowTimeout
+	}
+	switch {
+	case c.RejoinWait == 0:
+		c.RejoinWait = DefaultRejoinWait
+	case c.RejoinWait < 0:
+		c.RejoinWait = 0
 	}
 	return c
 }
@@ -84,6 +101,11 @@ type Decider struct {
 	// joinDue is when they are to be decided, as due for failures.
 	joins   map[int]string
 	joinDue time.Time
+	// joinFirst is when the first of the joins was seen; lostIn names, for
+	// each lost slot, the epoch that excluded it: slots lost together are
+	// awaited together (Config.RejoinWait).
+	joinFirst time.Time
+	lostIn    map[int]int
 	// complete is whether the current epoch is complete: every rank of it
 	// has moved to its group. Shrink epochs count as complete from the
 	// start (a survivor that cannot shrink fails, and is reported); a grow
@@ -102,7 +124,7 @@ type Decider struct {
 // from current.
 func NewDecider(name string, cfg Config, current Epoch) *Decider {
 	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{},
-		joins: map[int]string{}, awaiting: map[int]bool{}}
+		joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
 	d.Adopt(current)
 	return d
 }
@@ -156,10 +178,38 @@ func (d *Decider) Join(now time.Time, j Join) time.Time {
 		_, failed := d.pending[g]
 		return g >= 0 && g < len(d.current.Ranks) && (!d.current.Alive(g) || failed || (!d.complete && d.current.Newcomer(g)))
 	}
+	first := len(d.joins) == 0
 	if d.record(d.joins, j.Slots, j.From, open) {
 		d.settleBy(&d.joinDue, j.SeenAt, now)
+		if first {
+			d.joinFirst = d.joinDue.Add(-d.cfg.SettleWindow)
+		}
 	}
 	return d.Due()
+}
+
+// rejoinDue is when the pending joins are to be grown back in: at the end
+// of their settle window, or, while a slot lost together with a joined one
+// has not joined, RejoinWait after the first join (whichever is later).
+func (d *Decider) rejoinDue() time.Time {
+	if d.joinDue.IsZero() {
+		return d.joinDue
+	}
+	for g := range d.joins {
+		e, ok := d.lostIn[g]
+		if !ok {
+			continue
+		}
+		for h, eh := range d.lostIn {
+			if _, joined := d.joins[h]; eh == e && !joined && !d.current.Alive(h) {
+				if t := d.joinFirst.Add(d.cfg.RejoinWait); t.After(d.joinDue) {
+					return t
+				}
+				return d.joinDue
+			}
+		}
+	}
+	return d.joinDue
 }
 
 // Joined records that newcomer g finished joining the group of grow epoch
@@ -222,7 +272,7 @@ func (d *Decider) Due() time.Time {
 	}
 	earliest(d.growDue())
 	if d.complete {
-		earliest(d.joinDue)
+		earliest(d.rejoinDue())
 	}
 	return due
 }
@@ -276,7 +326,7 @@ func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 		}
 		return next, true, nil
 	}
-	if d.complete && !d.joinDue.IsZero() && !now.Before(d.joinDue) {
+	if due := d.rejoinDue(); d.complete && !due.IsZero() && !now.Before(due) {
 		next, err = d.current.grow(sortedKeys(d.joins), d.name, now)
 		if err != nil {
 			return Epoch{}, false, err
@@ -321,6 +371,14 @@ func (d *Decider) Adopt(e Epoch) {
 		}
 	}
 	if len(d.joins) == 0 {
-		d.joinDue = time.Time{}
+		d.joinDue, d.joinFirst = time.Time{}, time.Time{}
+	}
+	for _, g := range e.Excluded {
+		d.lostIn[g] = e.Number
+	}
+	for g := range d.lostIn {
+		if e.Alive(g) {
+			delete(d.lostIn, g)
+		}
 	}
 }

@@ -229,3 +229,66 @@ func TestCoordinatorHeals(t *testing.T) {
 		t.Errorf("excluded %v after the grow, want about GrowTimeout (500 ms)", d)
 	}
 }
+
+// TestDeciderRejoinTogether: slots lost in one epoch (a node's ranks) are
+// grown back in one epoch even when their joins come more than a settle
+// window apart, up to RejoinWait after the first; a slot that never joins
+// holds the others up no longer than that; slots lost in different epochs
+// do not wait for each other.
+func TestDeciderRejoinTogether(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	ms := func(n int) time.Time { return t0.Add(time.Duration(n) * time.Millisecond) }
+	cfg := Config{SettleWindow: 100 * time.Millisecond, GrowTimeout: 10 * time.Second, RejoinWait: time.Second}
+	node := mustNext(t, Initial(8), 4, 5, 6, 7) // a node's four ranks lost together
+	type join struct {
+		at    int // ms
+		slots []int
+	}
+	tests := []struct {
+		name   string
+		from   Epoch
+		cfg    Config
+		joins  []join
+		growAt int   // ms: when Decide first grows
+		added  []int // what it grows back
+	}{
+		{"all four, 300 ms apart", node, cfg,
+			[]join{{0, []int{6}}, {300, []int{4}}, {450, []int{5, 7}}}, 450, []int{4, 5, 6, 7}},
+		{"one never comes", node, cfg,
+			[]join{{0, []int{6}}, {300, []int{4, 5}}}, 1000, []int{4, 5, 6}},
+		{"no rejoin wait", node, Config{SettleWindow: 100 * time.Millisecond, RejoinWait: -1},
+			[]join{{0, []int{6}}, {300, []int{4}}}, 100, []int{6}},
+		{"lost apart: no wait", mustNext(t, mustNext(t, Initial(8), 4), 5), cfg,
+			[]join{{0, []int{5}}}, 100, []int{5}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecider("a", tt.cfg, tt.from)
+			i := 0
+			for now := 0; now <= 2000; now += 10 {
+				for i < len(tt.joins) && tt.joins[i].at <= now {
+					d.Join(ms(now), Join{Slots: tt.joins[i].slots, From: "node2", SeenAt: ms(tt.joins[i].at)})
+					i++
+				}
+				e, ok, err := d.Decide(ms(now))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !ok {
+					continue
+				}
+				if now != tt.growAt || !slices.Equal(e.Added, tt.added) {
+					t.Fatalf("grow at %d ms adding %v; want at %d ms adding %v", now, e.Added, tt.growAt, tt.added)
+				}
+				return
+			}
+			t.Fatalf("no grow within 2 s; want one at %d ms", tt.growAt)
+		})
+	}
+	// While slots lost together are missing, the decision is due at the
+	// end of the rejoin wait, not of the settle window.
+	d := NewDecider("a", cfg, node)
+	if due := d.Join(t0, Join{Slots: []int{6}, SeenAt: t0}); !due.Equal(ms(1000)) {
+		t.Errorf("Due %v after the first of four joins; want %v", due, ms(1000))
+	}
+}
