@@ -89,8 +89,10 @@ func TestEtcdMembership(t *testing.T) {
 	var groups []int
 	for i, p := range plans {
 		env, port := p.env, p.store.Addr().(*net.TCPAddr).Port
-		if env.MasterAddr != nodes[i].job.addr || env.MasterPort != port {
-			t.Fatalf("node %s: MASTER %s:%d; want its own store at %s:%d", nodes[i].job.addr, env.MasterAddr, env.MasterPort, nodes[i].job.addr, port)
+		// Its own store, on loopback: only its workers and agent use it.
+		if env.MasterAddr != "127.0.0.1" || env.MasterPort != port || !p.store.Addr().(*net.TCPAddr).IP.IsLoopback() {
+			t.Fatalf("node %s: MASTER %s:%d, store on %v; want its own store at 127.0.0.1:%d", nodes[i].job.addr, env.MasterAddr, env.MasterPort,
+				p.store.Addr(), port)
 		}
 		groups = append(groups, p.assignments[0].GroupRank)
 	}
