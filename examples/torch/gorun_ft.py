@@ -351,6 +351,12 @@ class ElasticGroup:
         opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
         with self._lock:
             self._group, self._group_store, self._group_sockets = e, store, set(opened)
+            if self.backend == "gloo" and self._published > e.number:
+                # The next epoch came while the group formed: the watcher
+                # had no connections to break then, and a member that
+                # moves on without this group must not leave the others
+                # waiting in its first collective.
+                _sever(self._group_sockets)
 
     def _watch(self, n):
         """Wait on each next epoch's key through a store connection of its own
@@ -641,11 +647,11 @@ def _to_store(fd):
 
 
 def _sever(inodes):
-    """Shut down (both ways) the sockets with these inodes that are still
-    open: the process group's connections. Its pending and later
-    collectives fail at once, where they would wait for a silent peer
-    until the group's timeout; the descriptors stay the group's, to close
-    when it is destroyed."""
+    """Shut down (both ways) the connected sockets with these inodes that
+    are still open: the process group's connections, not its listener. Its
+    pending and later collectives fail at once, where they would wait for a
+    silent peer until the group's timeout; the descriptors stay the group's,
+    to close when it is destroyed."""
     if not inodes:
         return
     for inode, fd in _socket_inodes().items():
@@ -656,9 +662,12 @@ def _sever(inodes):
         except OSError:
             continue
         try:
-            s.shutdown(socket.SHUT_RDWR)
+            # Not a listener: gloo (2.x) treats a failed accept as fatal
+            # and aborts the process; a listener fails no collective.
+            if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                s.shutdown(socket.SHUT_RDWR)
         except OSError:
-            pass  # not connected (a listener), or already down
+            pass  # already down
         finally:
             s.close()
 

@@ -12,8 +12,9 @@ import (
 // epoch is over (a peer's host may have gone silent: no reset will come).
 // The connections opened while the group formed are shut down, so their
 // peers read end of file at once; a connection to the worker store
-// (MASTER_PORT) opened meanwhile, and one the program opened before, are
-// left alone. The peers are another process, as a group's are.
+// (MASTER_PORT) opened meanwhile, one the program opened before, and the
+// group's listener are left alone. The peers are another process, as a
+// group's are.
 func TestTorchFTSeversItsGroup(t *testing.T) {
 	out := torchtest.Run(t, time.Minute, nil, `
 import os, socket, subprocess, sys
@@ -51,12 +52,17 @@ mine = dial(other_port, "mine_")     # the program's own, before the group
 before = gorun_ft._socket_inodes()
 store = dial(store_port, "store")    # a store connection opened meanwhile
 group = dial(other_port, "group")    # the group's
+listener = socket.create_server(("127.0.0.1", 0))  # the group's too: gloo's own
 opened = {i for i, fd in gorun_ft._socket_inodes().items() if i not in before and not gorun_ft._to_store(fd)}
 gorun_ft._sever(opened)
+# The listener is left listening (gloo 2.x aborts when its accept fails).
+late = socket.create_connection(listener.getsockname())
+listener.settimeout(5)
+print("listener", "accepts" if listener.accept() else "refuses")
 out, _ = peer.communicate("severed\n", timeout=30)
 print(out)
 `, thisDir())
-	for _, want := range []string{"group eof", "store open", "mine open"} {
+	for _, want := range []string{"group eof", "store open", "mine open", "listener accepts"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("want %q in:\n%s", want, out)
 		}
