@@ -223,19 +223,47 @@ for c in json.loads(sys.stdin.read()):
     except gorun_ft.Forged as f:
         reason = f.reason
     out.append({"sealed": sealed, "reason": reason})
+# The worker's own: from its environment, each forgery logged once.
+logs = []
+auth = gorun_ft.BoardAuth.from_env(logs.append)
+env = auth.seal("epoch/3", b'{"epoch":3,"action":"shrink"}').decode()
+for _ in range(3):
+    try:
+        auth.open("epoch/3", b'{"epoch":3,"action":"shrink"}')
+    except gorun_ft.Forged:
+        pass
 print(json.dumps(out))
+print(json.dumps({"sealed": env, "logs": logs}))
 `, helper)
 	cmd.Stdin = bytes.NewReader(in)
-	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
+	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1",
+		SecretEnv+"="+vectorSecret, "TORCHELASTIC_RUN_ID=job-7", "GORUN_GENERATION=2")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr
 	out, err := cmd.Output()
 	if err != nil {
 		t.Fatalf("python: %v\n%s", err, stderr.String())
 	}
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	if len(lines) != 2 {
+		t.Fatalf("python said %s, want two lines", out)
+	}
 	var got []struct{ Sealed, Reason string }
-	if err := json.Unmarshal(out, &got); err != nil || len(got) != len(checks) {
+	if err := json.Unmarshal([]byte(lines[0]), &got); err != nil || len(got) != len(checks) {
 		t.Fatalf("python said %s (%v), want %d answers", out, err, len(checks))
+	}
+	var fromEnv struct {
+		Sealed string
+		Logs   []string
+	}
+	if err := json.Unmarshal([]byte(lines[1]), &fromEnv); err != nil {
+		t.Fatalf("python said %s: %v", out, err)
+	}
+	if fromEnv.Sealed != vectorSealed {
+		t.Errorf("gorun_ft.BoardAuth from the environment seals %s, want %s", fromEnv.Sealed, vectorSealed)
+	}
+	if want := []string{"ignored a forged record at epoch/3: no MAC"}; !slices.Equal(fromEnv.Logs, want) {
+		t.Errorf("gorun_ft.BoardAuth logged %q reading a forgery three times, want %q", fromEnv.Logs, want)
 	}
 	for i, c := range checks {
 		if got[i].Sealed != c.Sealed || got[i].Reason != c.Reason {

@@ -343,7 +343,10 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 // Notices returns the notices filed after index after, and the index of
 // the last one returned (after, when there is none). A notice whose index
 // was taken but whose body is not written yet ends the batch: it is read
-// next time. On an authenticated Board forged notices are skipped.
+// next time. On an authenticated Board forged notices are skipped, at once:
+// a genuine notice whose filer has taken its index but not yet replaced a
+// forgery written ahead of it is missed, so a reader that must see every
+// notice follows the log with AwaitNotice, which waits for it.
 func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 	n, err := b.store.Add(ctx, reportNext, 0)
 	if err != nil {

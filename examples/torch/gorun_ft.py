@@ -75,7 +75,8 @@ torchrun) set them; GORUN_AGREEMENT_TIMEOUT (seconds) bounds the wait for
 an epoch; GORUN_SHRINK_NEWCOMER=n makes the worker a newcomer for slot RANK,
 n being the last epoch decided before it started; GORUN_GROW_TIMEOUT
 (seconds, default 30, the agents' default) bounds, on top of the agreement
-timeout, the waits that a grow can make longer.
+timeout, the waits that a grow can make longer; GORUN_JOB_SECRET, with
+TORCHELASTIC_RUN_ID and GORUN_GENERATION, authenticates the board (below).
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
@@ -300,10 +301,11 @@ def open_record(secret, scope, key, rec):
 class BoardAuth:
     """The job secret and this round's scope, from the environment: seals
     the records this worker files and opens those it reads, logging each
-    distinct forgery once."""
+    distinct forgery once (the watcher and the main thread both read)."""
 
     def __init__(self, secret, scope, log):
         self._secret, self._scope, self._log = secret, scope, log
+        self._lock = threading.Lock()
         self._seen = set()
         self.forgeries = 0
 
@@ -328,9 +330,12 @@ class BoardAuth:
             return open_record(self._secret, self._scope, key.encode(), rec)
         except Forged as f:
             seen = (key, hashlib.sha256(rec).digest())
-            if seen not in self._seen:
-                self._seen.add(seen)
-                self.forgeries += 1
+            with self._lock:
+                new = seen not in self._seen
+                if new:
+                    self._seen.add(seen)
+                    self.forgeries += 1
+            if new:
                 self._log("ignored a forged record at %s: %s" % (key, f.reason))
             raise
 
