@@ -30,8 +30,17 @@ const DefaultPrefix = "gorun/shrink"
 //
 // Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
 // on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
+//
+// Anyone who reaches the store can write to it. An authenticated Board
+// (Authenticated) seals the records it writes (epochs, notices) with a MAC
+// under the job secret and refuses those it reads without a valid one: a
+// forged or replayed epoch is never returned (readers wait on for the
+// genuine one), a forged notice is skipped, and each is reported once to
+// the Auth's onForged. The counters (acks, report/next, respawns) carry no
+// MAC: a store's Add cannot.
 type Board struct {
 	store rendezvous.Store
+	auth  *Auth // nil: records are neither sealed nor verified
 }
 
 // NewBoard returns a Board on s under prefix (DefaultPrefix when empty).
@@ -41,6 +50,55 @@ func NewBoard(s rendezvous.Store, prefix string) *Board {
 		prefix = DefaultPrefix
 	}
 	return &Board{store: rendezvous.NewPrefixStore(prefix, s)}
+}
+
+// Authenticated returns a Board on b's store and prefix that seals what it
+// writes and verifies what it reads with a. A nil a returns b itself: the
+// job has no secret, and nothing is sealed or verified.
+func (b *Board) Authenticated(a *Auth) *Board {
+	if a == nil {
+		return b
+	}
+	return &Board{store: b.store, auth: a}
+}
+
+// forgedPoll is how often a reader looks again at a key that holds a forged
+// record, for the genuine one that replaces it: a store wait returns at
+// once on a key that exists, so this polls, only while under attack.
+const forgedPoll = 50 * time.Millisecond
+
+// noticeGrace is how long a reader of notice i that finds a forged record
+// there, once index i has been taken, waits for the genuine notice to
+// replace it before skipping it. A filer writes its notice right after
+// taking the index, so a forgery written ahead of it is replaced within
+// a store round trip; one under an index the forger took itself never is.
+const noticeGrace = time.Second
+
+// seal returns rec, sealed for key when the Board is authenticated.
+func (b *Board) seal(key string, rec []byte) ([]byte, error) {
+	if b.auth == nil {
+		return rec, nil
+	}
+	return b.auth.seal(key, rec)
+}
+
+// open returns the body of rec, read at key: rec itself when the Board is
+// not authenticated, and a Forgery when it is and rec fails.
+func (b *Board) open(key string, rec []byte) ([]byte, error) {
+	if b.auth == nil {
+		return rec, nil
+	}
+	return b.auth.open(key, rec)
+}
+
+// pause waits d, or until ctx is done.
+func pause(ctx context.Context, d time.Duration) error {
+	select {
+	case <-ctx.Done():
+		return context.Cause(ctx)
+	case <-time.After(d): // a timer not fired is collected (Go 1.23)
+		return nil
+	}
 }
 
 func epochKey(n int) string  { return "epoch/" + strconv.Itoa(n) }
@@ -66,52 +124,95 @@ func (b *Board) TakeRespawn(ctx context.Context, max int) (n int, ok bool, err e
 // Publish writes e as epoch e.Number unless one is there already: a
 // compare-set that only creates, so of two racing coordinators exactly one
 // wins. It returns the epoch the board holds afterwards — e, or the
-// winner's — and whether it was e.
+// winner's — and whether it was e. On an authenticated Board a forged
+// record under the key does not count as there: it is replaced by a
+// compare-set from its very bytes, so a genuine rival's epoch, written
+// meanwhile, is still never overwritten.
 func (b *Board) Publish(ctx context.Context, e Epoch) (Epoch, bool, error) {
 	if e.Number < 1 {
 		return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d: epochs on the board start at 1", e.Number)
 	}
+	key := epochKey(e.Number)
 	rec, err := json.Marshal(e)
+	if err == nil {
+		rec, err = b.seal(key, rec)
+	}
 	if err != nil {
 		return Epoch{}, false, fmt.Errorf("shrink: encode epoch %d: %w", e.Number, err)
 	}
-	got, err := b.store.CompareSet(ctx, epochKey(e.Number), nil, rec)
-	if err != nil {
-		return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d: %w", e.Number, err)
+	var expected []byte // nil: create only
+	for {
+		got, err := b.store.CompareSet(ctx, key, expected, rec)
+		if err != nil {
+			return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d: %w", e.Number, err)
+		}
+		if bytes.Equal(got, rec) {
+			return e, true, nil
+		}
+		held, err := b.decodeEpoch(e.Number, got)
+		if !errors.Is(err, ErrForged) {
+			return held, false, err
+		}
+		if bytes.Equal(got, expected) {
+			// c10d's quirk: the key is gone (an absent key with a
+			// non-empty expected answers expected). Create it again.
+			expected = nil
+		} else {
+			expected = got
+		}
+		if err := ctx.Err(); err != nil {
+			return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d over a forged record: %w", e.Number, err)
+		}
 	}
-	if bytes.Equal(got, rec) {
-		return e, true, nil
-	}
-	held, err := decodeEpoch(e.Number, got)
-	return held, false, err
 }
 
 // Await blocks until epoch n is on the board and returns it. It waits
 // through the store (a Wait on the key), not by polling; a store whose own
-// timeout ends a wait is asked again until ctx is done.
+// timeout ends a wait is asked again until ctx is done. On an
+// authenticated Board a forged record under the key is not returned: Await
+// waits on, looking again every forgedPoll, until the genuine epoch
+// replaces it.
 func (b *Board) Await(ctx context.Context, n int) (Epoch, error) {
 	key := epochKey(n)
+	if err := b.wait(ctx, key); err != nil {
+		return Epoch{}, fmt.Errorf("shrink: await epoch %d: %w", n, err)
+	}
+	for {
+		rec, err := b.store.Get(ctx, key)
+		if err != nil {
+			return Epoch{}, fmt.Errorf("shrink: read epoch %d: %w", n, err)
+		}
+		e, err := b.decodeEpoch(n, rec)
+		if !errors.Is(err, ErrForged) {
+			return e, err
+		}
+		if perr := pause(ctx, forgedPoll); perr != nil {
+			return Epoch{}, fmt.Errorf("shrink: await epoch %d: %w (the key holds a forged record: %w)", n, perr, err)
+		}
+	}
+}
+
+// wait waits until key exists; a store whose own timeout ends a wait is
+// asked again until ctx is done.
+func (b *Board) wait(ctx context.Context, key string) error {
 	for {
 		err := b.store.Wait(ctx, key)
 		if err == nil {
-			break
+			return nil
 		}
 		if !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
-			return Epoch{}, fmt.Errorf("shrink: await epoch %d: %w", n, err)
+			return err
 		}
 	}
-	rec, err := b.store.Get(ctx, key)
-	if err != nil {
-		return Epoch{}, fmt.Errorf("shrink: read epoch %d: %w", n, err)
-	}
-	return decodeEpoch(n, rec)
 }
 
 // Latest returns the number of the latest epoch on the board, 0 when there
-// is none: one check per epoch, for a worker or agent that comes late.
+// is none: one check per epoch, for a worker or agent that comes late. On
+// an authenticated Board each epoch is read and verified, and the first
+// one that is not genuine ends the count.
 func (b *Board) Latest(ctx context.Context) (int, error) {
 	for n := 1; ; n++ {
-		ok, err := b.store.Check(ctx, epochKey(n))
+		_, ok, err := b.lookup(ctx, n, b.auth != nil)
 		if err != nil {
 			return 0, fmt.Errorf("shrink: look for epoch %d: %w", n, err)
 		}
@@ -121,14 +222,32 @@ func (b *Board) Latest(ctx context.Context) (int, error) {
 	}
 }
 
-// Lookup returns epoch n if it is on the board, without waiting.
+// Lookup returns epoch n if it is on the board, without waiting. A forged
+// record under its key counts as no epoch.
 func (b *Board) Lookup(ctx context.Context, n int) (Epoch, bool, error) {
-	ok, err := b.store.Check(ctx, epochKey(n))
-	if err != nil || !ok {
+	return b.lookup(ctx, n, true)
+}
+
+// lookup reports whether epoch n is on the board and, with read, returns
+// it: without, a key that exists counts.
+func (b *Board) lookup(ctx context.Context, n int, read bool) (Epoch, bool, error) {
+	key := epochKey(n)
+	ok, err := b.store.Check(ctx, key)
+	if err != nil || !ok || !read {
+		return Epoch{}, ok, err
+	}
+	rec, err := b.store.Get(ctx, key)
+	if err != nil {
+		return Epoch{}, false, fmt.Errorf("shrink: read epoch %d: %w", n, err)
+	}
+	e, err := b.decodeEpoch(n, rec)
+	switch {
+	case errors.Is(err, ErrForged):
+		return Epoch{}, false, nil
+	case err != nil:
 		return Epoch{}, false, err
 	}
-	e, err := b.Await(ctx, n)
-	return e, err == nil, err
+	return e, true, nil
 }
 
 // Ack records that one survivor has moved to epoch n and returns how many
@@ -211,6 +330,10 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("shrink: file notice: %w", err)
 	}
+	// Sealed for its key, which is known only now.
+	if rec, err = b.seal(reportKey(int(i)), rec); err != nil {
+		return 0, fmt.Errorf("shrink: encode notice %d: %w", i, err)
+	}
 	if err := b.store.Set(ctx, reportKey(int(i)), rec); err != nil {
 		return 0, fmt.Errorf("shrink: file notice %d: %w", i, err)
 	}
@@ -220,7 +343,10 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 // Notices returns the notices filed after index after, and the index of
 // the last one returned (after, when there is none). A notice whose index
 // was taken but whose body is not written yet ends the batch: it is read
-// next time.
+// next time. On an authenticated Board forged notices are skipped, at once:
+// a genuine notice whose filer has taken its index but not yet replaced a
+// forgery written ahead of it is missed, so a reader that must see every
+// notice follows the log with AwaitNotice, which waits for it.
 func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 	n, err := b.store.Add(ctx, reportNext, 0)
 	if err != nil {
@@ -236,6 +362,9 @@ func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 			return out, i - 1, nil
 		}
 		no, err := b.readNotice(ctx, i)
+		if errors.Is(err, ErrForged) {
+			continue // reported by the Auth
+		}
 		if err != nil {
 			return out, i - 1, err
 		}
@@ -245,25 +374,46 @@ func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 }
 
 // AwaitNotice blocks until notice i is filed and returns it: a store wait
-// on its key, like Await.
+// on its key, like Await. On an authenticated Board a forged record under
+// the key is waited past while index i is not taken yet (a forgery written
+// ahead of the genuine notice, which replaces it) and for noticeGrace once
+// it is; if still forged then, AwaitNotice returns its Forgery (wrapping
+// ErrForged) and the caller moves on to i+1.
 func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
-	key := reportKey(i)
+	if err := b.wait(ctx, reportKey(i)); err != nil {
+		return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
+	}
+	var giveUp time.Time
 	for {
-		err := b.store.Wait(ctx, key)
-		if err == nil {
-			break
+		n, err := b.readNotice(ctx, i)
+		if !errors.Is(err, ErrForged) {
+			return n, err
 		}
-		if !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
-			return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
+		taken, aerr := b.store.Add(ctx, reportNext, 0)
+		if aerr != nil {
+			return Notice{}, fmt.Errorf("shrink: read notices: %w", aerr)
+		}
+		if taken >= int64(i) {
+			if giveUp.IsZero() {
+				giveUp = time.Now().Add(noticeGrace)
+			} else if time.Now().After(giveUp) {
+				return Notice{}, err
+			}
+		}
+		if perr := pause(ctx, forgedPoll); perr != nil {
+			return Notice{}, fmt.Errorf("shrink: await notice %d: %w (the key holds a forged record: %w)", i, perr, err)
 		}
 	}
-	return b.readNotice(ctx, i)
 }
 
 func (b *Board) readNotice(ctx context.Context, i int) (Notice, error) {
-	rec, err := b.store.Get(ctx, reportKey(i))
+	key := reportKey(i)
+	rec, err := b.store.Get(ctx, key)
 	if err != nil {
 		return Notice{}, fmt.Errorf("shrink: read notice %d: %w", i, err)
+	}
+	if rec, err = b.open(key, rec); err != nil {
+		return Notice{}, err
 	}
 	var n Notice
 	if err := json.Unmarshal(rec, &n); err != nil {
@@ -281,7 +431,13 @@ func (b *Board) readNotice(ctx context.Context, i int) (Notice, error) {
 	return n, nil
 }
 
-func decodeEpoch(n int, rec []byte) (Epoch, error) {
+// decodeEpoch returns the epoch in rec, read at epoch n's key: on an
+// authenticated Board a Forgery unless rec is genuine.
+func (b *Board) decodeEpoch(n int, rec []byte) (Epoch, error) {
+	rec, err := b.open(epochKey(n), rec)
+	if err != nil {
+		return Epoch{}, err
+	}
 	var e Epoch
 	if err := json.Unmarshal(rec, &e); err != nil {
 		return Epoch{}, fmt.Errorf("shrink: epoch %d on the board: %w", n, err)

@@ -159,6 +159,9 @@ func (c *Coordinator) watchNotices(ctx context.Context, b *Board) {
 	defer c.wg.Done()
 	for i := 1; ; i++ {
 		n, err := b.AwaitNotice(ctx, i)
+		if errors.Is(err, ErrForged) {
+			continue // never acted on; the Auth reported it
+		}
 		if err != nil {
 			c.fail(ctx, err)
 			return

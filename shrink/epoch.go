@@ -36,6 +36,13 @@
 // rendezvous's order), and since notices live on the Board, not in the
 // coordinator's memory, a successor picks up where a dead coordinator left.
 //
+// The worker store is reachable by anyone who reaches its port. With a job
+// secret every agent and worker authenticates the Board (Auth): epochs and
+// notices carry an HMAC-SHA256 bound to the job's round and to their key,
+// and a record without a valid one — forged, or a genuine one replayed
+// from another key or round — is never acted on, and never waited on once
+// the genuine one is there; each is reported once and counted.
+//
 // Ranks in an Epoch are global ranks, the numbering the job was launched
 // with (a newcomer keeps its slot's); Epoch.ShrinkList translates them into
 // the group-relative ranks that pg.ProcessGroup.Shrink (and PyTorch's

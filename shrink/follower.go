@@ -61,6 +61,9 @@ type Follower struct {
 	// the epoch after comes first.
 	stopGrow context.CancelFunc
 	growing  int
+	// seen is the latest epoch the watcher has seen: one it saw before
+	// Recover began a grow to an earlier epoch ends that grow at once.
+	seen int
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -225,6 +228,7 @@ func (f *Follower) run(ctx context.Context) {
 			return // ctx ended (Close), or the store is gone: Recover will say
 		}
 		f.mu.Lock()
+		f.seen = n
 		if f.stopGrow != nil && n > f.growing {
 			f.stopGrow() // epoch n supersedes the grow under way
 		}
@@ -294,6 +298,9 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 		// abort ended our collective first): only a later one ends it.
 		f.mu.Lock()
 		f.stopGrow, f.growing = stop, e.Number
+		if f.seen > e.Number {
+			stop() // the epoch after came before the grow began: the grow cannot complete
+		}
 		f.mu.Unlock()
 		defer func() {
 			f.mu.Lock()

@@ -390,3 +390,62 @@ func TestFollowerGrowSeenLateByWatcher(t *testing.T) {
 		}
 	}
 }
+
+// TestFollowerGrowSupersededBeforeItBegins: the epoch after a grow (the
+// shrink that ends a grow whose newcomer never came) reaches the watchers
+// before their workers begin the grow. Recover must give the grow up at
+// once — not wait in it for the newcomer until its context ends — and the
+// next Recover moves the members to the epoch after.
+func TestFollowerGrowSupersededBeforeItBegins(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	cfg := Config{SettleWindow: -1, GrowTimeout: time.Millisecond}
+	lost := mustNext(t, Initial(3), 2) // slot 2 lost: members 0 and 1
+	d := NewDecider("test", cfg, lost)
+	d.Join(time.Now(), Join{Slots: []int{2}})
+	grow, ok, err := d.Decide(time.Now())
+	if err != nil || !ok {
+		t.Fatalf("Decide the grow: %v %v", ok, err)
+	}
+	back, ok, err := NewDecider("test", cfg, grow).Decide(grow.DecidedAt.Add(cfg.GrowTimeout))
+	if err != nil || !ok || back.Base != lost.Number {
+		t.Fatalf("Decide the shrink after the grow: %v (base %d) %v %v", back, back.Base, ok, err)
+	}
+	groups := formGroups(ctx, t, dial, 2)
+	followers := make([]*Follower, len(groups))
+	for r, g := range groups {
+		followers[r] = startFollower(NewBoard(dial(), ""), NewBoard(dial(), ""), r, lost, g)
+		defer followers[r].Close()
+	}
+	board := NewBoard(dial(), "")
+	for _, e := range []Epoch{grow, back} {
+		if _, _, err := board.Publish(ctx, e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(300 * time.Millisecond) // both watchers see both epochs
+	var wg sync.WaitGroup
+	for r, f := range followers {
+		wg.Go(func() {
+			start := time.Now()
+			rctx, stop := context.WithTimeout(ctx, 20*time.Second)
+			defer stop()
+			g, e, err := f.Recover(rctx)
+			if !errors.Is(err, ErrGrowIncomplete) || e.Number != grow.Number || g != groups[r] {
+				t.Errorf("rank %d: Recover = epoch %d, %v; want the grow given up, in the group held", r, e.Number, err)
+				return
+			}
+			if took := time.Since(start); took > 10*time.Second {
+				t.Errorf("rank %d: the superseded grow was given up after %v", r, took)
+			}
+			ng, e, err := f.Recover(rctx)
+			if err != nil || e.Number != back.Number || ng.Size() != 2 {
+				t.Errorf("rank %d: the next Recover = epoch %d, %v; want epoch %d's group of 2", r, e.Number, err, back.Number)
+				return
+			}
+			ng.Close()
+		})
+	}
+	wg.Wait()
+}

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"strconv"
 	"strings"
@@ -10,6 +11,7 @@ import (
 
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+	"github.com/gorunhq/gorun/shrink"
 )
 
 // workerEnv is what a launcher (gorun or torchrun) tells a worker, read from
@@ -37,6 +39,12 @@ type workerEnv struct {
 	// started.
 	newcomer bool
 	after    int
+	// secret is the job secret (GORUN_JOB_SECRET), "" when the job has
+	// none; scope names this round of the job (TORCHELASTIC_RUN_ID and
+	// GORUN_GENERATION). With a secret, the worker's shrink Boards are
+	// authenticated: it acts only on epochs the agents sealed, and seals
+	// the notices it files. The secret is never printed.
+	secret, scope string
 }
 
 func readEnv(getenv func(string) string) (workerEnv, error) {
@@ -81,6 +89,9 @@ func readEnv(getenv func(string) string) (workerEnv, error) {
 		e.newcomer, e.after = true, n
 	}
 	e.agentStore = strings.EqualFold(getenv("TORCHELASTIC_USE_AGENT_STORE"), "true")
+	if e.secret = getenv(shrink.SecretEnv); e.secret != "" {
+		e.scope = shrink.Scope(getenv("TORCHELASTIC_RUN_ID"), getenv("GORUN_GENERATION"))
+	}
 	switch e.onFailure = strings.ToLower(getenv("GORUN_ON_FAILURE")); e.onFailure {
 	case "", onFailureRestart, onFailureShrink:
 	default:
@@ -94,6 +105,17 @@ const (
 	onFailureRestart = "restart"
 	onFailureShrink  = "shrink"
 )
+
+// boardAuth returns the Auth of the worker's shrink Boards, nil when the
+// job has no secret. Each forged record it refuses is reported once on out.
+func (e workerEnv) boardAuth(out io.Writer) (*shrink.Auth, error) {
+	if e.secret == "" {
+		return nil, nil
+	}
+	return shrink.NewAuth([]byte(e.secret), e.scope, func(f shrink.Forgery) {
+		fmt.Fprintf(out, "ignored a forged record at %s: %s\n", f.Key, f.Reason)
+	})
+}
 
 // namespace is where this attempt's group bootstraps in the store.
 func (e workerEnv) namespace() string {

@@ -15,20 +15,26 @@ import (
 )
 
 // follow starts following the shrink epochs that gorun's agents publish on
-// the Board in the worker store (at shrink.DefaultPrefix). The follower's
-// watcher gets a store connection of its own, because a store wait holds
-// its connection until the epoch appears; acknowledgements share the
-// worker's. stop stops the watcher and closes its connection.
-func follow(ctx context.Context, e workerEnv, store rendezvous.Store, g pg.ProcessGroup, timeout time.Duration) (f *shrink.Follower, stop func(), err error) {
+// the Board in the worker store (at shrink.DefaultPrefix), authenticated by
+// auth when the job has a secret. The follower's watcher gets a store
+// connection of its own, because a store wait holds its connection until
+// the epoch appears; acknowledgements share the worker's. stop stops the
+// watcher and closes its connection.
+func follow(ctx context.Context, e workerEnv, store rendezvous.Store, g pg.ProcessGroup, timeout time.Duration, auth *shrink.Auth) (f *shrink.Follower, stop func(), err error) {
 	watch, err := dialStore(ctx, e, timeout)
 	if err != nil {
 		return nil, nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
 	}
-	f = shrink.NewFollower(shrink.NewBoard(store, shrink.DefaultPrefix), shrink.NewBoard(watch, shrink.DefaultPrefix), e.rank, e.world, g)
+	f = shrink.NewFollower(board(store, auth), board(watch, auth), e.rank, e.world, g)
 	return f, func() {
 		f.Close()
 		watch.Close()
 	}, nil
+}
+
+// board is the shrink Board on a connection to the worker store.
+func board(s rendezvous.Store, auth *shrink.Auth) *shrink.Board {
+	return shrink.NewBoard(s, shrink.DefaultPrefix).Authenticated(auth)
 }
 
 // recoverable reports whether err is one the next epoch resolves: a peer
@@ -57,7 +63,7 @@ func (w *worker) enter(ctx context.Context, e workerEnv, store rendezvous.Store)
 	ectx, cancel := context.WithTimeout(ctx, w.opt.timeout+shrink.DefaultGrowTimeout)
 	defer cancel()
 	f, g, ep, err := shrink.Newcomer{
-		Board: shrink.NewBoard(store, shrink.DefaultPrefix), Watch: shrink.NewBoard(watch, shrink.DefaultPrefix),
+		Board: board(store, w.auth), Watch: board(watch, w.auth),
 		Slot: e.rank, After: e.after,
 		Join: func(ctx context.Context, rank, size int, spec pg.GrowSpec) (pg.ProcessGroup, error) {
 			return w.be.joinGroup(ctx, pg.Bootstrap{Store: store, Rank: rank, Size: size, Timeout: w.opt.timeout}, spec, e)

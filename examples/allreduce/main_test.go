@@ -58,6 +58,11 @@ func TestReadEnv(t *testing.T) {
 		{"not a number", with("WORLD_SIZE", "four"), `WORLD_SIZE="four" is not an integer`},
 		{"unknown failure mode", with("GORUN_ON_FAILURE", "retry"), `GORUN_ON_FAILURE="retry": want restart or shrink`},
 		{"newcomer", with("GORUN_SHRINK_NEWCOMER", "3"), ""},
+		{"job secret", func() map[string]string {
+			m := with("GORUN_JOB_SECRET", "s3cret")
+			m["TORCHELASTIC_RUN_ID"], m["GORUN_GENERATION"] = "job-7", "2"
+			return m
+		}(), ""},
 		{"newcomer's epoch not a number", with("GORUN_SHRINK_NEWCOMER", "x"), `GORUN_SHRINK_NEWCOMER="x": want the number of the last epoch decided`},
 	}
 	for _, tt := range tests {
@@ -75,6 +80,9 @@ func TestReadEnv(t *testing.T) {
 			want := workerEnv{rank: 2, world: 4, masterAddr: "10.0.0.1", masterPort: 29500, agentStore: true, attempt: 3, onFailure: "shrink"}
 			if n := tt.env["GORUN_SHRINK_NEWCOMER"]; n != "" {
 				want.newcomer, want.after = true, 3
+			}
+			if tt.env["GORUN_JOB_SECRET"] != "" {
+				want.secret, want.scope = "s3cret", "job-7/2"
 			}
 			if e != want {
 				t.Errorf("readEnv = %+v, want %+v", e, want)

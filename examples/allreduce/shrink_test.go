@@ -338,6 +338,10 @@ func TestShrinkAtFinishLine(t *testing.T) {
 // gives them, on a worker store the test serves.
 type job struct {
 	t      *testing.T
+	addr   string // the worker store's
+	bin    string
+	args   []string
+	env    []string // every rank's environment
 	store  *tcpstore.Client
 	board  *shrink.Board
 	procs  []*exec.Cmd            // by global rank; nil for a rank not started
@@ -348,6 +352,12 @@ type job struct {
 // startJob starts a worker process for every global rank of world but
 // those in skip.
 func startJob(ctx context.Context, t *testing.T, bin string, world int, skip []int, onFailure string, args []string) *job {
+	t.Helper()
+	return startJobEnv(ctx, t, bin, world, skip, onFailure, args, nil)
+}
+
+// startJobEnv is startJob with env added to every rank's environment.
+func startJobEnv(ctx context.Context, t *testing.T, bin string, world int, skip []int, onFailure string, args, env []string) *job {
 	t.Helper()
 	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
 	if err != nil {
@@ -361,28 +371,16 @@ func startJob(ctx context.Context, t *testing.T, bin string, world int, skip []i
 	t.Cleanup(func() { store.Close() })
 	port := srv.Addr().(*net.TCPAddr).Port
 
-	j := &job{t: t, store: store, board: shrink.NewBoard(store, shrink.DefaultPrefix), exited: map[int]chan struct{}{}}
+	j := &job{t: t, addr: srv.Addr().String(), bin: bin, args: args, store: store,
+		board: shrink.NewBoard(store, shrink.DefaultPrefix), exited: map[int]chan struct{}{}}
+	j.env = append([]string{"WORLD_SIZE=" + strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + strconv.Itoa(port),
+		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "GORUN_ON_FAILURE=" + onFailure}, env...)
+	j.procs, j.outs = make([]*exec.Cmd, world), make([]*testutil.SyncBuffer, world)
 	for r := range world {
-		out := new(testutil.SyncBuffer)
-		j.procs, j.outs = append(j.procs, nil), append(j.outs, out)
-		if slices.Contains(skip, r) {
-			continue
+		j.outs[r] = new(testutil.SyncBuffer)
+		if !slices.Contains(skip, r) {
+			j.start(ctx, r)
 		}
-		cmd := exec.CommandContext(ctx, bin, args...)
-		cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
-			"WORLD_SIZE="+strconv.Itoa(world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+strconv.Itoa(port),
-			"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "GORUN_ON_FAILURE="+onFailure)
-		cmd.Stdout, cmd.Stderr = out, out
-		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		done := make(chan struct{})
-		go func() {
-			cmd.Wait()
-			close(done)
-		}()
-		j.procs[r], j.exited[r] = cmd, done
 	}
 	t.Cleanup(func() {
 		for r, done := range j.exited {
@@ -391,6 +389,27 @@ func startJob(ctx context.Context, t *testing.T, bin string, world int, skip []i
 		}
 	})
 	return j
+}
+
+// start starts the process of global rank r, with extra added to its
+// environment; a process started earlier for r must have exited.
+// Called from the test's goroutine only.
+func (j *job) start(ctx context.Context, r int, extra ...string) {
+	j.t.Helper()
+	cmd := exec.CommandContext(ctx, j.bin, j.args...)
+	cmd.Env = append(append(append(os.Environ(), j.env...), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r)), extra...)
+	j.outs[r] = new(testutil.SyncBuffer) // a newcomer's output apart from its slot's first process's
+	cmd.Stdout, cmd.Stderr = j.outs[r], j.outs[r]
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		j.t.Fatal(err)
+	}
+	done := make(chan struct{})
+	go func() {
+		cmd.Wait()
+		close(done)
+	}()
+	j.procs[r], j.exited[r] = cmd, done
 }
 
 // waitStarted waits until every rank has formed its group.

@@ -51,10 +51,14 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		return res, fmt.Errorf("worker store: %w", err)
 	}
 	defer closeStore()
+	auth, err := e.boardAuth(out)
+	if err != nil {
+		return res, err
+	}
 	w := &worker{
 		be: be, opt: opt, out: out, globalRank: e.rank, attempt: e.attempt,
 		store: rendezvous.NewPrefixStore(e.namespace(), store), epoch: shrink.Initial(e.world),
-		stamped: -1,
+		stamped: -1, auth: auth,
 	}
 	defer w.close()
 	if e.newcomer {
@@ -80,7 +84,7 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		return res, err // w.close closes g
 	}
 	if opt.shrink {
-		f, stop, err := follow(setupCtx, e, store, g, opt.timeout)
+		f, stop, err := follow(setupCtx, e, store, g, opt.timeout, auth)
 		if err != nil {
 			return res, err
 		}
@@ -102,6 +106,7 @@ type worker struct {
 	attempt    int              // TORCHELASTIC_RESTART_COUNT
 	follower   *shrink.Follower // nil unless in shrink mode
 	store      rendezvous.Store // the worker store, in this attempt's namespace
+	auth       *shrink.Auth     // the shrink Boards' (nil: the job has no secret)
 
 	epoch shrink.Epoch // the membership of group, in launch (global) ranks
 	group pg.ProcessGroup

@@ -75,7 +75,8 @@ torchrun) set them; GORUN_AGREEMENT_TIMEOUT (seconds) bounds the wait for
 an epoch; GORUN_SHRINK_NEWCOMER=n makes the worker a newcomer for slot RANK,
 n being the last epoch decided before it started; GORUN_GROW_TIMEOUT
 (seconds, default 30, the agents' default) bounds, on top of the agreement
-timeout, the waits that a grow can make longer.
+timeout, the waits that a grow can make longer; GORUN_JOB_SECRET, with
+TORCHELASTIC_RUN_ID and GORUN_GENERATION, authenticates the board (below).
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
@@ -83,9 +84,22 @@ Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``ack/<n>`` counts the members that moved to epoch n; ``report/next``
 counts the notices and ``report/<i>`` holds notice i, JSON with one of
 ``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own).
+
+Authenticated board: when the job has a secret (GORUN_JOB_SECRET, which
+gorun puts in every worker's environment), every record on the board ends
+with one more field, ``..., "mac":"<64 lowercase hex>"}``: HMAC-SHA256 under
+the secret of ``"gorun/shrink/v1\0" + scope + "\0" + key + "\0" + body``,
+where scope is ``TORCHELASTIC_RUN_ID + "/" + GORUN_GENERATION`` (this round of
+this job), key is relative to the prefix (``epoch/3``, ``report/12``) and
+body is the record without its mac field. The helper verifies every epoch
+it reads (one that fails, forged or replayed from another key or round, is
+logged once and ignored: it waits on for the genuine one) and seals every
+notice it files. Without a secret, records are neither sealed nor checked.
 """
 import datetime
 import gc
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -98,6 +112,15 @@ import torch
 import torch.distributed as dist
 
 BOARD_PREFIX = "gorun/shrink"
+# The job secret's variable (shrink.SecretEnv), and the MAC's domain and
+# field, as package shrink seals records.
+SECRET_ENV = "GORUN_JOB_SECRET"
+MAC_DOMAIN = b"gorun/shrink/v1\x00"
+_MAC_FIELD = b',"mac":"'
+_SEALED_TAIL = len(_MAC_FIELD) + 64 + 2  # ,"mac":"<64 hex>"}  less the body's "}"
+# How often a reader looks again at an epoch key that holds a forged record,
+# for the genuine epoch that replaces it (only while under attack).
+FORGED_POLL = 0.05
 # How long the watcher's store wait lasts before it checks whether to stop;
 # also the slice of the waits that give up when the next epoch appears.
 WATCH_WAIT = datetime.timedelta(seconds=1)
@@ -228,8 +251,94 @@ def _connect_store(timeout, serve=False):
     return dist.TCPStore(host, port, world, serve, timeout, wait_for_workers=False)
 
 
+def _rel(*parts):
+    """A board key relative to the prefix, as records are sealed for."""
+    return "/".join(str(p) for p in parts)
+
+
 def _key(*parts):
-    return "/".join((BOARD_PREFIX,) + tuple(str(p) for p in parts))
+    return BOARD_PREFIX + "/" + _rel(*parts)
+
+
+class Forged(ValueError):
+    """A record on the board failed authentication."""
+
+    def __init__(self, key, reason):
+        super().__init__("%s: forged record: %s" % (key, reason))
+        self.key, self.reason = key, reason
+
+
+def board_mac(secret, scope, key, body):
+    """The MAC of record body (bytes, without its mac field) at board key
+    key (relative to the prefix), for round scope, under secret (bytes):
+    lowercase hex, as package shrink computes it."""
+    msg = MAC_DOMAIN + scope + b"\x00" + key + b"\x00" + body
+    return hmac.new(secret, msg, hashlib.sha256).hexdigest().encode("ascii")
+
+
+def seal_record(secret, scope, key, body):
+    """body, a JSON object (bytes), with its mac field spliced in last."""
+    if len(body) < 3 or body[:1] != b"{" or body[-1:] != b"}":
+        raise ValueError("seal %r: want a non-empty JSON object" % key)
+    return body[:-1] + _MAC_FIELD + board_mac(secret, scope, key, body) + b'"}'
+
+
+def open_record(secret, scope, key, rec):
+    """The body of sealed record rec read at key, or Forged: no MAC, a MAC
+    out of shape, or one that does not match (forged, or replayed from
+    another key or round)."""
+    n = len(rec)
+    if n < _SEALED_TAIL + 2 or rec[-2:] != b'"}' or rec[n - _SEALED_TAIL:n - _SEALED_TAIL + len(_MAC_FIELD)] != _MAC_FIELD:
+        raise Forged(key.decode(errors="replace"), "malformed MAC" if b'"mac"' in rec else "no MAC")
+    digits = rec[n - _SEALED_TAIL + len(_MAC_FIELD):n - 2]
+    if any(c not in b"0123456789abcdef" for c in digits):
+        raise Forged(key.decode(errors="replace"), "malformed MAC")
+    body = rec[:n - _SEALED_TAIL] + b"}"
+    if not hmac.compare_digest(digits, board_mac(secret, scope, key, body)):
+        raise Forged(key.decode(errors="replace"), "bad MAC")
+    return body
+
+
+class BoardAuth:
+    """The job secret and this round's scope, from the environment: seals
+    the records this worker files and opens those it reads, logging each
+    distinct forgery once (the watcher and the main thread both read)."""
+
+    def __init__(self, secret, scope, log):
+        self._secret, self._scope, self._log = secret, scope, log
+        self._lock = threading.Lock()
+        self._seen = set()
+        self.forgeries = 0
+
+    @classmethod
+    def from_env(cls, log):
+        """The environment's BoardAuth, None when the job has no secret. The
+        variables are read as bytes, as Go reads them."""
+        env = os.environb
+        secret = env.get(SECRET_ENV.encode())
+        if not secret:
+            return None
+        scope = env.get(b"TORCHELASTIC_RUN_ID", b"") + b"/" + env.get(b"GORUN_GENERATION", b"")
+        return cls(secret, scope, log)
+
+    def seal(self, key, body):
+        return seal_record(self._secret, self._scope, key.encode(), body)
+
+    def open(self, key, rec):
+        if isinstance(rec, str):
+            rec = rec.encode("utf-8", "surrogateescape")
+        try:
+            return open_record(self._secret, self._scope, key.encode(), rec)
+        except Forged as f:
+            seen = (key, hashlib.sha256(rec).digest())
+            with self._lock:
+                new = seen not in self._seen
+                if new:
+                    self._seen.add(seen)
+                    self.forgeries += 1
+            if new:
+                self._log("ignored a forged record at %s: %s" % (key, f.reason))
+            raise
 
 
 def _now():
@@ -297,6 +406,9 @@ class ElasticGroup:
         if self.newcomer and not after.isdigit():
             raise ValueError("GORUN_SHRINK_NEWCOMER=%r: want the number of the last epoch decided" % after)
         self._log = log or (lambda msg: print(msg, flush=True))
+        # The job secret, when there is one: epochs are verified, notices
+        # sealed.
+        self._auth = BoardAuth.from_env(self._log)
         # Each restart of the job bootstraps under its own namespace.
         self._ns = "gorun_ft/attempt_" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         agreement = _seconds("GORUN_AGREEMENT_TIMEOUT", DEFAULT_AGREEMENT_TIMEOUT)
@@ -371,7 +483,11 @@ class ElasticGroup:
                 # Short waits, so that close() can join this thread soon.
                 if not waiter.wait([key], WATCH_WAIT.total_seconds()):
                     continue  # ask again
-                e = Epoch.decode(waiter.get(key))
+                e = self._epoch(n, waiter.get(key))
+            except Forged:
+                # Not acted on: wait for the genuine epoch to replace it.
+                self._stop.wait(FORGED_POLL)
+                continue
             except (RuntimeError, ValueError, KeyError):
                 # The store is unreachable (or the record unreadable):
                 # pause rather than spin; recover() will report it when
@@ -546,9 +662,19 @@ class ElasticGroup:
         self._file({"join": {"slots": [slot], "from": "slot %d" % slot, "seen_at": _now()}})
 
     def _file(self, notice):
-        """Add a notice to the board's log."""
+        """Add a notice to the board's log, sealed when the job has a secret."""
         i = self.store.add(_key("report", "next"), 1)
-        self.store.set(_key("report", i), json.dumps(notice))
+        rec = json.dumps(notice)
+        if self._auth is not None:
+            rec = self._auth.seal(_rel("report", i), rec.encode("ascii")).decode("ascii")
+        self.store.set(_key("report", i), rec)
+
+    def _epoch(self, n, rec):
+        """Epoch n from the record at its key; Forged when the job has a
+        secret and the record fails it."""
+        if self._auth is not None:
+            rec = self._auth.open(_rel("epoch", n), rec)
+        return Epoch.decode(rec)
 
     def _shrinks(self):
         """Whether the backend shrinks a group in place (NCCL with PyTorch's
@@ -586,7 +712,11 @@ class ElasticGroup:
                     why += ", plus the grow timeout"
                 raise RestartRequired("no epoch %d within %.0f s (%s): restart" % (n, bound, why))
             if self._awaiter.wait([key], min(left, 5.0)):
-                return Epoch.decode(self._awaiter.get(key))
+                try:
+                    return self._epoch(n, self._awaiter.get(key))
+                except Forged:
+                    # Not acted on: wait for the genuine epoch to replace it.
+                    time.sleep(min(FORGED_POLL, max(left, 0)))
 
     def resync(self, *tensors):
         """Copy the tensors of the lowest rank whose state is the job's to

@@ -24,13 +24,13 @@ import (
 )
 
 // coordinate starts the agents' side on j's store: a Coordinator leading,
-// on three connections of its own as an agent's is. Closed by the test's
-// cleanup.
-func (j job) coordinate(ctx context.Context, t *testing.T, cfg shrink.Config) *shrink.Coordinator {
+// on three connections of its own as an agent's is, its Boards
+// authenticated by auth (none when nil). Closed by the test's cleanup.
+func (j job) coordinate(ctx context.Context, t *testing.T, cfg shrink.Config, auth *shrink.Auth) *shrink.Coordinator {
 	t.Helper()
 	var boards [3]*shrink.Board
 	for i := range boards {
-		boards[i] = shrink.NewBoard(j.dial(ctx, t), "")
+		boards[i] = shrink.NewBoard(j.dial(ctx, t), "").Authenticated(auth)
 	}
 	c := shrink.NewCoordinator(shrink.CoordinatorConfig{Config: cfg, Name: "test-agent", World: j.world},
 		boards[0], boards[1], boards[2])
@@ -53,11 +53,19 @@ type healRun struct {
 // interpreter py and train_elastic.py at script, the agents tuned by cfg.
 func startHealRun(t *testing.T, py, script string, cfg shrink.Config, steps int) healRun {
 	t.Helper()
+	return startHealRunAuth(t, py, script, cfg, steps, nil, nil)
+}
+
+// startHealRunAuth is startHealRun with env added to every rank's
+// environment and the agents' Boards (and the test's) authenticated by
+// auth (none when nil).
+func startHealRunAuth(t *testing.T, py, script string, cfg shrink.Config, steps int, env []string, auth *shrink.Auth) healRun {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	t.Cleanup(cancel)
-	j := newJob(ctx, t, py, script, gorunServer, nil, 4, "--steps", strconv.Itoa(steps), "--step-ms", "10")
-	coord := j.coordinate(ctx, t, cfg)
-	board := shrink.NewBoard(j.dial(ctx, t), "")
+	j := newJob(ctx, t, py, script, gorunServer, env, 4, "--steps", strconv.Itoa(steps), "--step-ms", "10")
+	coord := j.coordinate(ctx, t, cfg, auth)
+	board := shrink.NewBoard(j.dial(ctx, t), "").Authenticated(auth)
 	return healRun{ctx: ctx, j: j, coord: coord, board: board, ws: j.startAll(ctx, t)}
 }
 
