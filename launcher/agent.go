@@ -282,7 +282,7 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 		a.endpoint.RendezvousDone(p.round, time.Since(began))
 		var sv *survivors
 		if a.cfg.OnFailure == OnFailureShrink {
-			if sv, err = startSurvivors(ctx, &a.cfg, a.log, p); err != nil {
+			if sv, err = startSurvivors(ctx, &a.cfg, a.log, p, a.endpoint.RecordRefused); err != nil {
 				p.release()
 				a.endpoint.SetPhase(PhaseFailed)
 				return stoppedOr(ctx, a.log, err, "while joining the survivors' agreement")

@@ -47,7 +47,11 @@ type survivors struct {
 // startSurvivors joins the agreement of round p as node me (its group
 // rank). It opens three connections to the round's worker store: one for
 // filing and publishing, and one for each of the Coordinator's watchers.
-func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) (*survivors, error) {
+// With a job secret the board is authenticated for the round (its run id
+// and generation, as the workers see them): what the agents write is
+// sealed, and a record that fails the check is logged, counted through
+// refused (by kind: epoch, notice) and ignored.
+func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, refused func(kind string)) (*survivors, error) {
 	me := p.assignments[0].GroupRank
 	s := &survivors{
 		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
@@ -55,6 +59,22 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 		epoch: shrink.Initial(p.nodes.world()),
 	}
 	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
+	var auth *shrink.Auth
+	if cfg.JobSecret != nil {
+		var err error
+		auth, err = shrink.NewAuth(cfg.JobSecret, shrink.Scope(p.env.RunID, strconv.Itoa(p.env.Generation)), func(f shrink.Forgery) {
+			kind, _, _ := strings.Cut(f.Key, "/")
+			if kind == "report" {
+				kind = "notice"
+			}
+			s.log.Warn("ignored a record that fails the job secret's check (forged, replayed, or written without the secret)",
+				zap.String("key", f.Key), zap.String("why", string(f.Reason)))
+			refused(kind)
+		})
+		if err != nil {
+			return nil, fmt.Errorf("shrink mode: %w", err)
+		}
+	}
 	boards := make([]*shrink.Board, 3)
 	for i := range boards {
 		c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Timeout: cfg.AgreementTimeout})
@@ -64,6 +84,9 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan) 
 		}
 		s.clients = append(s.clients, c)
 		boards[i] = shrink.NewBoard(c, shrink.DefaultPrefix)
+		if auth != nil {
+			boards[i] = boards[i].Authenticated(auth)
+		}
 	}
 	s.board = boards[0]
 	s.coord = shrink.NewCoordinator(shrink.CoordinatorConfig{

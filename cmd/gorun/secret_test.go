@@ -3,6 +3,7 @@ package main
 import (
 	"net"
 	"os"
+	"os/exec"
 	"regexp"
 	"strconv"
 	"strings"
@@ -161,4 +162,56 @@ func nonLoopbackIP(t *testing.T) string {
 	}
 	t.Skip("no address but loopback")
 	return ""
+}
+
+// TestForgedEpochIgnored is the issue's attack, on a job with a secret: a
+// four-rank shrink-mode job under --standalone (which makes its secret),
+// and from outside the job one `gorun store set` of an epoch that
+// excludes the healthy rank 2. The agent and the workers ignore it (the
+// agent says so): no rank is killed, and the job ends at world 4.
+func TestForgedEpochIgnored(t *testing.T) {
+	bin, worker := testutil.BuildGorun(t), buildAllreduce(t)
+	const steps = 600 // 3 s at 5 ms
+	p := startAgent(t, bin, "--standalone", "--nproc-per-node", "4", "--on-failure", "shrink", "--log-dir", t.TempDir(),
+		"--no-python", worker, "--steps", strconv.Itoa(steps), "--step-ms", "5")
+	for range 4 {
+		p.expectLine(t, "start rank=")
+	}
+	pid, err := testutil.ChildWithEnv(p.cmd.Process.Pid, "RANK", "2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	environ, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var store string
+	for _, kv := range strings.Split(string(environ), "\x00") {
+		if v, ok := strings.CutPrefix(kv, "GORUN_STORE="); ok {
+			store = v
+		}
+	}
+	forged := `{"epoch":1,"excluded":[2],"lost":[2],"ranks":[0,1,-1,2],"world_size":3,"action":"shrink","base":0,"coordinator":"rogue"}`
+	if out, err := exec.Command(bin, "store", "set", "--store", store, "gorun/shrink/epoch/1", forged).CombinedOutput(); err != nil {
+		t.Fatalf("gorun store set: %v\n%s", err, out)
+	}
+	if code := p.exitCode(t, 60*time.Second); code != 0 {
+		t.Fatalf("exit %d; stderr:\n%s", code, p.stderr)
+	}
+	var dones []string
+	for l := range p.lines {
+		if m := doneRE.FindStringSubmatch(l); m != nil {
+			dones = append(dones, l)
+			if m[2] != "4" || m[3] != strconv.Itoa(steps) {
+				t.Errorf("%s: want world=4 steps=%d", l, steps)
+			}
+		}
+	}
+	if len(dones) != 4 {
+		t.Errorf("%d done lines, want 4; stderr:\n%s", len(dones), p.stderr)
+	}
+	log := p.stderr.String()
+	if !strings.Contains(log, "ignored a record that fails the job secret's check") || strings.Contains(log, "stopping a worker the epoch excludes") {
+		t.Errorf("the agent did not ignore the forged epoch:\n%s", log)
+	}
 }
