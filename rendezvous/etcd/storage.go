@@ -48,7 +48,9 @@ type StorageConfig struct {
 	// refuse them), kept where the Storage's watch does not look: every
 	// node's watch would otherwise carry each of their changes. The
 	// dynamic rendezvous's state is one: kilobytes, rewritten by every
-	// node's join and heartbeat, and only ever read.
+	// node's join and heartbeat, and only ever read. A name here also
+	// names an unwatched queue, which only non-blocking pops may take
+	// from (rendezvous.DynamicUnwatched lists the rendezvous's).
 	Unwatched []string
 }
 
@@ -60,12 +62,15 @@ type StorageConfig struct {
 //	m/t/<node>/<stripe>     the last read-modify-write attempt applied
 //	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
 //	u/<key>                 an unwatched key's value
+//	uq/<hex(name)>/<unique> an element of an unwatched queue
 const (
 	keysDir      = "k/"
 	queuesDir    = "q/"
 	quietKey     = "m/quiet"
 	tokenDir     = "m/t/" // m/t/<node>/<stripe>: see update
 	unwatchedDir = "u/"
+	// unwatchedQueuesDir holds the queues named in Unwatched.
+	unwatchedQueuesDir = "uq/"
 )
 
 // numStripes spreads read-modify-write operations of one node over this
@@ -231,6 +236,9 @@ func (s *Storage) refuseUnwatched(op string, keys ...[]byte) error {
 }
 
 func (s *Storage) qdir(name []byte) string {
+	if s.unwatched[string(name)] {
+		return s.prefix + unwatchedQueuesDir + hex.EncodeToString(name) + "/"
+	}
 	return s.prefix + queuesDir + hex.EncodeToString(name) + "/"
 }
 

@@ -1,0 +1,203 @@
+package rendezvous
+
+import (
+	"context"
+	"strconv"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+// foldRequest applies a queued Next as its node would: exit, then join.
+func TestFoldRequest(t *testing.T) {
+	cfg := coreCfg() // 2:4
+	req := func(i int, call uint64) request {
+		return request{Node: nd(i), Data: []byte("req"), Call: call, Deadline: at(600 * time.Second)}
+	}
+	withCall := func(e nodeState, call uint64) nodeState { e.Call = call; return e }
+	ranked := func(e nodeState, rank int) nodeState { e.Rank = rank; return e }
+	now := at(10 * time.Second)
+	for _, tc := range []struct {
+		name    string
+		st      *dynState
+		r       request
+		changed bool
+		check   func(t *testing.T, s *dynState)
+	}{{
+		name: "a fresh node joins, with its call",
+		st:   mkState(dynState{}),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 1 || s.Nodes[0].Waiting || s.Nodes[0].Call != 7 || string(s.Nodes[0].Data) != "req" || !s.Nodes[0].Heartbeat.Equal(now) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
+		name: "the join that fills the round completes it",
+		st:   mkState(dynState{Deadline: at(35 * time.Second)}, part(0, 5*time.Second), part(2, 5*time.Second), part(3, 5*time.Second)),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if !s.Complete || s.Size != 4 || s.Nodes[1].Rank != 1 || s.Nodes[1].Call != 7 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a member of a complete round leaves it and joins the next, which it starts",
+		st:   mkState(dynState{Complete: true, Size: 2}, ranked(part(0, 5*time.Second), 0), ranked(part(1, 5*time.Second), 1)),
+		r:    req(1, 8), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			// Node 1 left to rejoin; node 0 still holds round 0, so node 1
+			// waits in the list for round 1, its exit recorded.
+			if s.Round != 0 || len(s.Nodes) != 2 || !s.Nodes[1].Waiting || s.Nodes[1].Call != 8 || len(s.Rejoin) != 1 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "the same request again does not take the node out again",
+		st: mkState(dynState{Round: 1, Deadline: at(40 * time.Second), Rejoin: []rejoiner{{NodeDesc: nd(0)}, {NodeDesc: nd(1)}}},
+			withCall(part(1, 8*time.Second), 8)),
+		r: req(1, 8),
+		check: func(t *testing.T, s *dynState) {
+			if s.Round != 1 || len(s.Nodes) != 1 || s.Nodes[0].Waiting || !s.Nodes[0].Heartbeat.Equal(at(8*time.Second)) {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a new call of the same node does leave its round",
+		st: mkState(dynState{Complete: true, Size: 2},
+			ranked(withCall(part(0, 5*time.Second), 3), 0), ranked(withCall(part(1, 5*time.Second), 8), 1)),
+		r: req(1, 9), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Rejoin) != 1 || s.Rejoin[0].NodeDesc != nd(1) || !s.Nodes[1].Waiting || s.Nodes[1].Call != 9 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a complete, full round leaves an outsider out",
+		st: mkState(dynState{Complete: true, Size: 4}, ranked(part(0, 5*time.Second), 0), ranked(part(2, 5*time.Second), 1),
+			ranked(part(3, 5*time.Second), 2), ranked(part(4, 5*time.Second), 3)),
+		r: req(1, 7),
+		check: func(t *testing.T, s *dynState) {
+			if p, w := s.role(nd(1)); p || w {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a complete round with room puts an outsider in the wait list",
+		st:   mkState(dynState{Complete: true, Size: 2}, ranked(part(0, 5*time.Second), 0), ranked(part(2, 5*time.Second), 1)),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if _, w := s.role(nd(1)); !w || s.Nodes[1].Call != 7 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a closed run takes nobody",
+		st:   mkState(dynState{Closed: true}),
+		r:    req(1, 7),
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "past its deadline a participant rolls itself back",
+		st:   mkState(dynState{}, withCall(part(0, 5*time.Second), 7)),
+		r:    request{Node: nd(0), Call: 7, Deadline: at(9 * time.Second)}, changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "past the rollback window, nothing",
+		st:   mkState(dynState{}),
+		r:    request{Node: nd(0), Call: 7, Deadline: at(time.Second)},
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := tc.st.clone()
+			if got := s.foldRequest(tc.r, now, cfg); got != tc.changed {
+				t.Errorf("changed = %v, want %v", got, tc.changed)
+			}
+			tc.check(t, s)
+			// Folding it a second time changes nothing more.
+			again := s.clone()
+			if again.foldRequest(tc.r, now, cfg) {
+				t.Errorf("a second fold changed %+v into %+v", s, again)
+			}
+		})
+	}
+}
+
+// TestBubbleQueuedLastCall is TestBubbleLastCall on a store with queues:
+// every Next's writes go through the request queue, and torchrun's
+// timing holds to the nanosecond.
+func TestBubbleQueuedLastCall(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		lastCall(t, m)
+		if n := len(m.queues["gorun.rendezvous.job"+queueSuffix]); n != 0 {
+			t.Errorf("%d requests left in the queue", n)
+		}
+	})
+}
+
+// TestBubbleQueuedRestartAndDeadFolder: three nodes rendezvous and
+// restart together through the queue (round 1 completes at once: every
+// rejoiner is back); then a folder dies holding the lock (a lock value
+// nobody will release), and the next restart still completes, once the
+// lock has expired (4 s on), at the requesters' next look: a request
+// unanswered for KeepAliveTimeout (5 s) is pushed again, and folded.
+func TestBubbleQueuedRestartAndDeadFolder(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 3})
+		all := func(round int, want time.Duration) {
+			t.Helper()
+			start := time.Now()
+			chs := []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)}
+			for i, ch := range chs {
+				x := <-ch
+				if x.err != nil || x.r.Number != round || x.r.Rank != i || len(x.r.Members) != 3 || x.at > want {
+					t.Fatalf("round %d, node %d: %+v (%v)", round, i, x, x.err)
+				}
+			}
+		}
+		all(0, 0)
+		all(1, 0)
+		dead := []byte("10.0.0.99_1_0 " + strconv.FormatInt(time.Now().Add(4*time.Second).UnixNano(), 10))
+		m.Set(context.Background(), "gorun.rendezvous.job"+lockSuffix, dead)
+		all(2, 5*time.Second)
+	})
+}
+
+// TestBubbleQueuedJoinTimeout: a lone node gives up after exactly 600 s
+// and takes itself out, through the queue as well.
+func TestBubbleQueuedJoinTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		joinTimeout(t, newQueueMemStore())
+	})
+}
+
+// TestBubbleQueuedNoQueues: on a store without queues the executor
+// compare-sets the state itself, and remembers not to try again.
+func TestBubbleQueuedNoQueues(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newMemStore()
+		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2})
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		if !ds[0].noQueue.Load() || !ds[1].noQueue.Load() {
+			t.Error("the handles kept trying queues")
+		}
+	})
+}
