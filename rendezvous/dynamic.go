@@ -842,8 +842,11 @@ type request struct {
 	Data []byte   `json:"data,omitempty"`
 	// Call numbers the Next call on its node; never 0.
 	Call uint64 `json:"call"`
-	// Deadline is the node's join deadline.
+	// Deadline is the node's join deadline, or its heartbeat's.
 	Deadline time.Time `json:"deadline"`
+	// KeepAlive: refresh the node's heartbeat (keep-alive operation)
+	// rather than run its Next.
+	KeepAlive bool `json:"keep_alive,omitzero"`
 }
 
 // foldRequest applies r to s at now exactly as r's node would apply its
@@ -854,6 +857,14 @@ type request struct {
 // round completed meanwhile, the run closed, the deadline passed) is
 // decided on s, as the node itself would on reading s.
 func (s *dynState) foldRequest(r request, now time.Time, cfg DynamicConfig) bool {
+	if r.KeepAlive {
+		// Stamped at now, when it lands: a node may look alive up to one
+		// lazy fold's delay longer than it is.
+		if nextKeepAliveAction(s, r.Node, now, r.Deadline, cfg) != actKeepAlive {
+			return false
+		}
+		return s.apply(actKeepAlive, r.Node, nil, now, cfg)
+	}
 	ops := [2]func() action{
 		func() action { return nextExitAction(s, r.Node, now, r.Deadline) },
 		func() action { return nextJoinAction(s, r.Node, now, r.Deadline, cfg) },

@@ -511,6 +511,7 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 		st := snap.st.clone()
 		dropped := st.sanitize(now, d.cfg)
 		cur, changed := done, dropped
+		beatsOnly := !dropped // the pass only refreshes my heartbeat
 		if q != nil && !d.noQueue.Load() {
 			cur = 0
 			if i, ok := st.find(d.me); ok && st.Nodes[i].Call == q.req.Call {
@@ -530,10 +531,13 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			if a < actKeepAlive { // sync, finish, or an error: the batch ends
 				break
 			}
-			changed = st.apply(a, d.me, d.data, now, d.cfg) || changed
+			if st.apply(a, d.me, d.data, now, d.cfg) {
+				changed = true
+				beatsOnly = beatsOnly && a == actKeepAlive
+			}
 		}
 		if changed && q != nil && !d.noQueue.Load() {
-			again, err := d.request(ctx, snap, q, now)
+			again, err := d.request(ctx, snap, q, now, beatsOnly)
 			switch {
 			case err != nil:
 				return nil, err
@@ -544,6 +548,9 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				wake := st.wakeAt(d.me, now, deadline, d.cfg)
 				if resend := q.sent.Add(d.settle()); resend.Before(wake) {
 					wake = resend
+				}
+				if lazy := q.sent.Add(d.lazyDelay()); beatsOnly && lazy.After(now) && lazy.Before(wake) {
+					wake = lazy
 				}
 				if err := d.awaitKey(ctx, snap, now, wake, d.batchKey, func(s *dynState) uint64 { return s.Batch }); err != nil {
 					return nil, err
@@ -672,9 +679,19 @@ func (d *Dynamic) stopKeepAlive() error {
 // keepAliveOnce refreshes this node's heartbeat if it is due and returns
 // when the next one is. Errors are not fatal (the node has
 // KeepAliveMaxAttempt-1 more chances): it tries again an interval later.
+//
+// On a store with queues it queues the heartbeat (keepAliveQueued) and
+// reads nothing: the next is due an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
 	defer cancel()
+	if !d.noQueue.Load() {
+		next, err := d.keepAliveQueued(ctx)
+		if !errors.Is(err, ErrNotSupported) {
+			return next
+		}
+		d.noQueue.Store(true)
+	}
 	retry := d.now().Add(d.cfg.KeepAliveInterval)
 	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)

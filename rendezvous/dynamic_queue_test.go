@@ -2,7 +2,6 @@ package rendezvous
 
 import (
 	"context"
-	"strconv"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -118,6 +117,24 @@ func TestFoldRequest(t *testing.T) {
 				t.Fatalf("%+v", s)
 			}
 		},
+	}, {
+		name: "a queued heartbeat refreshes a due one, stamped when folded",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 4*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)}, changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if !s.Nodes[0].Heartbeat.Equal(now) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
+		name: "a queued heartbeat does not put a dropped node back",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(1, 4*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)},
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 1 || s.Nodes[0].NodeDesc != nd(1) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
 	}} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := tc.st.clone()
@@ -170,7 +187,7 @@ func TestBubbleQueuedRestartAndDeadFolder(t *testing.T) {
 		}
 		all(0, 0)
 		all(1, 0)
-		dead := []byte("10.0.0.99_1_0 " + strconv.FormatInt(time.Now().Add(4*time.Second).UnixNano(), 10))
+		dead := lockValue{holder: nd(99).String(), expiry: time.Now().Add(4 * time.Second), start: time.Now()}.bytes()
 		m.Set(context.Background(), "gorun.rendezvous.job"+lockSuffix, dead)
 		all(2, 5*time.Second)
 	})
@@ -198,6 +215,60 @@ func TestBubbleQueuedNoQueues(t *testing.T) {
 		}
 		if !ds[0].noQueue.Load() || !ds[1].noQueue.Load() {
 			t.Error("the handles kept trying queues")
+		}
+	})
+}
+
+// TestBubbleQueuedHeartbeats: 32 members of a round keep their heartbeats
+// through the queue: a minute later all are alive, having written the
+// state about once per lazy fold (1 s), not once per heartbeat (32 every
+// 5 s); then one stops and is lost once its last heartbeat, stamped when
+// it was folded, is 15 s old.
+func TestBubbleQueuedHeartbeats(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		const n = 32
+		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n})
+		start := time.Now()
+		chs := make([]<-chan bubbleResult, n)
+		for i := range ds {
+			chs[i] = goNext(ds[i], start)
+		}
+		for i, ch := range chs {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		m.mu.Lock()
+		w0 := m.writes["gorun.rendezvous.job"]
+		m.mu.Unlock()
+		time.Sleep(60 * time.Second)
+		m.mu.Lock()
+		w := m.writes["gorun.rendezvous.job"] - w0
+		m.mu.Unlock()
+		if st, err := ds[0].Status(context.Background()); err != nil || st.Lost != nil || st.Participants != n {
+			t.Fatalf("after a minute: %+v, %v", st, err)
+		}
+		if w > 75 {
+			t.Errorf("%d writes of the state in 60 s", w)
+		}
+		t.Logf("%d writes of the state in 60 s of heartbeats from %d nodes", w, n)
+		ds[n-1].Close()
+		closed := time.Now()
+		for {
+			st, err := ds[0].Status(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Lost != nil {
+				// Its last heartbeat was pushed at most 5 s before it
+				// stopped, and folded at most 1 s after the push.
+				if took := time.Since(closed); took < 10*time.Second || took > 17*time.Second {
+					t.Errorf("lost %v after %v", st.Lost, took)
+				}
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
 		}
 	})
 }

@@ -28,10 +28,11 @@ type memStore struct {
 	changed chan struct{} // closed and replaced on every write
 	cas     atomic.Int64
 	queues  map[string][][]byte // nil: no queues
+	writes  map[string]int      // per key
 }
 
 func newMemStore() *memStore {
-	return &memStore{kv: map[string][]byte{}, changed: make(chan struct{})}
+	return &memStore{kv: map[string][]byte{}, changed: make(chan struct{}), writes: map[string]int{}}
 }
 
 // newQueueMemStore is a memStore with queues, on which Next queues its
@@ -78,6 +79,7 @@ func (m *memStore) QueueLen(_ context.Context, k string) (int64, error) {
 
 // write stores v under k; mu must be held.
 func (m *memStore) write(k string, v []byte) {
+	m.writes[k]++
 	m.kv[k] = slices.Clone(v)
 	close(m.changed)
 	m.changed = make(chan struct{})

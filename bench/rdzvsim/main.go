@@ -36,6 +36,8 @@ import (
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
+var loss bool // -loss
+
 type result struct {
 	n        int
 	done     int // agents that got their round
@@ -48,6 +50,13 @@ type result struct {
 	etcdCPU  time.Duration
 	etcdGrow float64 // bytes per agent
 	err      error
+	// With -loss: one agent dies after round 0, a survivor expels it (as
+	// the launcher does once it sees the loss), and the others rendezvous
+	// again: the time from the expulsion to every survivor's new round,
+	// and the requests per survivor in that time.
+	lossDone    int
+	lossElapsed time.Duration
+	lossReqs    float64
 }
 
 func main() {
@@ -57,11 +66,12 @@ func main() {
 	etcdBin := flag.String("etcd-bin", "etcd", "etcd binary (Debian's etcd-server)")
 	etcdClients := flag.Int("etcd-clients", 0, "etcd client connections shared by the agents (0: one per agent)")
 	dataLen := flag.Int("data", 60, "bytes of data each agent publishes with its join (an agent's is ~60)")
+	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	flag.Parse()
 	fmt.Printf("Command: %s\n", strings.Join(os.Args, " "))
 	fmt.Printf("GOMAXPROCS %d, %s\n\n", runtime.GOMAXPROCS(0), time.Now().UTC().Format(time.RFC3339))
-	fmt.Println("| agents | all assigned | requests/agent | sent B/agent | received B/agent | written B/agent | CPU (this process) | etcd data growth/agent | etcd CPU |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| agents | all assigned | requests/agent | sent B/agent | received B/agent | written B/agent | CPU (this process) | etcd data growth/agent | etcd CPU | one lost: expulsion → survivors' round | requests/survivor |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, f := range strings.Split(*ns, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(f))
 		if err != nil || n < 1 {
@@ -95,11 +105,21 @@ func print(r result) {
 	if r.etcdCPU > 0 {
 		grow, ecpu = fmt.Sprintf("%.0f B", r.etcdGrow), fmt.Sprintf("%.1f s", r.etcdCPU.Seconds())
 	}
-	fmt.Printf("| %d | %s | %.1f | %.0f | %.0f | %.0f | %.1f s | %s | %s |\n",
-		r.n, t, r.reqs, r.sent, r.recv, r.written, r.cpu.Seconds(), grow, ecpu)
+	lt, lr := "", ""
+	if loss {
+		lt, lr = fmt.Sprintf("%.2f s", r.lossElapsed.Seconds()), fmt.Sprintf("%.1f", r.lossReqs)
+		if r.lossDone < r.n-1 {
+			lt = fmt.Sprintf("**never**: %d of %d", r.lossDone, r.n-1)
+		}
+	}
+	fmt.Printf("| %d | %s | %.1f | %.0f | %.0f | %.0f | %.1f s | %s | %s | %s | %s |\n",
+		r.n, t, r.reqs, r.sent, r.recv, r.written, r.cpu.Seconds(), grow, ecpu, lt, lr)
 }
 
 func config(n int) rendezvous.DynamicConfig {
+	if loss && n > 1 {
+		return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n - 1, MaxNodes: n}
+	}
 	return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n, MaxNodes: n}
 }
 
@@ -116,14 +136,19 @@ func data(i, size int) []byte {
 }
 
 // rendezvousAll makes one handle per store and runs Next on all of them
-// at once; it returns how many got a round and how long the last took.
-func rendezvousAll(stores []rendezvous.Store, size int, timeout time.Duration) (int, time.Duration, error) {
+// at once, filling in r's time and count of agents assigned; with -loss it
+// then loses the last agent and times the survivors' next round.
+//
+// first runs after the first round: it measures what that cost.
+func rendezvousAll(r *result, stores []rendezvous.Store, c *storecount.Counts, size int, timeout time.Duration, first func()) {
 	n := len(stores)
+	cfg := config(n)
 	ds := make([]*rendezvous.Dynamic, n)
 	for i := range ds {
-		d, err := rendezvous.NewDynamic(stores[i], node(i), data(i, size), config(n))
+		d, err := rendezvous.NewDynamic(stores[i], node(i), data(i, size), cfg)
 		if err != nil {
-			return 0, 0, err
+			r.err = err
+			return
 		}
 		ds[i] = d
 	}
@@ -134,6 +159,33 @@ func rendezvousAll(stores []rendezvous.Store, size int, timeout time.Duration) (
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	r.done, r.elapsed, r.err = nextAll(ctx, ds, 0)
+	perAgent(r, c)
+	first()
+	if !loss || r.done < n || n < 2 {
+		return
+	}
+	reqs0 := c.Requests.Load()
+	ds[n-1].Close() // dies: no Leave
+	start := time.Now()
+	h, err := rendezvous.NewDynamic(stores[0], node(n-1), nil, cfg)
+	if err == nil {
+		err = h.Leave(ctx)
+		h.Close()
+	}
+	if err != nil {
+		r.err = fmt.Errorf("expel: %w", err)
+		return
+	}
+	r.lossDone, _, err = nextAll(ctx, ds[:n-1], 1)
+	r.lossElapsed = time.Since(start)
+	r.lossReqs = float64(c.Requests.Load()-reqs0) / float64(n-1)
+	r.err = cmpErr(r.err, err)
+}
+
+// nextAll runs Next on every handle at once and returns how many got
+// round number round with every handle a member, and when the last did.
+func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, time.Duration, error) {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	done, last := 0, time.Duration(0)
@@ -145,18 +197,18 @@ func rendezvousAll(stores []rendezvous.Store, size int, timeout time.Duration) (
 			mu.Lock()
 			defer mu.Unlock()
 			switch {
-			case err == nil && len(r.Members) == n && r.Members[r.Rank].Node == node(i):
+			case err == nil && r.Number == round && len(r.Members) == len(ds) && r.Members[r.Rank].Node == node(i):
 				done++
 				last = max(last, time.Since(start))
 			case err == nil:
-				firstErr = cmpErr(firstErr, fmt.Errorf("agent %d: bad round: rank %d of %d", i, r.Rank, len(r.Members)))
+				firstErr = cmpErr(firstErr, fmt.Errorf("agent %d: bad round %d: rank %d of %d", i, r.Number, r.Rank, len(r.Members)))
 			case !errors.Is(err, context.DeadlineExceeded):
 				firstErr = cmpErr(firstErr, err)
 			}
 		})
 	}
 	wg.Wait()
-	if done < n {
+	if done < len(ds) {
 		last = time.Since(start)
 	}
 	return done, last, firstErr
@@ -205,9 +257,7 @@ func runC10d(n, size int, timeout time.Duration) result {
 		stores[i] = storecount.New(cl, &c)
 	}
 	cpu0 := cpuTime()
-	r.done, r.elapsed, r.err = rendezvousAll(stores, size, timeout)
-	r.cpu = cpuTime() - cpu0
-	perAgent(&r, &c)
+	rendezvousAll(&r, stores, &c, size, timeout, func() { r.cpu = cpuTime() - cpu0 })
 	return r
 }
 
@@ -255,10 +305,10 @@ func runEtcd(n, size int, timeout time.Duration, bin string, clients int) result
 		stores[i] = storecount.New(s, &c)
 	}
 	size0, cpu0, ecpu0 := dirSize(dir), cpuTime(), e.cpu()
-	r.done, r.elapsed, r.err = rendezvousAll(stores, size, timeout)
-	r.cpu, r.etcdCPU = cpuTime()-cpu0, e.cpu()-ecpu0
-	r.etcdGrow = float64(dirSize(dir)-size0) / float64(n)
-	perAgent(&r, &c)
+	rendezvousAll(&r, stores, &c, size, timeout, func() {
+		r.cpu, r.etcdCPU = cpuTime()-cpu0, e.cpu()-ecpu0
+		r.etcdGrow = float64(dirSize(dir)-size0) / float64(n)
+	})
 	return r
 }
 
