@@ -198,9 +198,12 @@ func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now t
 
 // fold takes the folder lock if it is free (or its holder's expired), and
 // while it holds it applies the queued requests in batches, one write a
-// batch; it lets go when the queue is empty. It reports whether it
-// applied any request (snap then holds the state as it last read or
-// wrote it).
+// batch; it lets go when the queue is empty, or after lazyDelay of
+// folding: heartbeats keep arriving, and the folder has its own Next to
+// finish. (Whoever queued what it leaves is woken by its last batch, or
+// folds after its own lazy delay, and takes the lock over.) It reports
+// whether it applied any request (snap then holds the state as it last
+// read or wrote it).
 func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 	mine, ok, err := d.lock(ctx, nil)
 	if err != nil || !ok {
@@ -219,6 +222,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			cancel()
 		}
 	}()
+	start := d.now()
 	for {
 		reqs, err := d.pop(ctx)
 		if err != nil {
@@ -230,7 +234,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			}
 			applied = true
 		}
-		if len(reqs) < foldBatch {
+		if spent := d.now().Sub(start) >= d.lazyDelay(); len(reqs) < foldBatch || spent {
 			// Let go, then look again: a request pushed before the
 			// release is seen here, one pushed after it finds the lock
 			// free.
@@ -244,7 +248,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 				return applied, nil // expired and taken: the taker folds
 			}
 			n, err := d.store.QueueLen(ctx, d.key+queueSuffix)
-			if err != nil || n == 0 {
+			if err != nil || n == 0 || spent {
 				return applied, err
 			}
 			if mine, ok, err = d.lock(ctx, nil); err != nil || !ok {
@@ -294,9 +298,35 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 
 // pop takes up to foldBatch requests off the queue, skipping any that do
 // not decode (they are not a gorun node's).
+//
+// It pops in batches where the store can (BatchPopper: etcd, where a pop
+// is two round trips), one by one elsewhere.
 func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
 	var reqs []request
+	add := func(b []byte) {
+		var r request
+		if json.Unmarshal(b, &r) == nil && (r.Call != 0 || r.KeepAlive) && r.Node.Addr != "" {
+			reqs = append(reqs, r)
+		}
+	}
+	bp, batch := d.store.(BatchPopper)
 	for len(reqs) < foldBatch {
+		if batch {
+			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, foldBatch-len(reqs))
+			switch {
+			case errors.Is(err, ErrNotSupported):
+				batch = false
+				continue
+			case err != nil:
+				return reqs, fmt.Errorf("pop requests: %w", err)
+			case len(bs) == 0:
+				return reqs, nil
+			}
+			for _, b := range bs {
+				add(b)
+			}
+			continue
+		}
 		b, err := d.store.QueuePop(ctx, d.key+queueSuffix, false)
 		switch {
 		case errors.Is(err, ErrQueueEmpty):
@@ -304,10 +334,7 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
 		case err != nil:
 			return reqs, fmt.Errorf("pop requests: %w", err)
 		}
-		var r request
-		if json.Unmarshal(b, &r) == nil && (r.Call != 0 || r.KeepAlive) && r.Node.Addr != "" {
-			reqs = append(reqs, r)
-		}
+		add(b)
 	}
 	return reqs, nil
 }

@@ -27,7 +27,10 @@ type Store struct {
 	C *Counts
 }
 
-var _ rendezvous.Store = (*Store)(nil)
+var (
+	_ rendezvous.Store       = (*Store)(nil)
+	_ rendezvous.BatchPopper = (*Store)(nil)
+)
 
 // New wraps s, counting into c.
 func New(s rendezvous.Store, c *Counts) *Store { return &Store{Store: s, C: c} }
@@ -149,4 +152,18 @@ func (s *Store) QueueLen(ctx context.Context, key string) (int64, error) {
 func (s *Store) Barrier(ctx context.Context, key string, worldSize int64) error {
 	s.req(len(key)+8, true)
 	return s.Store.Barrier(ctx, key, worldSize)
+}
+
+// QueuePopBatch forwards to the inner Store's, or says it has none.
+func (s *Store) QueuePopBatch(ctx context.Context, key string, max int) ([][]byte, error) {
+	bp, ok := s.Store.(rendezvous.BatchPopper)
+	if !ok {
+		return nil, rendezvous.ErrNotSupported
+	}
+	s.req(len(key)+8, true)
+	vs, err := bp.QueuePopBatch(ctx, key, max)
+	for _, v := range vs {
+		s.recv(len(v))
+	}
+	return vs, err
 }

@@ -593,6 +593,69 @@ func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
 	}
 }
 
+// popBatchMax bounds QueuePopBatch's elements per transaction: etcd
+// refuses a transaction of more than --max-txn-ops (128 by default)
+// operations, and each element is one, plus the token.
+const popBatchMax = 100
+
+// QueuePopBatch removes up to max elements from the head of a queue in one
+// read and one transaction (QueuePop takes two requests per element) and
+// returns them in order; an empty queue gives none.
+func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
+	max = min(max, popBatchMax)
+	if max <= 0 {
+		return nil, nil
+	}
+	dir := s.qdir(key)
+	st, tok := s.stripe(dir)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	for {
+		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max)),
+			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
+		if err != nil {
+			return nil, s.fail("queue_pop", key, err)
+		}
+		if len(resp.Kvs) == 0 {
+			return nil, nil
+		}
+		// As QueuePop: every element is still there, so nobody popped any
+		// in between; the token tells whether a lost answer was ours.
+		cmps := make([]clientv3.Cmp, len(resp.Kvs))
+		ops := make([]clientv3.Op, 0, len(resp.Kvs)+1)
+		for i, kv := range resp.Kvs {
+			cmps[i] = clientv3.Compare(clientv3.CreateRevision(string(kv.Key)), "=", kv.CreateRevision)
+			ops = append(ops, clientv3.OpDelete(string(kv.Key)))
+		}
+		id := strconv.FormatUint(s.seq.Add(1), 16)
+		ops = append(ops, clientv3.OpPut(tok, id))
+		var popped bool
+		err = s.retry(ctx, func(ctx context.Context) error {
+			tx, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(tok)).Commit()
+			if err != nil {
+				return err
+			}
+			popped = tx.Succeeded
+			if kvs := tx.Responses[0].GetResponseRange().GetKvs(); !popped && len(kvs) > 0 {
+				popped = string(kvs[0].Value) == id
+			}
+			return nil
+		})
+		if err != nil {
+			return nil, s.fail("queue_pop", key, err)
+		}
+		if popped {
+			out := make([][]byte, len(resp.Kvs))
+			for i, kv := range resp.Kvs {
+				out[i] = kv.Value
+			}
+			return out, nil
+		}
+	}
+}
+
 // get is a Get retried across leader changes (reads are safe to repeat).
 func (s *Storage) get(ctx context.Context, key string, opts ...clientv3.OpOption) (*clientv3.GetResponse, error) {
 	var resp *clientv3.GetResponse

@@ -196,3 +196,57 @@ func TestStoreDynamicQueued(t *testing.T) {
 		t.Errorf("blocking pop of %q: %v", q, err)
 	}
 }
+
+// TestStoreQueuePopBatch: batches come off the head in order, at most 100
+// at a time (etcd's transaction limit), and two stores popping one queue
+// at once take every element exactly once.
+func TestStoreQueuePopBatch(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	ss := newStores(t, cli, 2)
+	const n = 250
+	for i := range n {
+		if err := ss[0].QueuePush(ctx, "q", []byte(fmt.Sprint(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first, err := ss[0].QueuePopBatch(ctx, "q", 1000)
+	if err != nil || len(first) != 100 || string(first[0]) != "0" || string(first[99]) != "99" {
+		t.Fatalf("first batch: %d elements, %v", len(first), err)
+	}
+	seen := map[string]int{}
+	for _, v := range first {
+		seen[string(v)]++
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, s := range ss {
+		wg.Go(func() {
+			for {
+				vs, err := s.QueuePopBatch(ctx, "q", 7)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if len(vs) == 0 {
+					return
+				}
+				mu.Lock()
+				for _, v := range vs {
+					seen[string(v)]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		if seen[fmt.Sprint(i)] != 1 {
+			t.Fatalf("element %d popped %d times", i, seen[fmt.Sprint(i)])
+		}
+	}
+	if vs, err := ss[1].QueuePopBatch(ctx, "q", 10); err != nil || len(vs) != 0 {
+		t.Fatalf("empty queue: %q, %v", vs, err)
+	}
+}
