@@ -548,49 +548,11 @@ func (s *Storage) QueuePush(key, value []byte) error {
 }
 
 func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
-	dir := s.qdir(key)
-	st, tok := s.stripe(dir)
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	ctx, cancel := s.opCtx()
-	defer cancel()
-	for {
-		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(1),
-			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
-		if err != nil {
-			return nil, 0, s.fail("queue_pop", key, err)
-		}
-		if len(resp.Kvs) == 0 {
-			return nil, 0, nil
-		}
-		head := resp.Kvs[0]
-		// The pop takes effect at the read's revision: the head is still
-		// there, so nobody popped in between (pushes go behind it). With
-		// the answer lost, the token says whether this pop took it.
-		id := strconv.FormatUint(s.seq.Add(1), 16)
-		var popped bool
-		err = s.retry(ctx, func(ctx context.Context) error {
-			tx, err := s.cli.Txn(ctx).
-				If(clientv3.Compare(clientv3.CreateRevision(string(head.Key)), "=", head.CreateRevision)).
-				Then(clientv3.OpDelete(string(head.Key)), clientv3.OpPut(tok, id)).
-				Else(clientv3.OpGet(tok)).
-				Commit()
-			if err != nil {
-				return err
-			}
-			popped = tx.Succeeded
-			if kvs := tx.Responses[0].GetResponseRange().GetKvs(); !popped && len(kvs) > 0 {
-				popped = string(kvs[0].Value) == id
-			}
-			return nil
-		})
-		if err != nil {
-			return nil, 0, s.fail("queue_pop", key, err)
-		}
-		if popped {
-			return head.Value, resp.Count, nil
-		}
+	vs, n, err := s.popHead(key, 1)
+	if err != nil || len(vs) == 0 {
+		return nil, 0, err
 	}
+	return vs[0], n, nil
 }
 
 // popBatchMax bounds QueuePopBatch's elements per transaction: etcd
@@ -606,6 +568,16 @@ func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
 	if max <= 0 {
 		return nil, nil
 	}
+	vs, _, err := s.popHead(key, max)
+	return vs, err
+}
+
+// popHead removes up to max elements from the head of a queue and returns
+// them with the queue's length before. The pop takes effect at the read's
+// revision: the elements are still there, so nobody popped them in
+// between (pushes go behind them). With the answer lost, the token says
+// whether this pop took them.
+func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 	dir := s.qdir(key)
 	st, tok := s.stripe(dir)
 	st.mu.Lock()
@@ -616,13 +588,11 @@ func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
 		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max)),
 			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
 		if err != nil {
-			return nil, s.fail("queue_pop", key, err)
+			return nil, 0, s.fail("queue_pop", key, err)
 		}
 		if len(resp.Kvs) == 0 {
-			return nil, nil
+			return nil, 0, nil
 		}
-		// As QueuePop: every element is still there, so nobody popped any
-		// in between; the token tells whether a lost answer was ours.
 		cmps := make([]clientv3.Cmp, len(resp.Kvs))
 		ops := make([]clientv3.Op, 0, len(resp.Kvs)+1)
 		for i, kv := range resp.Kvs {
@@ -644,14 +614,14 @@ func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
 			return nil
 		})
 		if err != nil {
-			return nil, s.fail("queue_pop", key, err)
+			return nil, 0, s.fail("queue_pop", key, err)
 		}
 		if popped {
 			out := make([][]byte, len(resp.Kvs))
 			for i, kv := range resp.Kvs {
 				out[i] = kv.Value
 			}
-			return out, nil
+			return out, resp.Count, nil
 		}
 	}
 }
