@@ -106,6 +106,12 @@ type DynamicConfig struct {
 	// a node as dead and drop it: after KeepAliveInterval ×
 	// KeepAliveMaxAttempt without one (15 s by default). Default 3.
 	KeepAliveMaxAttempt int
+	// QueueMinNodes: runs with MaxNodes at least this many queue their
+	// joins and heartbeats (dynamic_queue.go) on a store with queues;
+	// smaller ones compare-set the state directly, where contention costs
+	// little and the direct write takes fewer round trips. 0 means 32; a
+	// negative value, never.
+	QueueMinNodes int
 	// OnProgress, when set, is called by Next each time it reads a state
 	// whose membership differs from the last it reported (who joined, who
 	// waits, when the last call ends), so that an agent can log progress;

@@ -2,6 +2,7 @@ package rendezvous
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -157,6 +158,9 @@ func NewDynamic(store Store, me NodeDesc, data []byte, cfg DynamicConfig) (*Dyna
 		now:   time.Now,
 		life:  life,
 		close: cancel,
+	}
+	if q := cmp.Or(cfg.QueueMinNodes, defaultQueueMinNodes); q < 0 || cfg.MaxNodes < q {
+		d.noQueue.Store(true)
 	}
 	// Call numbers start from the clock so that a handle made anew for the
 	// same node (same address, pid and local id) does not reuse one that

@@ -6,7 +6,9 @@ package rendezvous
 // few hundred bytes), and the node that holds the folder lock pops every
 // queued request, applies them to the state as their own nodes would
 // (foldRequest), and writes the state once for the whole batch. A
-// requester then waits on the one wake-up key like any other waiter.
+// requester then waits on one key: the next batch's, then, once its
+// request is in, the wake-up key like any other waiter. Runs smaller than
+// DynamicConfig.QueueMinNodes (32) keep compare-setting directly.
 //
 // Heartbeats go the same way, lazily: a node pushes its keep-alive and
 // folds only lazyDelay later, and not at all if a fold has started since
@@ -15,10 +17,11 @@ package rendezvous
 // state per interval, not N.
 //
 // The lock is a key holding its holder, an expiry and when its last fold
-// started; a holder that dies is replaced when the expiry passes. Losing it is harmless (every write
-// is still a compare-set of the state), and so is losing a request (its
-// node queues it again when it has seen no effect for a while): the lock
-// and the queue save work, the state's compare-set keeps it correct.
+// started; a holder that dies is replaced when the expiry passes. Losing
+// it is harmless (every write is still a compare-set of the state), and so
+// is losing a request (its node queues it again when it has seen no
+// effect for a while): the lock and the queue save work, the state's
+// compare-set keeps it correct.
 //
 // Keys, next to the state's ("gorun.rendezvous.<run_id>"): the queue
 // "<state>/requests" and the lock "<state>/folder".
@@ -35,8 +38,10 @@ import (
 )
 
 const (
-	queueSuffix = "/requests"
-	lockSuffix  = "/folder"
+	// defaultQueueMinNodes is DynamicConfig.QueueMinNodes's default.
+	defaultQueueMinNodes = 32
+	queueSuffix          = "/requests"
+	lockSuffix           = "/folder"
 	// lockFree is the lock's holder when nobody holds it.
 	lockFree = "-"
 	// foldBatch bounds the requests one pass applies, so that a pass

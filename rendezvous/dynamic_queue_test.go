@@ -173,7 +173,7 @@ func TestBubbleQueuedLastCall(t *testing.T) {
 func TestBubbleQueuedRestartAndDeadFolder(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
-		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 3})
+		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 3, QueueMinNodes: 1})
 		all := func(round int, want time.Duration) {
 			t.Helper()
 			start := time.Now()
@@ -206,7 +206,7 @@ func TestBubbleQueuedJoinTimeout(t *testing.T) {
 func TestBubbleQueuedNoQueues(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newMemStore()
-		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2})
+		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1})
 		start := time.Now()
 		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
 			if x := <-ch; x.err != nil || x.r.Rank != i {
@@ -228,7 +228,7 @@ func TestBubbleQueuedHeartbeats(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
 		const n = 32
-		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n})
+		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, QueueMinNodes: 1})
 		start := time.Now()
 		chs := make([]<-chan bubbleResult, n)
 		for i := range ds {
@@ -269,6 +269,26 @@ func TestBubbleQueuedHeartbeats(t *testing.T) {
 				break
 			}
 			time.Sleep(100 * time.Millisecond)
+		}
+	})
+}
+
+// TestBubbleSmallRunsDoNotQueue: below QueueMinNodes (32 by default) a
+// run compare-sets its state directly even on a store with queues.
+func TestBubbleSmallRunsDoNotQueue(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 31})
+		start := time.Now()
+		a, b := goNext(ds[0], start), goNext(ds[1], start)
+		time.Sleep(31 * time.Second) // the last call
+		for i, ch := range []<-chan bubbleResult{a, b} {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		if len(m.queues) != 0 {
+			t.Errorf("queues used: %v", m.queues)
 		}
 	})
 }

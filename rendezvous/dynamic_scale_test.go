@@ -22,7 +22,7 @@ func crowdCost(t *testing.T, n int) (reqs, written float64) {
 	// Heartbeats every minute: a join's cost is measured, not a slow
 	// machine's (under -race a 256-node crowd can take longer than the
 	// default 5 s interval, and waiting nodes then beat).
-	c := newCluster(t, rendezvous.DynamicConfig{RunID: fmt.Sprint("crowd", n), MinNodes: n, MaxNodes: n, KeepAliveInterval: time.Minute})
+	c := newCluster(t, rendezvous.DynamicConfig{RunID: fmt.Sprint("crowd", n), MinNodes: n, MaxNodes: n, KeepAliveInterval: time.Minute, QueueMinNodes: 1})
 	var counts storecount.Counts
 	ds := make([]*rendezvous.Dynamic, n)
 	for i := range ds {
@@ -90,7 +90,7 @@ func TestDynamicCostFlat(t *testing.T) {
 func TestDynamicFolderYields(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	c := newCluster(t, rendezvous.DynamicConfig{RunID: "yield", MinNodes: 2, MaxNodes: 2})
+	c := newCluster(t, rendezvous.DynamicConfig{RunID: "yield", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1})
 	beat := []byte(`{"node":{"addr":"elsewhere","pid":1,"local_id":0},"call":1,"deadline":"2000-01-01T00:00:00Z","keep_alive":true}`)
 	pushCtx, stop := context.WithCancel(ctx)
 	var wg sync.WaitGroup

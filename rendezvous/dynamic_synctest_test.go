@@ -187,7 +187,8 @@ func TestBubbleLastCall(t *testing.T) {
 
 // lastCall is TestBubbleLastCall's scenario on m, in a bubble.
 func lastCall(t *testing.T, m *memStore) {
-	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4})
+	// QueueMinNodes 1: on a store with queues, these few nodes queue too.
+	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4, QueueMinNodes: 1})
 	start := time.Now()
 	a := goNext(ds[0], start)
 	time.Sleep(10 * time.Second)
@@ -222,7 +223,7 @@ func TestBubbleJoinTimeout(t *testing.T) {
 
 // joinTimeout is TestBubbleJoinTimeout's scenario on m, in a bubble.
 func joinTimeout(t *testing.T, m *memStore) {
-	ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2})
+	ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1})
 	start := time.Now()
 	x := <-goNext(ds[0], start)
 	if !errors.Is(x.err, ErrRendezvousTimeout) || !errors.Is(x.err, ErrTimeout) {
