@@ -36,6 +36,17 @@ echo "## Rendezvous: gorun vs torchrun 1.13 ($(nproc) cores, $(date -u +%F))"
 bin/rdzvbench -reps "${RDZV_REPS:-3}" -agents "${RDZV_AGENTS:-64}" -torch-agents "${RDZV_TORCH_AGENTS:-16}" \
   -python "${PYTHON:-/usr/bin/python3}" | tee bench/results/rdzv.md
 
+# The rendezvous at scale (issue 19): RDZVSIM_N goroutine agents, each with
+# its own connection to gorun's store server (and to etcd, when there is
+# one), counting store requests and bytes per agent (bench/rdzvsim).
+go build -o bin/rdzvsim ./bench/rdzvsim
+echo
+echo "## Rendezvous at scale, simulated agents ($(nproc) cores, $(date -u +%F))"
+bin/rdzvsim -backend c10d -n "${RDZVSIM_N:-64,256,1024}" -reps "${RDZV_REPS:-3}" | tee bench/results/rdzvsim.md
+if command -v etcd >/dev/null; then
+  bin/rdzvsim -backend etcd -n "${RDZVSIM_N:-64,256,1024}" -reps "${RDZV_REPS:-3}" | tee bench/results/rdzvsim-etcd.md
+fi
+
 # The etcd-backed worker store (bench/etcdstore) beside the in-memory one,
 # the same mixed load at ETCD_CONNS connections. Needs an etcd binary
 # (Debian's etcd-server); skipped without one. The single etcd member keeps

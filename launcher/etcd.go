@@ -171,10 +171,11 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	readTimeout := e.job.cfg.rdzv.readTimeout
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
 		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.job.log.Named("rdzv"),
-		// The rendezvous state (its key: rendezvous.Dynamic's doc) is
-		// only read and compare-set, by every node at every join and
-		// heartbeat: no node's watch need carry it to every other.
-		Unwatched: []string{"gorun.rendezvous." + e.job.runID},
+		// The rendezvous state, its request queue and folder lock are
+		// only read, compare-set, pushed and popped, by every node at
+		// every join and heartbeat: no node's watch need carry them to
+		// every other.
+		Unwatched: rendezvous.DynamicUnwatched(e.job.runID),
 	})
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)

@@ -106,6 +106,12 @@ type DynamicConfig struct {
 	// a node as dead and drop it: after KeepAliveInterval ×
 	// KeepAliveMaxAttempt without one (15 s by default). Default 3.
 	KeepAliveMaxAttempt int
+	// QueueMinNodes: runs with MaxNodes at least this many queue their
+	// joins and heartbeats (dynamic_queue.go) on a store with queues;
+	// smaller ones compare-set the state directly, where contention costs
+	// little and the direct write takes fewer round trips. 0 means 32; a
+	// negative value, never.
+	QueueMinNodes int
 	// OnProgress, when set, is called by Next each time it reads a state
 	// whose membership differs from the last it reported (who joined, who
 	// waits, when the last call ends), so that an agent can log progress;
@@ -227,6 +233,10 @@ type dynState struct {
 	// Wake counts the writes that waiting nodes must see (see wakes). The
 	// executor names its wake-up keys after it.
 	Wake uint64 `json:"wake"`
+	// Batch counts the batches of queued requests written into the state
+	// (dynamic_queue.go); the executor names the keys that wake their
+	// requesters after it.
+	Batch uint64 `json:"batch,omitzero"`
 	// Nodes are the participants and the waiting nodes, sorted by
 	// compareNodes.
 	Nodes []nodeState `json:"nodes,omitempty"`
@@ -264,6 +274,11 @@ type nodeState struct {
 	Late bool `json:"late,omitzero"`
 	// Data is what the node gave NewDynamic.
 	Data []byte `json:"data,omitempty"`
+	// Call is the Next call (Dynamic's own numbering) whose queued
+	// request last took this node out of its previous round and into the
+	// state (see foldRequest): a later request of the same call must not
+	// take it out again.
+	Call uint64 `json:"call,omitzero"`
 }
 
 func (s *dynState) clone() *dynState {
@@ -822,4 +837,63 @@ func (s *dynState) status(last *Round) Status {
 		}
 	}
 	return st
+}
+
+// request is a node's Next, queued for whichever node folds the queue
+// into the state (dynamic_exec.go): instead of N nodes racing to
+// compare-set the state, each pushes one of these and one of them applies
+// a batch with one write.
+type request struct {
+	Node NodeDesc `json:"node"`
+	Data []byte   `json:"data,omitempty"`
+	// Call numbers the Next call on its node; never 0.
+	Call uint64 `json:"call"`
+	// Deadline is the node's join deadline, or its heartbeat's.
+	Deadline time.Time `json:"deadline"`
+	// KeepAlive: refresh the node's heartbeat (keep-alive operation)
+	// rather than run its Next.
+	KeepAlive bool `json:"keep_alive,omitzero"`
+}
+
+// foldRequest applies r to s at now exactly as r's node would apply its
+// own Next on s: its exit operation (skipped when this call has done it
+// already: s records the call with the node), then its join operation,
+// each until it decides to sync, finish or fail. It reports whether s
+// changed. A request that its node would now decide differently on (a
+// round completed meanwhile, the run closed, the deadline passed) is
+// decided on s, as the node itself would on reading s.
+func (s *dynState) foldRequest(r request, now time.Time, cfg DynamicConfig) bool {
+	if r.KeepAlive {
+		// Stamped at now, when it lands: a node may look alive up to one
+		// lazy fold's delay longer than it is.
+		if nextKeepAliveAction(s, r.Node, now, r.Deadline, cfg) != actKeepAlive {
+			return false
+		}
+		return s.apply(actKeepAlive, r.Node, nil, now, cfg)
+	}
+	ops := [2]func() action{
+		func() action { return nextExitAction(s, r.Node, now, r.Deadline) },
+		func() action { return nextJoinAction(s, r.Node, now, r.Deadline, cfg) },
+	}
+	cur := 0
+	if i, ok := s.find(r.Node); ok && s.Nodes[i].Call == r.Call {
+		cur = 1
+	}
+	changed := false
+	for steps := 0; steps < 2*len(ops)+8; steps++ { // the bound only guards against a bug
+		a := ops[cur]()
+		if a == actFinish && cur == 0 {
+			cur = 1
+			continue
+		}
+		if a < actKeepAlive {
+			break
+		}
+		changed = s.apply(a, r.Node, r.Data, now, cfg) || changed
+	}
+	if i, ok := s.find(r.Node); ok && cur == 1 && s.Nodes[i].Call != r.Call {
+		s.Nodes[i].Call = r.Call
+		changed = true
+	}
+	return changed
 }

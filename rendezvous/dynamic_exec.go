@@ -2,6 +2,7 @@ package rendezvous
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -9,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -103,6 +105,11 @@ type Dynamic struct {
 
 	op sync.Mutex // serializes Next, Leave and SetClosed
 
+	// noQueue: the store has no queues (a FileStore, a PyTorch 1.13
+	// server): every node compare-sets the state itself.
+	noQueue atomic.Bool
+	calls   atomic.Uint64 // numbers Next calls (request.Call)
+
 	mu     sync.Mutex
 	closed bool
 	last   *Round     // the round Next last returned
@@ -142,7 +149,7 @@ func NewDynamic(store Store, me NodeDesc, data []byte, cfg DynamicConfig) (*Dyna
 		return nil, fmt.Errorf("%w: dynamic rendezvous: node with no address", ErrInvalidArgument)
 	}
 	life, cancel := context.WithCancel(context.Background())
-	return &Dynamic{
+	d := &Dynamic{
 		store: store,
 		me:    me,
 		data:  slices.Clone(data),
@@ -151,7 +158,15 @@ func NewDynamic(store Store, me NodeDesc, data []byte, cfg DynamicConfig) (*Dyna
 		now:   time.Now,
 		life:  life,
 		close: cancel,
-	}, nil
+	}
+	if q := cmp.Or(cfg.QueueMinNodes, defaultQueueMinNodes); q < 0 || cfg.MaxNodes < q {
+		d.noQueue.Store(true)
+	}
+	// Call numbers start from the clock so that a handle made anew for the
+	// same node (same address, pid and local id) does not reuse one that
+	// the state may still hold.
+	d.calls.Store(uint64(time.Now().UnixNano()))
+	return d, nil
 }
 
 // Node returns the node this handle speaks for.
@@ -202,7 +217,11 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 			}
 		}
 	}
-	st, err := d.run(ctx, snap, "next", deadline, []decider{exit, join}, report)
+	var q *queued
+	if !d.noQueue.Load() {
+		q = &queued{req: request{Node: d.me, Data: d.data, Call: d.calls.Add(1), Deadline: deadline.UTC()}}
+	}
+	st, err := d.run(ctx, snap, "next", deadline, []decider{exit, join}, report, q)
 	if err != nil {
 		return Round{}, d.fail("next", err)
 	}
@@ -303,7 +322,7 @@ func (d *Dynamic) SetClosed(ctx context.Context) error {
 	snap, err := d.read(ctx)
 	if err == nil {
 		closeOp := func(s *dynState, now time.Time) action { return nextCloseAction(s, now, deadline) }
-		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil)
+		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil, nil)
 	}
 	return d.fail("set closed", err)
 }
@@ -326,7 +345,7 @@ func (d *Dynamic) Leave(ctx context.Context) error {
 	snap, err := d.read(ctx)
 	if err == nil {
 		leave := func(s *dynState, now time.Time) action { return nextLeaveAction(s, d.me, now, deadline) }
-		_, err = d.run(ctx, snap, "leave", deadline, []decider{leave}, nil)
+		_, err = d.run(ctx, snap, "leave", deadline, []decider{leave}, nil, nil)
 	}
 	return d.fail("leave", err)
 }
@@ -482,13 +501,27 @@ type decider func(s *dynState, now time.Time) action
 // which came back with the loss. (No random back-off: sleeps below a
 // millisecond are not to be had, and above one they cost more than the
 // retries they save.)
-func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState)) (*dynState, error) {
+//
+// With q (Next's exit and join, on a store with queues), a pass that would
+// write queues q's request instead, for whichever node holds the folder
+// lock to apply with everyone else's in one write (see fold), and waits
+// for the result like any other change: the state records with the node
+// the call whose request last put it there, which tells the node that its
+// exit is done.
+func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState), q *queued) (*dynState, error) {
 	done := 0 // ops finished on a state that is in the store
 	for {
 		now := d.now()
 		st := snap.st.clone()
 		dropped := st.sanitize(now, d.cfg)
 		cur, changed := done, dropped
+		beatsOnly := !dropped // the pass only refreshes my heartbeat
+		if q != nil && !d.noQueue.Load() {
+			cur = 0
+			if i, ok := st.find(d.me); ok && st.Nodes[i].Call == q.req.Call {
+				cur = len(ops) - 1
+			}
+		}
 		var a action
 		for steps := 0; ; steps++ {
 			if steps > 2*len(ops)+8 { // a decider that never settles is a bug; do not spin
@@ -502,7 +535,32 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			if a < actKeepAlive { // sync, finish, or an error: the batch ends
 				break
 			}
-			changed = st.apply(a, d.me, d.data, now, d.cfg) || changed
+			if st.apply(a, d.me, d.data, now, d.cfg) {
+				changed = true
+				beatsOnly = beatsOnly && a == actKeepAlive
+			}
+		}
+		if changed && q != nil && !d.noQueue.Load() {
+			again, err := d.request(ctx, snap, q, now, beatsOnly)
+			switch {
+			case err != nil:
+				return nil, err
+			case again: // folded here, or no queues after all: decide afresh
+			default:
+				// Another node folds: wait for its next batch (or, should
+				// the request be lost, for the time to push it again).
+				wake := st.wakeAt(d.me, now, deadline, d.cfg)
+				if resend := q.sent.Add(d.settle()); resend.Before(wake) {
+					wake = resend
+				}
+				if lazy := q.sent.Add(d.lazyDelay()); beatsOnly && lazy.After(now) && lazy.Before(wake) {
+					wake = lazy
+				}
+				if err := d.awaitKey(ctx, snap, now, wake, d.batchKey, func(s *dynState) uint64 { return s.Batch }); err != nil {
+					return nil, err
+				}
+			}
+			continue
 		}
 		if changed {
 			won, err := d.commit(ctx, snap, st)
@@ -539,12 +597,17 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 // await blocks until the wake-up after snap's or until st's own wake-up
 // time, then re-reads snap.
 func (d *Dynamic) await(ctx context.Context, snap *snapshot, st *dynState, now, deadline time.Time) error {
-	target := snap.st.Wake + 1
-	wake := st.wakeAt(d.me, now, deadline, d.cfg)
+	return d.awaitKey(ctx, snap, now, st.wakeAt(d.me, now, deadline, d.cfg), d.wakeKey, func(s *dynState) uint64 { return s.Wake })
+}
+
+// awaitKey blocks until the key named after the number after snap's
+// (count reads it: Wake, or Batch) or until wake, then re-reads snap.
+func (d *Dynamic) awaitKey(ctx context.Context, snap *snapshot, now, wake time.Time, key func(uint64) string, count func(*dynState) uint64) error {
+	target := count(snap.st) + 1
 	notified := false
 	if dur := wake.Sub(now); dur > 0 {
 		wctx, cancel := context.WithTimeout(ctx, dur)
-		err := d.store.Wait(wctx, d.wakeKey(target))
+		err := d.store.Wait(wctx, key(target))
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -559,7 +622,7 @@ func (d *Dynamic) await(ctx context.Context, snap *snapshot, st *dynState, now, 
 	if err != nil {
 		return err
 	}
-	if notified && fresh.st.Wake < target {
+	if notified && count(fresh.st) < target {
 		// The key was there but the state is older: it was reset under
 		// old wake-up keys. Sleep instead of spinning on them.
 		if err := sleep(ctx, wake.Sub(d.now())); err != nil {
@@ -620,9 +683,19 @@ func (d *Dynamic) stopKeepAlive() error {
 // keepAliveOnce refreshes this node's heartbeat if it is due and returns
 // when the next one is. Errors are not fatal (the node has
 // KeepAliveMaxAttempt-1 more chances): it tries again an interval later.
+//
+// On a store with queues it queues the heartbeat (keepAliveQueued) and
+// reads nothing: the next is due an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
 	defer cancel()
+	if !d.noQueue.Load() {
+		next, err := d.keepAliveQueued(ctx)
+		if !errors.Is(err, ErrNotSupported) {
+			return next
+		}
+		d.noQueue.Store(true)
+	}
 	retry := d.now().Add(d.cfg.KeepAliveInterval)
 	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)
@@ -630,7 +703,7 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		return retry
 	}
 	beat := func(s *dynState, now time.Time) action { return nextKeepAliveAction(s, d.me, now, deadline, d.cfg) }
-	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil)
+	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil, nil)
 	if err != nil {
 		return retry
 	}
@@ -638,4 +711,14 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		return st.Nodes[i].Heartbeat.Add(d.cfg.KeepAliveInterval)
 	}
 	return retry // dropped from the state: nothing to keep alive
+}
+
+// DynamicUnwatched lists the keys (and the queue) of run runID's dynamic
+// rendezvous that no node waits on, which an etcd Storage keeps out of
+// every node's watch (etcd.StorageConfig.Unwatched): the state and the
+// folder lock, read and compare-set, and the request queue, pushed and
+// popped without blocking.
+func DynamicUnwatched(runID string) []string {
+	key := "gorun.rendezvous." + runID
+	return []string{key, key + queueSuffix, key + lockSuffix}
 }

@@ -27,14 +27,59 @@ type memStore struct {
 	kv      map[string][]byte
 	changed chan struct{} // closed and replaced on every write
 	cas     atomic.Int64
+	queues  map[string][][]byte // nil: no queues
+	writes  map[string]int      // per key
 }
 
 func newMemStore() *memStore {
-	return &memStore{kv: map[string][]byte{}, changed: make(chan struct{})}
+	return &memStore{kv: map[string][]byte{}, changed: make(chan struct{}), writes: map[string]int{}}
+}
+
+// newQueueMemStore is a memStore with queues, on which Next queues its
+// requests (dynamic_queue.go); a plain memStore has none, as a FileStore,
+// so the executor compare-sets the state itself.
+func newQueueMemStore() *memStore {
+	m := newMemStore()
+	m.queues = map[string][][]byte{}
+	return m
+}
+
+func (m *memStore) QueuePush(_ context.Context, k string, v []byte) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.queues == nil {
+		return ErrNotSupported
+	}
+	m.queues[k] = append(m.queues[k], slices.Clone(v))
+	return nil
+}
+
+func (m *memStore) QueuePop(_ context.Context, k string, block bool) ([]byte, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	switch {
+	case m.queues == nil || block:
+		return nil, ErrNotSupported
+	case len(m.queues[k]) == 0:
+		return nil, ErrQueueEmpty
+	}
+	v := m.queues[k][0]
+	m.queues[k] = m.queues[k][1:]
+	return v, nil
+}
+
+func (m *memStore) QueueLen(_ context.Context, k string) (int64, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.queues == nil {
+		return 0, ErrNotSupported
+	}
+	return int64(len(m.queues[k])), nil
 }
 
 // write stores v under k; mu must be held.
 func (m *memStore) write(k string, v []byte) {
+	m.writes[k]++
 	m.kv[k] = slices.Clone(v)
 	close(m.changed)
 	m.changed = make(chan struct{})
@@ -130,24 +175,7 @@ func goNext(d *Dynamic, start time.Time) <-chan bubbleResult {
 func TestBubbleLastCall(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newMemStore()
-		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4})
-		start := time.Now()
-		a := goNext(ds[0], start)
-		time.Sleep(10 * time.Second)
-		b := goNext(ds[1], start)
-		time.Sleep(20 * time.Second) // 20 s into the last call
-		c := goNext(ds[2], start)
-		for i, ch := range []<-chan bubbleResult{a, b, c} {
-			x := <-ch
-			if x.err != nil {
-				t.Fatalf("node %d: %v", i, x.err)
-			}
-			// Third joined at 30 s: the last call ends at 60 s and is
-			// acted on the moment it has passed.
-			if x.at != 60*time.Second+time.Nanosecond || x.r.Rank != i || len(x.r.Members) != 3 {
-				t.Errorf("node %d: at %v rank %d of %d", i, x.at, x.r.Rank, len(x.r.Members))
-			}
-		}
+		lastCall(t, m)
 		// A minute of waiting cost about a read and a heartbeat per node
 		// every 5 s (72; more when their heartbeats, due at one instant,
 		// collide), not a poll a second (180, heartbeats aside).
@@ -157,29 +185,57 @@ func TestBubbleLastCall(t *testing.T) {
 	})
 }
 
+// lastCall is TestBubbleLastCall's scenario on m, in a bubble.
+func lastCall(t *testing.T, m *memStore) {
+	// QueueMinNodes 1: on a store with queues, these few nodes queue too.
+	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4, QueueMinNodes: 1})
+	start := time.Now()
+	a := goNext(ds[0], start)
+	time.Sleep(10 * time.Second)
+	b := goNext(ds[1], start)
+	time.Sleep(20 * time.Second) // 20 s into the last call
+	c := goNext(ds[2], start)
+	for i, ch := range []<-chan bubbleResult{a, b, c} {
+		x := <-ch
+		if x.err != nil {
+			t.Fatalf("node %d: %v", i, x.err)
+		}
+		// Third joined at 30 s: the last call ends at 60 s and is
+		// acted on the moment it has passed.
+		if x.at != 60*time.Second+time.Nanosecond || x.r.Rank != i || len(x.r.Members) != 3 {
+			t.Errorf("node %d: at %v rank %d of %d", i, x.at, x.r.Rank, len(x.r.Members))
+		}
+	}
+}
+
 // TestBubbleJoinTimeout: a lone node of min 2 gives up after exactly 600 s,
 // rolling itself back out of the state.
 func TestBubbleJoinTimeout(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newMemStore()
-		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2})
-		start := time.Now()
-		x := <-goNext(ds[0], start)
-		if !errors.Is(x.err, ErrRendezvousTimeout) || !errors.Is(x.err, ErrTimeout) {
-			t.Fatalf("Next: %v", x.err)
-		}
-		if x.at != 600*time.Second+time.Nanosecond {
-			t.Errorf("timed out at %v", x.at)
-		}
-		st, err := ds[1].Status(context.Background())
-		if err != nil || st.Participants != 0 {
-			t.Errorf("after the rollback: %+v, %v", st, err)
-		}
+		joinTimeout(t, m)
 		// It woke once per heartbeat (5 s) over 600 s, not once a second.
 		if n := m.cas.Load(); n > 2*600/5+10 {
 			t.Errorf("%d compare-sets in 600 s", n)
 		}
 	})
+}
+
+// joinTimeout is TestBubbleJoinTimeout's scenario on m, in a bubble.
+func joinTimeout(t *testing.T, m *memStore) {
+	ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1})
+	start := time.Now()
+	x := <-goNext(ds[0], start)
+	if !errors.Is(x.err, ErrRendezvousTimeout) || !errors.Is(x.err, ErrTimeout) {
+		t.Fatalf("Next: %v", x.err)
+	}
+	if x.at != 600*time.Second+time.Nanosecond {
+		t.Errorf("timed out at %v", x.at)
+	}
+	st, err := ds[1].Status(context.Background())
+	if err != nil || st.Participants != 0 {
+		t.Errorf("after the rollback: %+v, %v", st, err)
+	}
 }
 
 // TestBubbleDeadNode: a member that stops (Close, no Leave) is reported

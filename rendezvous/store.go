@@ -113,3 +113,13 @@ func WithDefaultTimeout(ctx context.Context, d time.Duration) (context.Context, 
 	}
 	return context.WithTimeout(ctx, d)
 }
+
+// BatchPopper is a Store that can take several elements off a queue at
+// once, where one QueuePop per element would cost a round trip each (etcd).
+type BatchPopper interface {
+	// QueuePopBatch removes and returns up to max elements from the head
+	// of the queue named key, in order, without blocking: none when the
+	// queue is empty. An error wrapping ErrNotSupported says that this
+	// Store cannot after all (a wrapper whose inner Store cannot).
+	QueuePopBatch(ctx context.Context, key string, max int) ([][]byte, error)
+}

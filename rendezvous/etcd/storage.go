@@ -48,7 +48,9 @@ type StorageConfig struct {
 	// refuse them), kept where the Storage's watch does not look: every
 	// node's watch would otherwise carry each of their changes. The
 	// dynamic rendezvous's state is one: kilobytes, rewritten by every
-	// node's join and heartbeat, and only ever read.
+	// node's join and heartbeat, and only ever read. A name here also
+	// names an unwatched queue, which only non-blocking pops may take
+	// from (rendezvous.DynamicUnwatched lists the rendezvous's).
 	Unwatched []string
 }
 
@@ -60,12 +62,15 @@ type StorageConfig struct {
 //	m/t/<node>/<stripe>     the last read-modify-write attempt applied
 //	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
 //	u/<key>                 an unwatched key's value
+//	uq/<hex(name)>/<unique> an element of an unwatched queue
 const (
 	keysDir      = "k/"
 	queuesDir    = "q/"
 	quietKey     = "m/quiet"
 	tokenDir     = "m/t/" // m/t/<node>/<stripe>: see update
 	unwatchedDir = "u/"
+	// unwatchedQueuesDir holds the queues named in Unwatched.
+	unwatchedQueuesDir = "uq/"
 )
 
 // numStripes spreads read-modify-write operations of one node over this
@@ -231,6 +236,9 @@ func (s *Storage) refuseUnwatched(op string, keys ...[]byte) error {
 }
 
 func (s *Storage) qdir(name []byte) string {
+	if s.unwatched[string(name)] {
+		return s.prefix + unwatchedQueuesDir + hex.EncodeToString(name) + "/"
+	}
 	return s.prefix + queuesDir + hex.EncodeToString(name) + "/"
 }
 
@@ -540,6 +548,36 @@ func (s *Storage) QueuePush(key, value []byte) error {
 }
 
 func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
+	vs, n, err := s.popHead(key, 1)
+	if err != nil || len(vs) == 0 {
+		return nil, 0, err
+	}
+	return vs[0], n, nil
+}
+
+// popBatchMax bounds QueuePopBatch's elements per transaction: etcd
+// refuses a transaction of more than --max-txn-ops (128 by default)
+// operations, and each element is one, plus the token.
+const popBatchMax = 100
+
+// QueuePopBatch removes up to max elements from the head of a queue in one
+// read and one transaction (QueuePop takes two requests per element) and
+// returns them in order; an empty queue gives none.
+func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
+	max = min(max, popBatchMax)
+	if max <= 0 {
+		return nil, nil
+	}
+	vs, _, err := s.popHead(key, max)
+	return vs, err
+}
+
+// popHead removes up to max elements from the head of a queue and returns
+// them with the queue's length before. The pop takes effect at the read's
+// revision: the elements are still there, so nobody popped them in
+// between (pushes go behind them). With the answer lost, the token says
+// whether this pop took them.
+func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 	dir := s.qdir(key)
 	st, tok := s.stripe(dir)
 	st.mu.Lock()
@@ -547,7 +585,7 @@ func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
 	for {
-		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(1),
+		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max)),
 			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
 		if err != nil {
 			return nil, 0, s.fail("queue_pop", key, err)
@@ -555,18 +593,17 @@ func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
 		if len(resp.Kvs) == 0 {
 			return nil, 0, nil
 		}
-		head := resp.Kvs[0]
-		// The pop takes effect at the read's revision: the head is still
-		// there, so nobody popped in between (pushes go behind it). With
-		// the answer lost, the token says whether this pop took it.
+		cmps := make([]clientv3.Cmp, len(resp.Kvs))
+		ops := make([]clientv3.Op, 0, len(resp.Kvs)+1)
+		for i, kv := range resp.Kvs {
+			cmps[i] = clientv3.Compare(clientv3.CreateRevision(string(kv.Key)), "=", kv.CreateRevision)
+			ops = append(ops, clientv3.OpDelete(string(kv.Key)))
+		}
 		id := strconv.FormatUint(s.seq.Add(1), 16)
+		ops = append(ops, clientv3.OpPut(tok, id))
 		var popped bool
 		err = s.retry(ctx, func(ctx context.Context) error {
-			tx, err := s.cli.Txn(ctx).
-				If(clientv3.Compare(clientv3.CreateRevision(string(head.Key)), "=", head.CreateRevision)).
-				Then(clientv3.OpDelete(string(head.Key)), clientv3.OpPut(tok, id)).
-				Else(clientv3.OpGet(tok)).
-				Commit()
+			tx, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(tok)).Commit()
 			if err != nil {
 				return err
 			}
@@ -580,7 +617,11 @@ func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
 			return nil, 0, s.fail("queue_pop", key, err)
 		}
 		if popped {
-			return head.Value, resp.Count, nil
+			out := make([][]byte, len(resp.Kvs))
+			for i, kv := range resp.Kvs {
+				out[i] = kv.Value
+			}
+			return out, resp.Count, nil
 		}
 	}
 }

@@ -22,7 +22,10 @@ type Store struct {
 	closeOnce sync.Once
 }
 
-var _ rendezvous.Store = (*Store)(nil)
+var (
+	_ rendezvous.Store       = (*Store)(nil)
+	_ rendezvous.BatchPopper = (*Store)(nil)
+)
 
 // NewStore returns a Store on st; blocking operations whose context has no
 // deadline are bounded by timeout (rendezvous.DefaultTimeout if 0). Close
@@ -164,6 +167,12 @@ func (s *Store) QueuePop(ctx context.Context, key string, block bool) ([]byte, e
 			return nil, err
 		}
 	}
+}
+
+// QueuePopBatch takes up to max elements off the head of a queue without
+// blocking, in two etcd requests (rendezvous.BatchPopper).
+func (s *Store) QueuePopBatch(_ context.Context, key string, max int) ([][]byte, error) {
+	return s.st.QueuePopBatch([]byte(key), max)
 }
 
 func (s *Store) QueueLen(_ context.Context, key string) (int64, error) {

@@ -11,6 +11,7 @@ import (
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/internal/storecount"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/etcd"
 )
@@ -135,5 +136,117 @@ func TestStoreDynamicRendezvous(t *testing.T) {
 			t.Fatalf("node2 not reported lost: %+v", st)
 		}
 		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// TestStoreDynamicQueued: 48 agents rendezvous at once over etcd with the
+// rendezvous's keys unwatched (as the launcher sets it up): their joins go
+// through the request queue, each writes a few hundred bytes (not the
+// whole state), and no request is left in etcd afterwards.
+func TestStoreDynamicQueued(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 60*time.Second)
+	const n = 48
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	var counts storecount.Counts
+	ds := make([]*rendezvous.Dynamic, n)
+	var s *etcd.Store
+	for i := range ds {
+		st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix, Unwatched: rendezvous.DynamicUnwatched("job")})
+		if err != nil {
+			t.Fatal(err)
+		}
+		es := etcd.NewStore(st, 30*time.Second)
+		t.Cleanup(func() { es.Close() })
+		s = es
+		d, err := rendezvous.NewDynamic(storecount.New(es, &counts), rendezvous.NodeDesc{Addr: fmt.Sprintf("node%02d", i), Pid: 100}, nil,
+			rendezvous.DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds[i] = d
+	}
+	var wg sync.WaitGroup
+	for i, d := range ds {
+		wg.Go(func() {
+			r, err := d.Next(ctx)
+			if err != nil || r.Rank != i || len(r.Members) != n {
+				t.Errorf("node %d: rank %d of %d, %v", i, r.Rank, len(r.Members), err)
+			}
+		})
+	}
+	wg.Wait()
+	if w := counts.Written.Load() / n; w > 2000 {
+		t.Errorf("%d bytes written per agent", w)
+	}
+	// Unwatched queue elements live under uq/; none is left.
+	resp, err := cli.Get(ctx, prefix+"uq/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || resp.Count != 0 {
+		t.Errorf("requests left in etcd: %v, %v", resp, err)
+	}
+	resp, err = cli.Get(ctx, prefix+"q/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || resp.Count != 0 {
+		t.Errorf("watched queue elements: %v, %v", resp, err)
+	}
+	// Nothing would wake a blocking pop of an unwatched queue.
+	q := rendezvous.DynamicUnwatched("job")[1]
+	if _, err := s.QueuePop(ctx, q, true); !errors.Is(err, rendezvous.ErrInvalidArgument) {
+		t.Errorf("blocking pop of %q: %v", q, err)
+	}
+}
+
+// TestStoreQueuePopBatch: batches come off the head in order, at most 100
+// at a time (etcd's transaction limit), and two stores popping one queue
+// at once take every element exactly once.
+func TestStoreQueuePopBatch(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	ss := newStores(t, cli, 2)
+	const n = 250
+	for i := range n {
+		if err := ss[0].QueuePush(ctx, "q", []byte(fmt.Sprint(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	first, err := ss[0].QueuePopBatch(ctx, "q", 1000)
+	if err != nil || len(first) != 100 || string(first[0]) != "0" || string(first[99]) != "99" {
+		t.Fatalf("first batch: %d elements, %v", len(first), err)
+	}
+	seen := map[string]int{}
+	for _, v := range first {
+		seen[string(v)]++
+	}
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	for _, s := range ss {
+		wg.Go(func() {
+			for {
+				vs, err := s.QueuePopBatch(ctx, "q", 7)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if len(vs) == 0 {
+					return
+				}
+				mu.Lock()
+				for _, v := range vs {
+					seen[string(v)]++
+				}
+				mu.Unlock()
+			}
+		})
+	}
+	wg.Wait()
+	for i := range n {
+		if seen[fmt.Sprint(i)] != 1 {
+			t.Fatalf("element %d popped %d times", i, seen[fmt.Sprint(i)])
+		}
+	}
+	if vs, err := ss[1].QueuePopBatch(ctx, "q", 10); err != nil || len(vs) != 0 {
+		t.Fatalf("empty queue: %q, %v", vs, err)
 	}
 }

@@ -1,0 +1,476 @@
+// Command rdzvsim measures the dynamic rendezvous's cost against N:
+// N agents as goroutines, each with its own store connection (a tcpstore
+// client of gorun's embedded server, or its own etcd Storage and watch on
+// a real etcd), all calling Next at once on a fresh run with --nnodes N.
+// Per N it reports the time until every agent has its rank, the store
+// requests and bytes per agent (counted at the Store API), the process's
+// CPU (c10d: the agents and the server together) and, for etcd, the
+// growth of etcd's data directory (WAL and database) per agent and
+// etcd's CPU.
+package main
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io/fs"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"runtime/pprof"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
+
+	"github.com/gorunhq/gorun/internal/storecount"
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/etcd"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+var loss bool // -loss
+
+type result struct {
+	n        int
+	done     int // agents that got their round
+	elapsed  time.Duration
+	reqs     float64 // per agent, and the rest likewise
+	sent     float64
+	recv     float64
+	written  float64
+	cpu      time.Duration // this process
+	etcdCPU  time.Duration
+	etcdGrow float64 // bytes per agent
+	err      error
+	// With -loss: one agent dies after round 0, a survivor expels it (as
+	// the launcher does once it sees the loss), and the others rendezvous
+	// again: the time from the expulsion to every survivor's new round,
+	// and the requests per survivor in that time.
+	lossDone    int
+	lossElapsed time.Duration
+	lossReqs    float64
+}
+
+func main() {
+	backend := flag.String("backend", "c10d", "c10d or etcd")
+	ns := flag.String("n", "64,256,1024", "agent counts, comma-separated")
+	timeout := flag.Duration("timeout", 120*time.Second, "give up on one N after this long")
+	etcdBin := flag.String("etcd-bin", "etcd", "etcd binary (Debian's etcd-server)")
+	etcdClients := flag.Int("etcd-clients", 0, "etcd client connections shared by the agents (0: one per agent)")
+	dataLen := flag.Int("data", 60, "bytes of data each agent publishes with its join (an agent's is ~60)")
+	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
+	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
+	reps := flag.Int("reps", 1, "repetitions per N; the one with the median time is reported")
+	flag.Parse()
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err == nil {
+			err = pprof.StartCPUProfile(f)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		defer pprof.StopCPUProfile()
+	}
+	fmt.Printf("Command: %s\n", strings.Join(os.Args, " "))
+	fmt.Printf("GOMAXPROCS %d, %s; each row is the repetition with the median time of %d\n\n", runtime.GOMAXPROCS(0), time.Now().UTC().Format(time.RFC3339), *reps)
+	fmt.Println("| agents | all assigned | requests/agent | sent B/agent | received B/agent | written B/agent | CPU (this process) | etcd data growth/agent | etcd CPU | one lost: expulsion → survivors' round | requests/survivor |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
+	for _, f := range strings.Split(*ns, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			fmt.Fprintf(os.Stderr, "bad -n %q\n", f)
+			os.Exit(2)
+		}
+		var rs []result
+		for rep := 1; rep <= *reps; rep++ {
+			var r result
+			switch *backend {
+			case "c10d":
+				r = runC10d(n, *dataLen, *timeout)
+			case "etcd":
+				r = runEtcd(n, *dataLen, *timeout, *etcdBin, *etcdClients)
+			default:
+				fmt.Fprintf(os.Stderr, "unknown -backend %q\n", *backend)
+				os.Exit(2)
+			}
+			fmt.Fprintf(os.Stderr, "rdzvsim: %s, %d agents, rep %d: %d assigned in %.2f s (%v)\n", *backend, n, rep, r.done, r.elapsed.Seconds(), r.err)
+			rs = append(rs, r)
+			runtime.GC()
+		}
+		// The repetition with the median time stands for all.
+		slices.SortFunc(rs, func(a, b result) int { return cmp.Compare(a.elapsed, b.elapsed) })
+		print(rs[len(rs)/2])
+	}
+}
+
+func print(r result) {
+	t := fmt.Sprintf("%.2f s", r.elapsed.Seconds())
+	if r.done < r.n {
+		t = fmt.Sprintf("**never**: %d of %d after %.0f s", r.done, r.n, r.elapsed.Seconds())
+	}
+	if r.err != nil {
+		t += fmt.Sprintf(" (%v)", r.err)
+	}
+	grow, ecpu := "", ""
+	if r.etcdCPU > 0 {
+		grow, ecpu = fmt.Sprintf("%.0f B", r.etcdGrow), fmt.Sprintf("%.1f s", r.etcdCPU.Seconds())
+	}
+	lt, lr := "", ""
+	if loss {
+		lt, lr = fmt.Sprintf("%.2f s", r.lossElapsed.Seconds()), fmt.Sprintf("%.1f", r.lossReqs)
+		if r.lossDone < r.n-1 {
+			lt = fmt.Sprintf("**never**: %d of %d", r.lossDone, r.n-1)
+		}
+	}
+	fmt.Printf("| %d | %s | %.1f | %.0f | %.0f | %.0f | %.1f s | %s | %s | %s | %s |\n",
+		r.n, t, r.reqs, r.sent, r.recv, r.written, r.cpu.Seconds(), grow, ecpu, lt, lr)
+}
+
+func config(n int) rendezvous.DynamicConfig {
+	if loss && n > 1 {
+		return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n - 1, MaxNodes: n}
+	}
+	return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n, MaxNodes: n}
+}
+
+func node(i int) rendezvous.NodeDesc {
+	return rendezvous.NodeDesc{Addr: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), Pid: 1000 + i}
+}
+
+func data(i, size int) []byte {
+	b := []byte(fmt.Sprintf(`{"nproc":8,"addr":"10.%d.%d.%d","i":%d`, i>>16&255, i>>8&255, i&255, i))
+	for len(b) < size-1 {
+		b = append(b, ' ')
+	}
+	return append(b, '}')
+}
+
+// rendezvousAll makes one handle per store and runs Next on all of them
+// at once, filling in r's time and count of agents assigned; with -loss it
+// then loses the last agent and times the survivors' next round.
+//
+// first runs after the first round: it measures what that cost.
+func rendezvousAll(r *result, stores []rendezvous.Store, c *storecount.Counts, size int, timeout time.Duration, first func()) {
+	n := len(stores)
+	cfg := config(n)
+	ds := make([]*rendezvous.Dynamic, n)
+	for i := range ds {
+		d, err := rendezvous.NewDynamic(stores[i], node(i), data(i, size), cfg)
+		if err != nil {
+			r.err = err
+			return
+		}
+		ds[i] = d
+	}
+	defer func() {
+		for _, d := range ds {
+			d.Close()
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	r.done, r.elapsed, r.err = nextAll(ctx, ds, 0)
+	perAgent(r, c)
+	first()
+	if !loss || r.done < n || n < 2 {
+		return
+	}
+	reqs0 := c.Requests.Load()
+	ds[n-1].Close() // dies: no Leave
+	start := time.Now()
+	h, err := rendezvous.NewDynamic(stores[0], node(n-1), nil, cfg)
+	if err == nil {
+		err = h.Leave(ctx)
+		h.Close()
+	}
+	if err != nil {
+		r.err = fmt.Errorf("expel: %w", err)
+		return
+	}
+	r.lossDone, _, err = nextAll(ctx, ds[:n-1], 1)
+	r.lossElapsed = time.Since(start)
+	r.lossReqs = float64(c.Requests.Load()-reqs0) / float64(n-1)
+	r.err = cmpErr(r.err, err)
+}
+
+// nextAll runs Next on every handle at once and returns how many got
+// round number round with every handle a member, and when the last did.
+func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, time.Duration, error) {
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	done, last := 0, time.Duration(0)
+	var firstErr error
+	start := time.Now()
+	for i, d := range ds {
+		wg.Go(func() {
+			r, err := d.Next(ctx)
+			mu.Lock()
+			defer mu.Unlock()
+			switch {
+			case err == nil && r.Number == round && len(r.Members) == len(ds) && r.Members[r.Rank].Node == node(i):
+				done++
+				last = max(last, time.Since(start))
+			case err == nil:
+				firstErr = cmpErr(firstErr, fmt.Errorf("agent %d: bad round %d: rank %d of %d", i, r.Number, r.Rank, len(r.Members)))
+			case !errors.Is(err, context.DeadlineExceeded):
+				firstErr = cmpErr(firstErr, err)
+			}
+		})
+	}
+	wg.Wait()
+	if done < len(ds) {
+		last = time.Since(start)
+	}
+	return done, last, firstErr
+}
+
+func cmpErr(a, b error) error {
+	if a != nil {
+		return a
+	}
+	return b
+}
+
+func perAgent(r *result, c *storecount.Counts) {
+	n := float64(r.n)
+	r.reqs = float64(c.Requests.Load()) / n
+	r.sent = float64(c.Sent.Load()) / n
+	r.recv = float64(c.Received.Load()) / n
+	r.written = float64(c.Written.Load()) / n
+}
+
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+func runC10d(n, size int, timeout time.Duration) result {
+	r := result{n: n}
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		r.err = err
+		return r
+	}
+	defer srv.Close()
+	var c storecount.Counts
+	stores := make([]rendezvous.Store, n)
+	for i := range stores {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		cl, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: timeout})
+		cancel()
+		if err != nil {
+			r.err = err
+			return r
+		}
+		defer cl.Close()
+		stores[i] = storecount.New(cl, &c)
+	}
+	cpu0 := cpuTime()
+	rendezvousAll(&r, stores, &c, size, timeout, func() { r.cpu = cpuTime() - cpu0 })
+	return r
+}
+
+func runEtcd(n, size int, timeout time.Duration, bin string, clients int) result {
+	r := result{n: n}
+	dir, err := os.MkdirTemp(shm(), "rdzvsim-etcd-")
+	if err != nil {
+		r.err = err
+		return r
+	}
+	defer os.RemoveAll(dir)
+	e, err := startEtcd(bin, dir)
+	if err != nil {
+		r.err = err
+		return r
+	}
+	defer e.stop()
+	if clients <= 0 || clients > n {
+		clients = n
+	}
+	clis := make([]*clientv3.Client, clients)
+	for i := range clis {
+		cli, err := clientv3.New(clientv3.Config{Endpoints: []string{e.endpoint}, DialTimeout: 10 * time.Second, Logger: zap.NewNop()})
+		if err != nil {
+			r.err = err
+			return r
+		}
+		defer cli.Close()
+		clis[i] = cli
+	}
+	var c storecount.Counts
+	stores := make([]rendezvous.Store, n)
+	for i := range stores {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		st, err := etcd.NewStorage(ctx, clis[i%clients], etcd.StorageConfig{
+			Prefix: "/gorun/sim/rdzv/", Unwatched: rendezvous.DynamicUnwatched("sim"),
+		})
+		cancel()
+		if err != nil {
+			r.err = err
+			return r
+		}
+		s := etcd.NewStore(st, timeout)
+		defer s.Close()
+		stores[i] = storecount.New(s, &c)
+	}
+	size0, cpu0, ecpu0 := dirSize(dir), cpuTime(), e.cpu()
+	rendezvousAll(&r, stores, &c, size, timeout, func() {
+		r.cpu, r.etcdCPU = cpuTime()-cpu0, e.cpu()-ecpu0
+		r.etcdGrow = float64(dirSize(dir)-size0) / float64(n)
+	})
+	return r
+}
+
+func shm() string {
+	if fi, err := os.Stat("/dev/shm"); err == nil && fi.IsDir() {
+		return "/dev/shm"
+	}
+	return os.TempDir()
+}
+
+// dirSize is the bytes of the files under dir (etcd's WAL preallocates
+// 64 MB segments: their allocated size would say nothing; the WAL's
+// written length is what grows, and the database's size).
+func dirSize(dir string) int64 {
+	var total int64
+	filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return nil
+		}
+		if strings.HasSuffix(p, ".wal") {
+			total += walWritten(p)
+			return nil
+		}
+		if fi, err := d.Info(); err == nil {
+			total += fi.Size()
+		}
+		return nil
+	})
+	return total
+}
+
+// walWritten is the length of a WAL segment's written prefix: etcd
+// preallocates segments with zeros, so the last non-zero 8-byte frame
+// ends it.
+func walWritten(p string) int64 {
+	b, err := os.ReadFile(p)
+	if err != nil {
+		return 0
+	}
+	end := len(b)
+	for end >= 8 {
+		zero := true
+		for _, c := range b[end-8 : end] {
+			if c != 0 {
+				zero = false
+				break
+			}
+		}
+		if !zero {
+			break
+		}
+		end -= 8
+	}
+	return int64(end)
+}
+
+type etcdServer struct {
+	cmd      *exec.Cmd
+	done     chan struct{}
+	endpoint string
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// startEtcd starts a one-member etcd with its data under dir and waits
+// until it serves.
+func startEtcd(bin, dir string) (*etcdServer, error) {
+	cp, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	pp, err := freePort()
+	if err != nil {
+		return nil, err
+	}
+	client := "http://127.0.0.1:" + strconv.Itoa(cp)
+	peer := "http://127.0.0.1:" + strconv.Itoa(pp)
+	log, err := os.Create(filepath.Join(dir, "etcd.log"))
+	if err != nil {
+		return nil, err
+	}
+	defer log.Close()
+	cmd := exec.Command(bin, "--name", "sim", "--data-dir", filepath.Join(dir, "data"),
+		"--listen-client-urls", client, "--advertise-client-urls", client,
+		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+		"--initial-cluster", "sim="+peer, "--initial-cluster-state", "new",
+		"--quota-backend-bytes", strconv.Itoa(8<<30), "--logger", "zap", "--log-outputs", "stderr")
+	cmd.Stdout, cmd.Stderr = log, log
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start etcd: %w", err)
+	}
+	e := &etcdServer{cmd: cmd, done: make(chan struct{}), endpoint: "127.0.0.1:" + strconv.Itoa(cp)}
+	go func() { cmd.Wait(); close(e.done) }()
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: time.Second}
+	for deadline := time.Now().Add(20 * time.Second); ; {
+		resp, err := hc.Get(client + "/health")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == 200 {
+				return e, nil
+			}
+		}
+		select {
+		case <-e.done:
+			return nil, fmt.Errorf("etcd exited at start (see %s)", filepath.Join(dir, "etcd.log"))
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			e.stop()
+			return nil, errors.New("etcd did not serve within 20 s")
+		}
+	}
+}
+
+func (e *etcdServer) stop() {
+	e.cmd.Process.Kill()
+	<-e.done
+}
+
+// cpu is etcd's user and system CPU so far, from /proc.
+func (e *etcdServer) cpu() time.Duration {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(e.cmd.Process.Pid) + "/stat")
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0
+	}
+	ut, _ := strconv.ParseInt(f[11], 10, 64)
+	st, _ := strconv.ParseInt(f[12], 10, 64)
+	return time.Duration(ut+st) * time.Second / 100 // USER_HZ
+}

@@ -1,0 +1,169 @@
+// Package storecount wraps a rendezvous.Store to count the requests made
+// through it and the bytes they carry, as a benchmark or a test of the
+// rendezvous's cost per agent needs. Bytes are counted at the Store's API
+// (keys and values sent, values received), not on the wire: the same
+// measure for every backend.
+package storecount
+
+import (
+	"context"
+	"sync/atomic"
+
+	"github.com/gorunhq/gorun/rendezvous"
+)
+
+// Counts are totals; the zero value is ready. Several Stores may share one.
+type Counts struct {
+	Requests atomic.Int64
+	Sent     atomic.Int64 // key and value bytes of requests
+	Received atomic.Int64 // value bytes of replies
+	Writes   atomic.Int64 // requests that may change the store
+	Written  atomic.Int64 // key and value bytes of those
+}
+
+// Store is a rendezvous.Store that counts every call into C.
+type Store struct {
+	rendezvous.Store
+	C *Counts
+}
+
+var (
+	_ rendezvous.Store       = (*Store)(nil)
+	_ rendezvous.BatchPopper = (*Store)(nil)
+)
+
+// New wraps s, counting into c.
+func New(s rendezvous.Store, c *Counts) *Store { return &Store{Store: s, C: c} }
+
+func (s *Store) req(sent int, write bool) {
+	s.C.Requests.Add(1)
+	s.C.Sent.Add(int64(sent))
+	if write {
+		s.C.Writes.Add(1)
+		s.C.Written.Add(int64(sent))
+	}
+}
+
+func (s *Store) recv(n int) { s.C.Received.Add(int64(n)) }
+
+func keysLen(keys []string) int {
+	n := 0
+	for _, k := range keys {
+		n += len(k)
+	}
+	return n
+}
+
+func (s *Store) Set(ctx context.Context, key string, value []byte) error {
+	s.req(len(key)+len(value), true)
+	return s.Store.Set(ctx, key, value)
+}
+
+func (s *Store) Get(ctx context.Context, key string) ([]byte, error) {
+	s.req(len(key), false)
+	v, err := s.Store.Get(ctx, key)
+	s.recv(len(v))
+	return v, err
+}
+
+func (s *Store) Add(ctx context.Context, key string, delta int64) (int64, error) {
+	s.req(len(key)+8, delta != 0)
+	v, err := s.Store.Add(ctx, key, delta)
+	s.recv(8)
+	return v, err
+}
+
+func (s *Store) CompareSet(ctx context.Context, key string, expected, desired []byte) ([]byte, error) {
+	s.req(len(key)+len(expected)+len(desired), true)
+	v, err := s.Store.CompareSet(ctx, key, expected, desired)
+	s.recv(len(v))
+	return v, err
+}
+
+func (s *Store) Wait(ctx context.Context, keys ...string) error {
+	s.req(keysLen(keys), false)
+	return s.Store.Wait(ctx, keys...)
+}
+
+func (s *Store) Check(ctx context.Context, keys ...string) (bool, error) {
+	s.req(keysLen(keys), false)
+	return s.Store.Check(ctx, keys...)
+}
+
+func (s *Store) Delete(ctx context.Context, key string) (bool, error) {
+	s.req(len(key), true)
+	return s.Store.Delete(ctx, key)
+}
+
+func (s *Store) NumKeys(ctx context.Context) (int64, error) {
+	s.req(0, false)
+	return s.Store.NumKeys(ctx)
+}
+
+func (s *Store) Append(ctx context.Context, key string, value []byte) error {
+	s.req(len(key)+len(value), true)
+	return s.Store.Append(ctx, key, value)
+}
+
+func (s *Store) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	s.req(keysLen(keys), false)
+	vs, err := s.Store.MultiGet(ctx, keys...)
+	for _, v := range vs {
+		s.recv(len(v))
+	}
+	return vs, err
+}
+
+func (s *Store) MultiSet(ctx context.Context, keys []string, values [][]byte) error {
+	n := keysLen(keys)
+	for _, v := range values {
+		n += len(v)
+	}
+	s.req(n, true)
+	return s.Store.MultiSet(ctx, keys, values)
+}
+
+func (s *Store) ListKeys(ctx context.Context) ([]string, error) {
+	s.req(0, false)
+	ks, err := s.Store.ListKeys(ctx)
+	s.recv(keysLen(ks))
+	return ks, err
+}
+
+func (s *Store) QueuePush(ctx context.Context, key string, value []byte) error {
+	s.req(len(key)+len(value), true)
+	return s.Store.QueuePush(ctx, key, value)
+}
+
+func (s *Store) QueuePop(ctx context.Context, key string, block bool) ([]byte, error) {
+	s.req(len(key), true)
+	v, err := s.Store.QueuePop(ctx, key, block)
+	s.recv(len(v))
+	return v, err
+}
+
+func (s *Store) QueueLen(ctx context.Context, key string) (int64, error) {
+	s.req(len(key), false)
+	n, err := s.Store.QueueLen(ctx, key)
+	s.recv(8)
+	return n, err
+}
+
+func (s *Store) Barrier(ctx context.Context, key string, worldSize int64) error {
+	s.req(len(key)+8, true)
+	return s.Store.Barrier(ctx, key, worldSize)
+}
+
+// QueuePopBatch forwards to the inner Store's, or says it has none.
+func (s *Store) QueuePopBatch(ctx context.Context, key string, max int) ([][]byte, error) {
+	bp, ok := s.Store.(rendezvous.BatchPopper)
+	if !ok {
+		return nil, rendezvous.ErrNotSupported
+	}
+	s.req(len(key)+8, true)
+	vs, err := bp.QueuePopBatch(ctx, key, max)
+	for _, v := range vs {
+		s.recv(len(v))
+	}
+	return vs, err
+}

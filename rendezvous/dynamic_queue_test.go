@@ -1,0 +1,294 @@
+package rendezvous
+
+import (
+	"context"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+// foldRequest applies a queued Next as its node would: exit, then join.
+func TestFoldRequest(t *testing.T) {
+	cfg := coreCfg() // 2:4
+	req := func(i int, call uint64) request {
+		return request{Node: nd(i), Data: []byte("req"), Call: call, Deadline: at(600 * time.Second)}
+	}
+	withCall := func(e nodeState, call uint64) nodeState { e.Call = call; return e }
+	ranked := func(e nodeState, rank int) nodeState { e.Rank = rank; return e }
+	now := at(10 * time.Second)
+	for _, tc := range []struct {
+		name    string
+		st      *dynState
+		r       request
+		changed bool
+		check   func(t *testing.T, s *dynState)
+	}{{
+		name: "a fresh node joins, with its call",
+		st:   mkState(dynState{}),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 1 || s.Nodes[0].Waiting || s.Nodes[0].Call != 7 || string(s.Nodes[0].Data) != "req" || !s.Nodes[0].Heartbeat.Equal(now) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
+		name: "the join that fills the round completes it",
+		st:   mkState(dynState{Deadline: at(35 * time.Second)}, part(0, 5*time.Second), part(2, 5*time.Second), part(3, 5*time.Second)),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if !s.Complete || s.Size != 4 || s.Nodes[1].Rank != 1 || s.Nodes[1].Call != 7 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a member of a complete round leaves it and joins the next, which it starts",
+		st:   mkState(dynState{Complete: true, Size: 2}, ranked(part(0, 5*time.Second), 0), ranked(part(1, 5*time.Second), 1)),
+		r:    req(1, 8), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			// Node 1 left to rejoin; node 0 still holds round 0, so node 1
+			// waits in the list for round 1, its exit recorded.
+			if s.Round != 0 || len(s.Nodes) != 2 || !s.Nodes[1].Waiting || s.Nodes[1].Call != 8 || len(s.Rejoin) != 1 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "the same request again does not take the node out again",
+		st: mkState(dynState{Round: 1, Deadline: at(40 * time.Second), Rejoin: []rejoiner{{NodeDesc: nd(0)}, {NodeDesc: nd(1)}}},
+			withCall(part(1, 8*time.Second), 8)),
+		r: req(1, 8),
+		check: func(t *testing.T, s *dynState) {
+			if s.Round != 1 || len(s.Nodes) != 1 || s.Nodes[0].Waiting || !s.Nodes[0].Heartbeat.Equal(at(8*time.Second)) {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a new call of the same node does leave its round",
+		st: mkState(dynState{Complete: true, Size: 2},
+			ranked(withCall(part(0, 5*time.Second), 3), 0), ranked(withCall(part(1, 5*time.Second), 8), 1)),
+		r: req(1, 9), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Rejoin) != 1 || s.Rejoin[0].NodeDesc != nd(1) || !s.Nodes[1].Waiting || s.Nodes[1].Call != 9 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a complete, full round leaves an outsider out",
+		st: mkState(dynState{Complete: true, Size: 4}, ranked(part(0, 5*time.Second), 0), ranked(part(2, 5*time.Second), 1),
+			ranked(part(3, 5*time.Second), 2), ranked(part(4, 5*time.Second), 3)),
+		r: req(1, 7),
+		check: func(t *testing.T, s *dynState) {
+			if p, w := s.role(nd(1)); p || w {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a complete round with room puts an outsider in the wait list",
+		st:   mkState(dynState{Complete: true, Size: 2}, ranked(part(0, 5*time.Second), 0), ranked(part(2, 5*time.Second), 1)),
+		r:    req(1, 7), changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if _, w := s.role(nd(1)); !w || s.Nodes[1].Call != 7 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a closed run takes nobody",
+		st:   mkState(dynState{Closed: true}),
+		r:    req(1, 7),
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "past its deadline a participant rolls itself back",
+		st:   mkState(dynState{}, withCall(part(0, 5*time.Second), 7)),
+		r:    request{Node: nd(0), Call: 7, Deadline: at(9 * time.Second)}, changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "past the rollback window, nothing",
+		st:   mkState(dynState{}),
+		r:    request{Node: nd(0), Call: 7, Deadline: at(time.Second)},
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 0 {
+				t.Fatalf("%+v", s)
+			}
+		},
+	}, {
+		name: "a queued heartbeat refreshes a due one, stamped when folded",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 4*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)}, changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if !s.Nodes[0].Heartbeat.Equal(now) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
+		name: "a queued heartbeat does not put a dropped node back",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(1, 4*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)},
+		check: func(t *testing.T, s *dynState) {
+			if len(s.Nodes) != 1 || s.Nodes[0].NodeDesc != nd(1) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := tc.st.clone()
+			if got := s.foldRequest(tc.r, now, cfg); got != tc.changed {
+				t.Errorf("changed = %v, want %v", got, tc.changed)
+			}
+			tc.check(t, s)
+			// Folding it a second time changes nothing more.
+			again := s.clone()
+			if again.foldRequest(tc.r, now, cfg) {
+				t.Errorf("a second fold changed %+v into %+v", s, again)
+			}
+		})
+	}
+}
+
+// TestBubbleQueuedLastCall is TestBubbleLastCall on a store with queues:
+// every Next's writes go through the request queue, and torchrun's
+// timing holds to the nanosecond.
+func TestBubbleQueuedLastCall(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		lastCall(t, m)
+		if n := len(m.queues["gorun.rendezvous.job"+queueSuffix]); n != 0 {
+			t.Errorf("%d requests left in the queue", n)
+		}
+	})
+}
+
+// TestBubbleQueuedRestartAndDeadFolder: three nodes rendezvous and
+// restart together through the queue (round 1 completes at once: every
+// rejoiner is back); then a folder dies holding the lock (a lock value
+// nobody will release), and the next restart still completes, once the
+// lock has expired (4 s on), at the requesters' next look: a request
+// unanswered for KeepAliveTimeout (5 s) is pushed again, and folded.
+func TestBubbleQueuedRestartAndDeadFolder(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 3, QueueMinNodes: 1})
+		all := func(round int, want time.Duration) {
+			t.Helper()
+			start := time.Now()
+			chs := []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)}
+			for i, ch := range chs {
+				x := <-ch
+				if x.err != nil || x.r.Number != round || x.r.Rank != i || len(x.r.Members) != 3 || x.at > want {
+					t.Fatalf("round %d, node %d: %+v (%v)", round, i, x, x.err)
+				}
+			}
+		}
+		all(0, 0)
+		all(1, 0)
+		dead := lockValue{holder: nd(99).String(), expiry: time.Now().Add(4 * time.Second), start: time.Now()}.bytes()
+		m.Set(context.Background(), "gorun.rendezvous.job"+lockSuffix, dead)
+		all(2, 5*time.Second)
+	})
+}
+
+// TestBubbleQueuedJoinTimeout: a lone node gives up after exactly 600 s
+// and takes itself out, through the queue as well.
+func TestBubbleQueuedJoinTimeout(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		joinTimeout(t, newQueueMemStore())
+	})
+}
+
+// TestBubbleQueuedNoQueues: on a store without queues the executor
+// compare-sets the state itself, and remembers not to try again.
+func TestBubbleQueuedNoQueues(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newMemStore()
+		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1})
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		if !ds[0].noQueue.Load() || !ds[1].noQueue.Load() {
+			t.Error("the handles kept trying queues")
+		}
+	})
+}
+
+// TestBubbleQueuedHeartbeats: 32 members of a round keep their heartbeats
+// through the queue: a minute later all are alive, having written the
+// state about once per lazy fold (1 s), not once per heartbeat (32 every
+// 5 s); then one stops and is lost once its last heartbeat, stamped when
+// it was folded, is 15 s old.
+func TestBubbleQueuedHeartbeats(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		const n = 32
+		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, QueueMinNodes: 1})
+		start := time.Now()
+		chs := make([]<-chan bubbleResult, n)
+		for i := range ds {
+			chs[i] = goNext(ds[i], start)
+		}
+		for i, ch := range chs {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		m.mu.Lock()
+		w0 := m.writes["gorun.rendezvous.job"]
+		m.mu.Unlock()
+		time.Sleep(60 * time.Second)
+		m.mu.Lock()
+		w := m.writes["gorun.rendezvous.job"] - w0
+		m.mu.Unlock()
+		if st, err := ds[0].Status(context.Background()); err != nil || st.Lost != nil || st.Participants != n {
+			t.Fatalf("after a minute: %+v, %v", st, err)
+		}
+		if w > 75 {
+			t.Errorf("%d writes of the state in 60 s", w)
+		}
+		t.Logf("%d writes of the state in 60 s of heartbeats from %d nodes", w, n)
+		ds[n-1].Close()
+		closed := time.Now()
+		for {
+			st, err := ds[0].Status(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if st.Lost != nil {
+				// Its last heartbeat was pushed at most 5 s before it
+				// stopped, and folded at most 1 s after the push.
+				if took := time.Since(closed); took < 10*time.Second || took > 17*time.Second {
+					t.Errorf("lost %v after %v", st.Lost, took)
+				}
+				break
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+	})
+}
+
+// TestBubbleSmallRunsDoNotQueue: below QueueMinNodes (32 by default) a
+// run compare-sets its state directly even on a store with queues.
+func TestBubbleSmallRunsDoNotQueue(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		ds := bubbleNodes(t, m, 2, DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 31})
+		start := time.Now()
+		a, b := goNext(ds[0], start), goNext(ds[1], start)
+		time.Sleep(31 * time.Second) // the last call
+		for i, ch := range []<-chan bubbleResult{a, b} {
+			if x := <-ch; x.err != nil || x.r.Rank != i {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		if len(m.queues) != 0 {
+			t.Errorf("queues used: %v", m.queues)
+		}
+	})
+}
