@@ -125,13 +125,21 @@ type member struct {
 func finish(ctx context.Context, t *testing.T, final shrink.Epoch, steps int, ms []member, want func(slot int) []string) {
 	t.Helper()
 	var losses []string
+	// A member that fails often fails for another's doing: show them all.
+	all := func() string {
+		var b strings.Builder
+		for _, m := range ms {
+			fmt.Fprintf(&b, "--- slot %d:\n%s\n", m.slot, m.w.out)
+		}
+		return b.String()
+	}
 	for _, m := range ms {
 		err, ok := m.w.wait(ctx)
 		if !ok {
-			t.Fatalf("slot %d did not finish\n%s", m.slot, m.w.out)
+			t.Fatalf("slot %d did not finish\n%s", m.slot, all())
 		}
 		if err != nil {
-			t.Fatalf("slot %d: %v\n%s", m.slot, err, m.w.out)
+			t.Fatalf("slot %d: %v\n%s", m.slot, err, all())
 		}
 		out := m.w.out.String()
 		for _, line := range want(m.slot) {
