@@ -261,7 +261,7 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 			a.endpoint.SetPhase(PhaseFailed)
 			return err
 		}
-		defer func() { pk.stop(ctx, a, sigs) }()
+		defer func() { a.stopParked(ctx, pk, sigs) }()
 	}
 	for {
 		a.endpoint.SetPhase(PhaseRendezvous)

@@ -6,8 +6,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
-	"strconv"
 	"syscall"
 
 	"go.uber.org/zap"
@@ -15,53 +13,9 @@ import (
 
 // This file is --spare-prestart (Config.SparePrestart): the local workers
 // start before the agent's first round and wait, parked, for the round
-// that gives them their place (package prestart).
-
-// attempt is one attempt's log directory and the filtered logs in it.
-type attempt struct {
-	dir      string
-	filtered [2]*filteredLog
-}
-
-// openAttempt creates the log directory dir of an attempt and its filtered
-// logs (--duplicate-std*-filters).
-func (a *agent) openAttempt(dir string) (*attempt, error) {
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, localf("log directory: %w", err)
-	}
-	at := &attempt{dir: dir}
-	for i, needles := range [][]string{a.cfg.DuplicateStdoutFilters, a.cfg.DuplicateStderrFilters} {
-		name := [...]string{"filtered_stdout.log", "filtered_stderr.log"}[i]
-		l, err := openFilteredLog(filepath.Join(dir, name), needles)
-		if err != nil {
-			at.close()
-			return nil, localf("--duplicate-std*-filters: %w", err)
-		}
-		at.filtered[i] = l
-	}
-	return at, nil
-}
-
-// moveTo renames the attempt's directory to dir (a pre-started group's,
-// once its round says which attempt it is); open files follow it.
-func (at *attempt) moveTo(dir string) error {
-	if dir == at.dir {
-		return nil
-	}
-	if err := os.Rename(at.dir, dir); err != nil {
-		return localf("log directory: %w", err)
-	}
-	at.dir = dir
-	return nil
-}
-
-// close closes the filtered logs, once the attempt's workers' output is
-// drained.
-func (at *attempt) close() {
-	for _, l := range at.filtered {
-		l.close()
-	}
-}
+// that gives them their place (package prestart). An attempt's log
+// directory (round.go) is made for them before the round says which
+// attempt it is, and renamed then.
 
 // parked is a group of pre-started workers waiting for their round.
 type parked struct {
@@ -152,10 +106,10 @@ func (a *agent) parkedFailed(pk *parked) error {
 	return e
 }
 
-// stop stops the parked workers that were never given a round: with the
-// signal that stopped the agent (SIGTERM if none did), the shutdown
-// timeout, then SIGKILL.
-func (pk *parked) stop(ctx context.Context, a *agent, sigs <-chan os.Signal) {
+// stopParked stops the parked workers that were never given a round (pk
+// may be nil: none): with the signal that stopped the agent (SIGTERM if
+// none did), the shutdown timeout, then SIGKILL.
+func (a *agent) stopParked(ctx context.Context, pk *parked, sigs <-chan os.Signal) {
 	if pk == nil {
 		return
 	}
@@ -182,9 +136,4 @@ func (pk *parked) adopt(spec spawnSpec, p *plan) (*group, error) {
 		return nil, fmt.Errorf("assigning the pre-started workers: %w", err)
 	}
 	return pk.g, nil
-}
-
-// attemptDir is the log directory of the attempt with restart count n.
-func (a *agent) attemptDir(n int) string {
-	return filepath.Join(a.runDir, "attempt_"+strconv.Itoa(n))
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
@@ -336,4 +337,55 @@ func (a *agent) failure(x workerExit) Failure {
 		f.Message = "hung (" + x.w.hung + "); killed by gorun"
 	}
 	return f
+}
+
+// attempt is one attempt's log directory and the filtered logs in it.
+type attempt struct {
+	dir      string
+	filtered [2]*filteredLog
+}
+
+// openAttempt creates the log directory dir of an attempt and its filtered
+// logs (--duplicate-std*-filters).
+func (a *agent) openAttempt(dir string) (*attempt, error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, localf("log directory: %w", err)
+	}
+	at := &attempt{dir: dir}
+	for i, needles := range [][]string{a.cfg.DuplicateStdoutFilters, a.cfg.DuplicateStderrFilters} {
+		name := [...]string{"filtered_stdout.log", "filtered_stderr.log"}[i]
+		l, err := openFilteredLog(filepath.Join(dir, name), needles)
+		if err != nil {
+			at.close()
+			return nil, localf("--duplicate-std*-filters: %w", err)
+		}
+		at.filtered[i] = l
+	}
+	return at, nil
+}
+
+// moveTo renames the attempt's directory to dir (a pre-started group's,
+// once its round says which attempt it is); open files follow it.
+func (at *attempt) moveTo(dir string) error {
+	if dir == at.dir {
+		return nil
+	}
+	if err := os.Rename(at.dir, dir); err != nil {
+		return localf("log directory: %w", err)
+	}
+	at.dir = dir
+	return nil
+}
+
+// close closes the filtered logs, once the attempt's workers' output is
+// drained.
+func (at *attempt) close() {
+	for _, l := range at.filtered {
+		l.close()
+	}
+}
+
+// attemptDir is the log directory of the attempt with restart count n.
+func (a *agent) attemptDir(n int) string {
+	return filepath.Join(a.runDir, "attempt_"+strconv.Itoa(n))
 }

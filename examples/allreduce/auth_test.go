@@ -5,11 +5,11 @@ import (
 	"fmt"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 	"github.com/gorunhq/gorun/shrink"
@@ -30,16 +30,7 @@ func TestShrinkAuth(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
 	const secret, runID, round = "a test job's secret", "auth-job", "1"
-	var mu sync.Mutex
-	forged := map[string]shrink.ForgeryReason{}
-	auth, err := shrink.NewAuth([]byte(secret), shrink.Scope(runID, round), func(f shrink.Forgery) {
-		mu.Lock()
-		defer mu.Unlock()
-		forged[f.Key] = f.Reason
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	auth, refused := testutil.RecordingAuth(t, secret, shrink.Scope(runID, round))
 	const world, steps = 4, 1000
 	j := startJobEnv(ctx, t, bin, world, nil, "shrink",
 		[]string{"--steps", strconv.Itoa(steps), "--step-ms", "10", "--elems", "4096", "--timeout", "60s"},
@@ -144,8 +135,7 @@ func TestShrinkAuth(t *testing.T) {
 	case <-ctx.Done():
 		t.Fatal("the coordinator never took the grow as complete")
 	}
-	mu.Lock()
-	defer mu.Unlock()
+	forged := refused()
 	if forged["epoch/1"] != shrink.BadMAC || forged[fmt.Sprint("report/", i)] != shrink.NoMAC || auth.Forgeries() != 2 {
 		t.Errorf("the coordinator counted %d forgeries %v, want epoch/1 (bad MAC) and report/%d (no MAC)", auth.Forgeries(), forged, i)
 	}

@@ -4,10 +4,10 @@ import (
 	"fmt"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/shrink"
@@ -25,16 +25,7 @@ import (
 // forgeries.
 func TestTorchGlooAuth(t *testing.T) {
 	const secret, runID, round = "a test job's secret", "auth-job", "1"
-	var mu sync.Mutex
-	forged := map[string]shrink.ForgeryReason{}
-	auth, err := shrink.NewAuth([]byte(secret), shrink.Scope(runID, round), func(f shrink.Forgery) {
-		mu.Lock()
-		defer mu.Unlock()
-		forged[f.Key] = f.Reason
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	auth, refused := testutil.RecordingAuth(t, secret, shrink.Scope(runID, round))
 	env := []string{shrink.SecretEnv + "=" + secret, "TORCHELASTIC_RUN_ID=" + runID, "GORUN_GENERATION=" + round}
 	const steps = 1200
 	h := startHealRunAuth(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"),
@@ -107,8 +98,7 @@ func TestTorchGlooAuth(t *testing.T) {
 	if !joined {
 		t.Error("no joined notice from the newcomer on the authenticated board")
 	}
-	mu.Lock()
-	defer mu.Unlock()
+	forged := refused()
 	if forged["epoch/1"] != shrink.BadMAC || forged[fmt.Sprint("report/", i)] != shrink.NoMAC || auth.Forgeries() != 2 {
 		t.Errorf("the coordinator counted %d forgeries %v, want epoch/1 (bad MAC) and report/%d (no MAC)", auth.Forgeries(), forged, i)
 	}
