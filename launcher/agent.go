@@ -111,6 +111,9 @@ type agent struct {
 	hung       chan health.Event
 	stopBeats  context.CancelFunc
 	beatsDone  chan struct{}
+	// containment holds what the workers start: a cgroup each (see
+	// Config.Cgroup), and the OOM counts their exits are read against.
+	containment containment
 }
 
 func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, error) {
@@ -170,6 +173,10 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 			log.Debug("reaped an orphan", zap.Stringer("exit", e))
 		},
 	})
+	if err := a.openContainment(); err != nil {
+		a.reaper.Close()
+		return nil, err
+	}
 	return a, nil
 }
 
@@ -210,6 +217,7 @@ func (a *agent) close() {
 	if a.m != nil {
 		a.m.close()
 	}
+	a.containment.close()
 	a.killLeftovers()
 	a.reaper.Close()
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -345,6 +346,22 @@ type Config struct {
 	// program that runs the launcher in-process next to children of its
 	// own turns it off.
 	ContainDescendants bool
+	// Cgroup is where the agent gives each worker a cgroup v2 of its own,
+	// which holds the worker and all it starts, so that they end together
+	// (cgroup.kill) however the worker ends — a setsid daemon included,
+	// in shrink mode at once — and an OOM kill is told from another
+	// SIGKILL. CgroupAuto (the default): under the agent's own cgroup v2
+	// where it may write one and the kernel has cgroup.kill (5.14), else
+	// none, said once in the log. CgroupOff: none. Anything else is a
+	// cgroup v2 directory to make them under; failing that is an
+	// ErrLocalResource. gorun's --cgroup.
+	Cgroup string
+	// CgroupGuard is the program started beside the agent to empty the
+	// workers' cgroups if the agent dies (SIGKILL): one whose main calls
+	// cgroup.RunGuardIfAsked before anything else, such as gorun's own
+	// binary, which the CLI names. "" (the default) starts none: the
+	// cgroups of a SIGKILLed agent then outlive it with what is in them.
+	CgroupGuard string
 	// HealthAddr is where the agent serves /healthz, /readyz and /metrics
 	// (see Health): "HOST:PORT", with an empty host for every interface
 	// (":8080") and port 0 for a free one. "" (the default) serves no
@@ -528,6 +545,7 @@ func DefaultConfig() Config {
 		GrowTimeout:        shrink.DefaultGrowTimeout,
 		NodeLiveness:       defaultNodeLiveness(),
 		ContainDescendants: true,
+		Cgroup:             CgroupAuto,
 	}
 }
 
@@ -655,6 +673,8 @@ func (c Config) validateSupervision() error {
 		return invalidf("--shutdown-timeout %v: want 0 or more", c.ShutdownTimeout)
 	case c.ExitBarrierTimeout <= 0:
 		return invalidf("--exit-barrier-timeout %v: want a positive timeout", c.ExitBarrierTimeout)
+	case c.Cgroup != "" && c.Cgroup != CgroupAuto && c.Cgroup != CgroupOff && !filepath.IsAbs(c.Cgroup):
+		return invalidf("--cgroup %q: want %s, %s or the absolute path of a cgroup v2 directory", c.Cgroup, CgroupAuto, CgroupOff)
 	}
 	for _, sig := range c.SignalsToHandle {
 		if sig < 1 || sig > maxSignal {

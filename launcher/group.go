@@ -9,6 +9,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/launcher/cgroup"
 	"github.com/gorunhq/gorun/launcher/reaper"
 	"github.com/gorunhq/gorun/prestart"
 )
@@ -23,6 +24,9 @@ type group struct {
 	stopping bool
 	// onExit, if set, is told of each exit as it is recorded.
 	onExit func(w *worker, stopped bool)
+	// contain holds what the workers start (their cgroups); nil holds
+	// nothing.
+	contain *containment
 }
 
 type worker struct {
@@ -43,6 +47,15 @@ type worker struct {
 	// assignTo is a parked worker's assignment pipe (the agent's end),
 	// nil once assigned or for a worker started with its assignment.
 	assignTo *os.File
+	// slot is the worker's own cgroup (nil without one): it and all it
+	// starts, and nothing else.
+	slot *cgroup.Slot
+	// oomMark is the OOM kill count that covers the worker when it
+	// started (oomKnown: there is one); oom says why an OOM kill is
+	// taken to have ended it, "" when none did.
+	oomMark  int64
+	oomKnown bool
+	oom      string
 }
 
 type workerExit struct {
@@ -67,6 +80,8 @@ type spawnSpec struct {
 	// parked starts the workers before their round (SparePrestart): only
 	// their local ranks count, and they wait for assign.
 	parked bool
+	// contain gives each worker a cgroup of its own; nil gives none.
+	contain *containment
 }
 
 // assignmentFD is the descriptor a parked worker reads its assignment from:
@@ -84,7 +99,7 @@ func startGroup(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, as
 	if err != nil {
 		return nil, err
 	}
-	g := &group{exits: make(chan workerExit, len(as))}
+	g := &group{exits: make(chan workerExit, len(as)), contain: spec.contain}
 	for _, a := range as {
 		w, err := startWorker(rp, con, cfg, spec, a, cpus[a.LocalRank], g.exits)
 		if err != nil {
@@ -123,10 +138,15 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 		Files: []*os.File{os.Stdin, ends[0], ends[1]},
 		Sys:   &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL},
 	}
+	if err := spec.contain.slotFor(w, attr); err != nil {
+		out.abort()
+		return nil, err
+	}
 	var assignFrom *os.File
 	if spec.parked {
 		if assignFrom, w.assignTo, err = os.Pipe(); err != nil {
 			out.abort()
+			spec.contain.remove(w)
 			return nil, err
 		}
 		attr.Env = spec.env.ParkedEnviron(spec.base, a.LocalRank, w.errorFile, assignmentFD)
@@ -145,8 +165,10 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	if err != nil {
 		out.abort()
 		w.closeAssignment()
+		spec.contain.remove(w)
 		return nil, fmt.Errorf("start %s: %w", spec.path, err)
 	}
+	spec.contain.started(w)
 	w.proc, w.out = proc, out
 	go func() { exits <- workerExit{w, <-ch} }()
 	return w, nil
@@ -162,6 +184,7 @@ func (g *group) respawn(rp *reaper.Reaper, con *console, cfg *Config, spec spawn
 		return nil, fmt.Errorf("respawn of rank %d: its worker is not an exited one of this group", old.a.Rank)
 	}
 	syscall.Kill(-old.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
+	g.contain.remove(old)
 	old.out.drain(outputDrainTimeout)
 	spec.env.NewcomerAfter, spec.appendLogs = after, true
 	cpus, err := numaCPUs(cfg, []Assignment{old.a})
@@ -227,6 +250,7 @@ func (g *group) pids() []int {
 func (g *group) record(x workerExit) {
 	if !x.w.exited {
 		x.w.exited, x.w.exit = true, x.e
+		g.contain.ended(x.w)
 		g.running--
 		if g.onExit != nil {
 			g.onExit(x.w, g.stopping)
@@ -275,6 +299,7 @@ func (g *group) wait(sigs <-chan os.Signal, grace time.Duration, forward func(os
 	for _, w := range g.workers {
 		syscall.Kill(-w.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
 		w.closeAssignment()
+		g.contain.remove(w)
 	}
 	for _, w := range g.workers {
 		w.out.drain(outputDrainTimeout)

@@ -103,6 +103,9 @@ const (
 	ReasonExitCode = "exit_code"
 	// ReasonSignal: a signal the agent did not send killed the worker.
 	ReasonSignal = "signal"
+	// ReasonOOM: the kernel's OOM killer killed the worker (its cgroup's,
+	// or the agent's, oom_kill count went up as it died of SIGKILL).
+	ReasonOOM = "oom"
 	// ReasonStopped: the agent stopped the worker itself (the rest of the
 	// group after another worker failed, a signal to the agent, a new
 	// rendezvous round). Not a failure: it counts in

@@ -36,7 +36,7 @@ func (a *agent) prestart() (*parked, error) {
 	if a.heartbeats != nil {
 		env.Heartbeat = a.heartbeats.Path()
 	}
-	spec := spawnSpec{path: a.path, argv: a.argv, env: env, base: environ(), dir: at.dir, prefix: a.linePrefix,
+	spec := spawnSpec{path: a.path, argv: a.argv, contain: &a.containment, env: env, base: environ(), dir: at.dir, prefix: a.linePrefix,
 		filtered: at.filtered, parked: true}
 	as := make([]Assignment, a.cfg.NProcPerNode)
 	for i := range as {

@@ -257,7 +257,7 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 		return outcome{}, err
 	}
 	defer at.close() // after the round: the copies are drained by then
-	spec := spawnSpec{path: a.path, argv: a.argv, env: p.env, base: environ(), dir: dir, prefix: a.linePrefix,
+	spec := spawnSpec{path: a.path, argv: a.argv, contain: &a.containment, env: p.env, base: environ(), dir: dir, prefix: a.linePrefix,
 		filtered: at.filtered}
 	first := p.assignments[0]
 	msg := "starting workers"
@@ -324,6 +324,8 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 		a.endpoint.WorkerExited(true, "")
 	case stopped || w.excluded:
 		a.endpoint.WorkerExited(false, ReasonStopped)
+	case w.oom != "":
+		a.endpoint.WorkerExited(false, ReasonOOM)
 	case w.exit.Signal() != 0:
 		a.endpoint.WorkerExited(false, ReasonSignal)
 	default:
@@ -333,8 +335,13 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 
 func (a *agent) failure(x workerExit) Failure {
 	f := newFailure(x.w.a.LocalRank, x.w.a.Rank, x.e, x.w.errorFile, a.host)
-	if x.w.hung != "" {
+	switch {
+	case x.w.hung != "":
 		f.Message = "hung (" + x.w.hung + "); killed by gorun"
+	case x.w.oom != "":
+		// torchrun says "Signal 9 (SIGKILL)" and leaves the cause unsaid.
+		f.Message += ": " + x.w.oom
+		a.log.Warn("worker killed by the OOM killer", zap.Int("rank", x.w.a.Rank), zap.Int("pid", f.Pid), zap.String("why", x.w.oom))
 	}
 	return f
 }

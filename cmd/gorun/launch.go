@@ -138,6 +138,10 @@ func launchFlags() []cli.Flag {
 
 		&cli.BoolFlag{Name: "init", Usage: "insist on PID 1's duties when not PID 1: gorun always becomes a child subreaper that reaps and, when a worker group ends, kills what the workers leave behind; with --init, failing to become one is an error, not a warning",
 			EnvVars: []string{"GORUN_INIT"}, Category: catGorun},
+		&cli.StringFlag{Name: "cgroup", Value: launcher.CgroupAuto, Usage: "give each worker a cgroup v2 of its own, so that all it starts ends with it " +
+			"(setsid daemons too, and after gorun is SIGKILLed) and an OOM kill is named: auto (under gorun's own cgroup where it is writable, " +
+			"else none), off, or the `PATH` of a cgroup v2 directory to use (exit code 8 if it cannot)",
+			EnvVars: []string{"GORUN_CGROUP"}, Category: catGorun},
 		&cli.StringFlag{Name: "health-addr", Usage: "serve /healthz, /readyz and /metrics (Prometheus) on `HOST:PORT`, e.g. :8080 " +
 			"(default: 127.0.0.1:$" + healthPortVar + " when that is set, else no endpoint; :PORT serves every interface, e.g. for Kubernetes probes)",
 			EnvVars: []string{"GORUN_HEALTH_ADDR"}, Category: catGorun},
@@ -360,6 +364,14 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		}
 	}
 	cfg.Init = c.Bool("init")
+	cfg.Cgroup = c.String("cgroup")
+	// The guard that empties the workers' cgroups if gorun is SIGKILLed
+	// is gorun itself (main calls cgroup.RunGuardIfAsked first).
+	if cfg.Cgroup != launcher.CgroupOff {
+		if exe, err := os.Executable(); err == nil {
+			cfg.CgroupGuard = exe
+		}
+	}
 	if cfg.HealthAddr, err = healthAddr(c); err != nil {
 		return cfg, err
 	}
