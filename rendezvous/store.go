@@ -38,6 +38,9 @@ var (
 	// sum overflowed int64. (A c10d TCPStore server answers this by closing
 	// the connection; the FileStore raises.)
 	ErrNotInteger = errors.New("value is not a decimal int64")
+	// ErrTooLarge: a key or value over what the store can hold in one
+	// operation (an etcd-backed store's request limit).
+	ErrTooLarge = errors.New("key or value too large for this store")
 	// ErrInvalidArgument: the request itself is malformed (MultiSet with
 	// mismatched lengths, a non-positive barrier size, …).
 	ErrInvalidArgument = errors.New("invalid argument")

@@ -105,6 +105,24 @@ func TestStopSignalInEveryState(t *testing.T) {
 			waitStderr(t, p, "rank will be respawned")
 			return p
 		}, "stopping workers on signal"},
+		{"shrink/agreement under way", func(t *testing.T) *agentProc {
+			// Rank 1 fails; rank 0, a shell, never acknowledges the
+			// epoch, so the survivors' agreement stays open.
+			p := startAgent(t, bin, "--standalone", "--nproc-per-node", "2", "--on-failure", "shrink", "--regrow", "off",
+				"--log-dir", t.TempDir(), "--no-python", "sh", "-c", `[ "$RANK" = 1 ] && exit 3; exec sleep 60`)
+			waitStderr(t, p, "reporting it to the survivors")
+			return p
+		}, "stopping workers on signal"},
+		{"shrink/grow under way", func(t *testing.T) *agentProc {
+			// Rank 1 fails once and is respawned at once; the newcomer, a
+			// shell, never joins, so the grow stays open.
+			dir := t.TempDir()
+			p := startAgent(t, bin, "--standalone", "--nproc-per-node", "2", "--on-failure", "shrink", "--respawn-backoff", "0.01",
+				"--log-dir", t.TempDir(), "--no-python", "sh", "-c",
+				`[ "$RANK" = 1 ] && [ ! -e `+dir+`/once ] && touch `+dir+`/once && exit 3; exec sleep 60`)
+			waitStderr(t, p, "it joins the running group by a grow")
+			return p
+		}, "stopping workers on signal"},
 		{"c10d/spare waiting for room", func(t *testing.T) *agentProc {
 			return spareStandingBy(t, bin)
 		}, "while waiting for the rendezvous"},

@@ -247,10 +247,24 @@ func (s *Storage) opCtx() (context.Context, context.CancelFunc) {
 }
 
 func (s *Storage) fail(op string, key []byte, err error) error {
-	if errors.Is(err, rendezvous.ErrNotInteger) {
+	switch {
+	case errors.Is(err, rendezvous.ErrNotInteger):
 		return err
+	case tooLarge(err):
+		return fmt.Errorf("%w: etcd storage %s %q: more than one etcd request carries (etcd's --max-request-bytes): %w",
+			rendezvous.ErrTooLarge, op, key, err)
 	}
 	return fmt.Errorf("%w: etcd storage %s %q: %w", rendezvous.ErrUnavailable, op, key, err)
+}
+
+// tooLarge reports whether etcd, or the gRPC client before it, refused a
+// request for its size: no retry helps.
+func tooLarge(err error) bool {
+	var ee rpctypes.EtcdError
+	if errors.As(err, &ee) && ee.Error() == rpctypes.ErrRequestTooLarge.Error() {
+		return true
+	}
+	return status.Code(err) == codes.ResourceExhausted
 }
 
 func (s *Storage) Set(key, value []byte) error {

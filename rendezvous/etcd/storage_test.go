@@ -662,3 +662,43 @@ func TestStorageSmallTxnLimit(t *testing.T) {
 		t.Fatalf("num_keys = %d, %v; want %d", got, err, n)
 	}
 }
+
+// TestStorageValueOverEtcdLimit: a value larger than one etcd request may
+// carry is refused at once with etcd's reason, the client's connection is
+// closed, and the store goes on serving (README, "The workers' store").
+func TestStorageValueOverEtcdLimit(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ns := startNodes(t, cli, 1)
+	ctx := testCtx(t, 30*time.Second)
+	big := make([]byte, 2<<20)
+	start := time.Now()
+	err := ns[0].st.Set([]byte("big"), big)
+	if !errors.Is(err, rendezvous.ErrTooLarge) {
+		t.Fatalf("Set of 2 MiB: %v, want ErrTooLarge", err)
+	}
+	// Under the gRPC client's 2 MiB: etcd itself refuses it.
+	if err := ns[0].st.Set([]byte("big"), big[:1600<<10]); !errors.Is(err, rendezvous.ErrTooLarge) {
+		t.Fatalf("Set of 1.6 MiB: %v, want ErrTooLarge", err)
+	}
+	// SET has no reply in c10d's protocol: the closed connection shows
+	// on the client's next request.
+	ns[0].cli.Set(ctx, "big", big)
+	if _, err := ns[0].cli.Get(ctx, "big"); err == nil {
+		t.Fatal("a client's set of 2 MiB was stored")
+	}
+	if took := time.Since(start); took > 10*time.Second {
+		t.Fatalf("the refusals took %v: retried as if transient", took)
+	}
+	c, err := tcpstore.Dial(ctx, ns[0].srv.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := c.Set(ctx, "small", make([]byte, 1<<20)); err != nil {
+		t.Fatalf("a 1 MiB value after the refusal: %v", err)
+	}
+	if v, err := c.Get(ctx, "small"); err != nil || len(v) != 1<<20 {
+		t.Fatalf("get = %d bytes, %v", len(v), err)
+	}
+}

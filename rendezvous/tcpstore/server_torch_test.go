@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/sidbed"
 	"github.com/gorunhq/gorun/internal/torchtest"
 )
 
@@ -143,12 +144,25 @@ dist.destroy_process_group()
 	}
 }
 
-// TestTorchLargeKeysAndValues: a PyTorch 1.13 client sets and reads back
-// values of 16 MB and 100 MB and keys of 9,000 bytes and 100 KB, through
-// PyTorch's own server and through ours, in the same test; both must store
-// all of them (issue 17: ours used to close the connection).
+// TestTorchLargeKeysAndValues: PyTorch 1.13 and 2.14 clients set and
+// read back values of 16 MB and 100 MB and keys of 9,000 bytes and 100 KB,
+// through their PyTorch's own server and through ours, in the same test;
+// both must store all of them (issue 17: ours used to close the
+// connection).
 func TestTorchLargeKeysAndValues(t *testing.T) {
-	torchtest.Python(t)
+	clients := []struct {
+		name   string
+		python func(t *testing.T) string
+	}{
+		{"1.13", func(t *testing.T) string { return torchtest.Python(t) }},
+		{"2.14", func(t *testing.T) string { return sidbed.Require(t).Python() }},
+	}
+	for _, c := range clients {
+		t.Run(c.name, func(t *testing.T) { testLargeKeysAndValues(t, c.python(t)) })
+	}
+}
+
+func testLargeKeysAndValues(t *testing.T, python string) {
 	const script = `
 import sys, datetime, time
 import torch.distributed as dist
@@ -183,7 +197,7 @@ print("set+get:", ", ".join(times), flush=True)
 		`('num_keys', 0)`,
 	}, "\n")
 	for _, srv := range []struct{ name, arg string }{{"torch", "torch"}, {"gorun", port(s)}} {
-		out := strings.TrimSpace(torchtest.Run(t, 180*time.Second, nil, script, srv.arg))
+		out := strings.TrimSpace(torchtest.StartWith(t, python, nil, script, srv.arg).Wait(t, 180*time.Second))
 		got, times, _ := strings.Cut(out, "\nset+get:")
 		t.Logf("%s's server, set+get:%s", srv.name, times)
 		if got != want {
