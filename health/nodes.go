@@ -136,7 +136,7 @@ func memberlistConfig(cfg NodeConfig, n *Nodes, logger *zap.Logger) *memberlist.
 	mc.Delegate = delegate{n}
 	mc.Events = delegate{n}
 	mc.Ping = delegate{n}
-	mc.Logger = log.New(memberlistLog{logger.Named("memberlist")}, "", 0)
+	mc.Logger = log.New(memberlistLog{logger.Named("memberlist"), cfg.OnRefused}, "", 0)
 	return mc
 }
 
@@ -388,17 +388,47 @@ func (d delegate) NotifyPingComplete(node *memberlist.Node, rtt time.Duration, _
 // memberlistLog turns memberlist's log lines ("[LEVEL] memberlist: text")
 // into debug entries: its errors are routine here (a dead peer's failed
 // probes), and verdicts reach the launcher as Events.
-type memberlistLog struct{ log *zap.Logger }
+// It also finds the refusals among them for onRefused.
+type memberlistLog struct {
+	log       *zap.Logger
+	onRefused func(why string)
+}
 
 func (w memberlistLog) Write(p []byte) (int, error) {
 	ce := w.log.Check(zap.DebugLevel, "")
-	if ce == nil {
+	if ce == nil && w.onRefused == nil {
 		return len(p), nil
 	}
 	level, msg := parseMemberlistLog(string(p))
-	ce.Message = msg
-	ce.Write(zap.String("memberlist_level", level))
+	if w.onRefused != nil && refusal(msg) {
+		w.onRefused(msg)
+	}
+	if ce != nil {
+		ce.Message = msg
+		ce.Write(zap.String("memberlist_level", level))
+	}
 	return len(p), nil
+}
+
+// refusalMarks are what memberlist (v0.7) logs when it drops a packet or
+// stream it will not hear: its label, or its encryption, is not ours.
+var refusalMarks = []string{
+	"Decrypt packet failed",
+	"unacceptable label",
+	"No installed keys could decrypt",
+	"remote state is not encrypted",
+	"remote state is encrypted and encryption is not configured",
+}
+
+// refusal reports whether a memberlist log message says it refused a
+// packet or stream.
+func refusal(msg string) bool {
+	for _, m := range refusalMarks {
+		if strings.Contains(msg, m) {
+			return true
+		}
+	}
+	return false
 }
 
 // parseMemberlistLog splits "[WARN] memberlist: text\n" into "WARN" and

@@ -629,7 +629,11 @@ func TestNodesLogToZap(t *testing.T) {
 // nobody is declared dead. A bad key length is refused at start.
 func TestNodesSecretKey(t *testing.T) {
 	key := []byte("0123456789abcdef0123456789abcdef")
-	ms := startMembersConfig(t, 3, func(c *NodeConfig) { c.SecretKey = key })
+	var refused atomic.Int64
+	ms := startMembersConfig(t, 3, func(c *NodeConfig) {
+		c.SecretKey = key
+		c.OnRefused = func(string) { refused.Add(1) }
+	})
 	converge(t, ms, 3)
 	for _, outsider := range []struct {
 		name string
@@ -657,9 +661,32 @@ func TestNodesSecretKey(t *testing.T) {
 			t.Errorf("%s sees %v, want the 3 keyed members", m.Name(), got)
 		}
 	}
+	// The members said what they refused: the outsiders' joins, and their
+	// probes.
+	if refused.Load() == 0 {
+		t.Error("no refusal reported to OnRefused")
+	}
 	cfg := testNodeConfig("short")
 	cfg.SecretKey = []byte("short")
 	if _, err := StartNodes(cfg); err == nil || !strings.Contains(err.Error(), "SecretKey is 5 bytes") {
 		t.Errorf("StartNodes with a 5-byte key = %v", err)
+	}
+}
+
+func TestRefusal(t *testing.T) {
+	for _, tc := range []struct {
+		msg  string
+		want bool
+	}{
+		{"Decrypt packet failed: Unsupported encryption version 5 from=10.0.0.9:7946", true},
+		{`discarding packet with unacceptable label "other": from=10.0.0.9:7946`, true},
+		{"failed to receive: encryption is configured but remote state is not encrypted from=10.0.0.9:5501", true},
+		{"failed to receive: No installed keys could decrypt the message from=10.0.0.9:5501", true},
+		{"Failed to send ping: write udp: connection refused", false},
+		{"Suspect node-1 has failed, no acks received", false},
+	} {
+		if got := refusal(tc.msg); got != tc.want {
+			t.Errorf("refusal(%q) = %v, want %v", tc.msg, got, tc.want)
+		}
 	}
 }

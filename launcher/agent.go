@@ -68,7 +68,7 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		if addr == "" {
 			addr, _ = os.Hostname()
 		}
-		if a.gossip, err = startGossip(cfg.NodeLiveness, log, a.runID, addr, a.cfg.JobSecret); err != nil {
+		if a.gossip, err = startGossip(cfg.NodeLiveness, log, a.runID, addr, a.cfg.JobSecret, a.endpoint.RecordRefused); err != nil {
 			return err
 		}
 		a.cfg.gossip = a.gossip.self()

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"strings"
 	"sync"
 	"time"
 
@@ -46,7 +47,10 @@ const gossipJoinTimeout = 5 * time.Second
 // of the host addr names (--local-addr, or the host name). With a job
 // secret every message is encrypted and authenticated under a key derived
 // from it: an agent without it can neither join nor declare anyone dead.
-func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string, secret Secret) (*gossip, error) {
+//
+// Gossip the member refuses (another key, none, another job's label) is
+// counted by refused("gossip") and logged once per source address.
+func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string, secret Secret, refused func(kind string)) (*gossip, error) {
 	ip, err := advertiseIP(addr)
 	if err != nil {
 		return nil, fmt.Errorf("node liveness: %w", err)
@@ -66,6 +70,7 @@ func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string, se
 		nc.SecretKey = secret.derive("gossip")
 	}
 	nc.Logger = log.Named("gossip")
+	nc.OnRefused = refusedGossip(log, refused)
 	nodes, err := health.StartNodes(nc)
 	if err != nil {
 		return nil, fmt.Errorf("node liveness: %w", err)
@@ -144,3 +149,35 @@ func (g *gossip) eventsOrNil() <-chan health.Event {
 	}
 	return g.events
 }
+
+// refusedGossip counts each gossip packet or stream the member refused and
+// logs the first from each source: a rogue or misconfigured host sends
+// many.
+func refusedGossip(log *zap.Logger, refused func(kind string)) func(why string) {
+	var mu sync.Mutex
+	seen := map[string]bool{}
+	return func(why string) {
+		refused("gossip")
+		from := "an unknown address"
+		if i := strings.LastIndex(why, "from="); i >= 0 {
+			from = strings.TrimSpace(why[i+len("from="):])
+		}
+		if host, _, err := net.SplitHostPort(from); err == nil {
+			from = host
+		}
+		mu.Lock()
+		first := !seen[from] && len(seen) < maxRefusedSources
+		if first {
+			seen[from] = true
+		}
+		mu.Unlock()
+		if first {
+			log.Warn("ignored gossip that fails the job secret's check or is another job's (sent without the secret, under another, "+
+				"or altered); further refusals from this source are counted in /metrics only", zap.String("from", from), zap.String("why", why))
+		}
+	}
+}
+
+// maxRefusedSources bounds the sources whose first refusal is logged:
+// a flood from spoofed addresses must not grow the agent's memory.
+const maxRefusedSources = 64
