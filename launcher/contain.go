@@ -88,21 +88,29 @@ func (a *agent) openContainment() error {
 	return nil
 }
 
-// close kills what is left in the jail, removes it and lets the guard go.
+// close kills what is left in the jail, removes it and ends the guard.
 func (c *containment) close() {
+	removed := true
 	if c.jail != nil {
 		if err := c.jail.Close(cgroupRemoveTimeout); err != nil {
-			c.log.Warn("cannot remove the workers' cgroups", zap.Error(err))
+			c.log.Warn("cannot remove the workers' cgroups; the guard goes on trying", zap.Error(err))
+			removed = false
 		}
 	}
-	if c.guard != nil {
-		c.guard.Release()
-		select {
-		case <-c.guardExit:
-		case <-time.After(cgroupRemoveTimeout):
-			c.guard.Process.Kill()
-			<-c.guardExit
-		}
+	if c.guard == nil {
+		return
+	}
+	c.guard.Release()
+	if removed {
+		// Nothing is left to guard: end it now rather than wait for a
+		// guard still starting up (a short job) to read its end of file.
+		c.guard.Process.Kill()
+	}
+	select {
+	case <-c.guardExit:
+	case <-time.After(cgroupRemoveTimeout):
+		c.guard.Process.Kill()
+		<-c.guardExit
 	}
 }
 

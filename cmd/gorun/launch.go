@@ -259,6 +259,11 @@ func runLaunch(c *cli.Context) error {
 		return err
 	}
 	noteIgnoredFlags(c, log)
+	// The guard that empties the workers' cgroups if gorun is SIGKILLed
+	// is gorun itself (main calls cgroup.RunGuardIfAsked first).
+	if exe, err := os.Executable(); err == nil && cfg.Cgroup != launcher.CgroupOff {
+		cfg.CgroupGuard = exe
+	}
 	return launcher.Run(c.Context, cfg, log)
 }
 
@@ -365,13 +370,6 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	}
 	cfg.Init = c.Bool("init")
 	cfg.Cgroup = c.String("cgroup")
-	// The guard that empties the workers' cgroups if gorun is SIGKILLed
-	// is gorun itself (main calls cgroup.RunGuardIfAsked first).
-	if cfg.Cgroup != launcher.CgroupOff {
-		if exe, err := os.Executable(); err == nil {
-			cfg.CgroupGuard = exe
-		}
-	}
 	if cfg.HealthAddr, err = healthAddr(c); err != nil {
 		return cfg, err
 	}

@@ -123,9 +123,12 @@ func mergeKeys(a, b map[string]string) map[string]string {
 }
 
 // workerEnvs parses "[default<r>]:ENV {json}" lines by local rank.
+// torchrun 1.13's tee prefixes every chunk it reads, so a line whose
+// newline came in a later read ends in a stray "[default<r>]:" (seen
+// under load).
 func workerEnvs(t *testing.T, out string) map[int]map[string]string {
 	t.Helper()
-	re := regexp.MustCompile(`^\[default(\d+)\]:ENV (\{.*\})$`)
+	re := regexp.MustCompile(`^\[default(\d+)\]:ENV (\{.*\})(?:\[default\d+\]:)?$`)
 	envs := map[int]map[string]string{}
 	for _, line := range strings.Split(out, "\n") {
 		m := re.FindStringSubmatch(strings.TrimSpace(line))
