@@ -478,7 +478,7 @@ func exitRSS(argv []string) error {
 			if ws.Signaled() {
 				h.Exit = 128 + int(ws.Signal())
 			}
-			h.Wait4MaxRSSKiB = ru.Maxrss // Linux: KiB
+			h.Wait4MaxRSSKiB = int64(ru.Maxrss) // Linux: KiB; int32 on 32-bit
 			return json.NewEncoder(os.Stdout).Encode(h)
 		case ws.Stopped():
 			inject := 0

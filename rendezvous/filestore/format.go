@@ -36,7 +36,7 @@ type record struct{ key, value string }
 
 // appendRecord appends r's encoding to buf.
 func appendRecord(buf []byte, r record) ([]byte, error) {
-	if len(r.key) > math.MaxUint32 || len(r.value) > math.MaxUint32 {
+	if uint64(len(r.key)) > math.MaxUint32 || uint64(len(r.value)) > math.MaxUint32 {
 		return buf, fmt.Errorf("%w: record longer than 4 GiB", rendezvous.ErrInvalidArgument)
 	}
 	buf = binary.LittleEndian.AppendUint32(buf, uint32(len(r.key)))
