@@ -71,7 +71,9 @@ func (a *agent) openContainment() error {
 		return localf("--cgroup: %w", err)
 	}
 	c.jail = j
-	if exe := a.cfg.CgroupGuard; exe != "" {
+	// PID 1 of a PID namespace needs no guard: its death ends every
+	// process of the namespace, whatever cgroup holds them.
+	if exe := a.cfg.CgroupGuard; exe != "" && os.Getpid() != 1 {
 		g, err := j.StartGuard(exe, func(name string, argv []string, attr *os.ProcAttr) (*os.Process, error) {
 			p, ch, err := a.reaper.Start(name, argv, attr)
 			c.guardExit = ch
