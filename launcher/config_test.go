@@ -642,3 +642,40 @@ func TestNodeLivenessRuns(t *testing.T) {
 		}
 	}
 }
+
+func TestSameSecret(t *testing.T) {
+	a, b := Secret("s3cr3t-aaaaaaaaaaaaaa").check("job"), Secret("s3cr3t-bbbbbbbbbbbbbb").check("job")
+	if a == b || a == "" || a != Secret("s3cr3t-aaaaaaaaaaaaaa").check("job") || a == Secret("s3cr3t-aaaaaaaaaaaaaa").check("job2") {
+		t.Fatalf("checks: %q %q: want equal for one secret and run, different otherwise", a, b)
+	}
+	if strings.Contains(a, "s3cr3t") || Secret(nil).check("job") != "" {
+		t.Fatalf("check %q shows the secret, or none has a check", a)
+	}
+	ids := []string{"n0", "n1", "n2"}
+	for _, tc := range []struct {
+		name   string
+		checks []string
+		me     int
+		want   string // in the error; "" for none
+	}{
+		{"all the same", []string{a, a, a}, 1, ""},
+		{"none anywhere", []string{"", "", ""}, 0, ""},
+		{"another", []string{a, b, a}, 0, "node n1 (n1.example) holds another job secret than this node"},
+		{"one without", []string{a, a, ""}, 0, "node n2 (n2.example) holds no job secret, and this node one"},
+		{"this node without", []string{a, "", a}, 1, "node n0 (n0.example) holds a job secret and this node none"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			infos := make([]nodeInfo, len(tc.checks))
+			for i, c := range tc.checks {
+				infos[i] = nodeInfo{Addr: ids[i] + ".example", SecretCheck: c}
+			}
+			err := sameSecret(infos, ids, tc.me)
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("error %v, want none", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want) || !errors.Is(err, ErrInvalidConfig)):
+				t.Fatalf("error %v, want ErrInvalidConfig saying %q", err, tc.want)
+			}
+		})
+	}
+}

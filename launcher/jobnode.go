@@ -50,6 +50,9 @@ type nodeInfo struct {
 	NodeRank int    `json:"node_rank"` // static only
 	// Gossip is the agent's node-liveness member.
 	Gossip gossipPeer `json:"gossip"`
+	// SecretCheck shows which job secret the node holds (Secret.check),
+	// "" for none: every node of a round must show the same.
+	SecretCheck string `json:"secret_check,omitempty"`
 }
 
 const (
@@ -97,7 +100,8 @@ func (j *jobNode) start(ctx context.Context) error {
 	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
 		return fmt.Errorf("rendezvous store: %w", err)
 	}
-	data, _ := json.Marshal(nodeInfo{NProc: j.cfg.NProcPerNode, Addr: j.addr, NodeRank: j.cfg.Rendezvous.NodeRank, Gossip: j.cfg.gossip})
+	data, _ := json.Marshal(nodeInfo{NProc: j.cfg.NProcPerNode, Addr: j.addr, NodeRank: j.cfg.Rendezvous.NodeRank, Gossip: j.cfg.gossip,
+		SecretCheck: j.cfg.JobSecret.check(j.runID)})
 	var err error
 	if j.dyn, err = rendezvous.NewDynamic(j.store, j.me, data, j.dcfg); err != nil {
 		return fmt.Errorf("rendezvous: %w", err)
@@ -158,7 +162,36 @@ func (j *jobNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, rend
 	if me < 0 {
 		return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, j.me)
 	}
+	if err := sameSecret(infos, ids, me); err != nil {
+		return nil, nil, 0, rendezvous.NodeDesc{}, err
+	}
 	return infos, ids, me, ms[0].node, nil
+}
+
+// sameSecret checks that every node of a round holds the job secret node
+// me holds (or, with me, none): a node that does not would be refused by
+// the others' gossip and records, and run the job half blind. Every node
+// of such a round stops with the same clear error (ErrInvalidConfig).
+func sameSecret(infos []nodeInfo, ids []string, me int) error {
+	mine := infos[me].SecretCheck
+	for i, info := range infos {
+		theirs := info.SecretCheck
+		if theirs == mine {
+			continue
+		}
+		var what string
+		switch {
+		case mine == "":
+			what = "holds a job secret and this node none"
+		case theirs == "":
+			what = "holds no job secret, and this node one"
+		default:
+			what = "holds another job secret than this node"
+		}
+		return invalidf("node %s (%s) %s: every agent of a job needs the same secret (--job-secret-file or %s)",
+			ids[i], info.Addr, what, JobSecretEnv)
+	}
+	return nil
 }
 
 // statusEvery is how often to read the rendezvous state while workers run:

@@ -4,6 +4,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -90,20 +91,49 @@ func TestMultiNodeJobSecretGossip(t *testing.T) {
 	}
 }
 
-// TestMultiNodeJobSecretMismatch: an agent whose secret differs from the
-// others' cannot gossip with them: node liveness is off between them (the
-// rendezvous keep-alive is what is left), and the agent says so.
+// TestMultiNodeJobSecretMismatch: two agents of one job that do not hold
+// the same secret — another one, or none at all — find it out when their
+// round completes (each publishes a check of its secret, never the
+// secret) and both stop before any worker starts, with one clear line and
+// the usage exit code: such a node's gossip and records would be refused,
+// and the job would run half blind.
 func TestMultiNodeJobSecretMismatch(t *testing.T) {
 	bin := testutil.BuildGorun(t)
-	port := freePort(t)
-	args := append(c10dArgs(port, "2", "--on-failure", "shrink", "--log-dir", t.TempDir()), "--no-python", "true")
-	a := startAgentEnv(t, bin, []string{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, args...)
-	b := startAgentEnv(t, bin, []string{"GORUN_JOB_SECRET=s3cr3t-two-0123456789"}, args...)
-	for _, p := range []*agentProc{a, b} {
-		waitStderr(t, p, "node liveness: cannot reach the round's other agents")
-		if code := p.exitCode(t, 30*time.Second); code != 0 {
-			t.Errorf("exit %d; stderr:\n%s", code, p.stderr)
-		}
+	for _, tc := range []struct {
+		name   string
+		envs   [2][]string
+		errors [2]string
+	}{
+		{"another secret", [2][]string{{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, {"GORUN_JOB_SECRET=s3cr3t-two-0123456789"}},
+			[2]string{"holds another job secret than this node", "holds another job secret than this node"}},
+		{"no secret", [2][]string{{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, nil},
+			[2]string{"holds no job secret, and this node one", "holds a job secret and this node none"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			port := freePort(t)
+			marker := filepath.Join(t.TempDir(), "ran")
+			args := append(c10dArgs(port, "2", "--on-failure", "shrink", "--log-dir", t.TempDir()), "--no-python", "touch", marker)
+			var agents []*agentProc
+			for i := range 2 {
+				agents = append(agents, startAgentEnv(t, bin, tc.envs[i], args...))
+			}
+			for i, p := range agents {
+				if code := p.exitCode(t, 30*time.Second); code != ExitUsage {
+					t.Errorf("agent %d: exit %d, want %d; stderr:\n%s", i, code, ExitUsage, p.stderr)
+				}
+				lines := strings.Split(strings.TrimSpace(p.stderr.String()), "\n")
+				if last := lines[len(lines)-1]; !strings.HasPrefix(last, "gorun: ") || !strings.Contains(last, tc.errors[i]) ||
+					!strings.Contains(last, "every agent of a job needs the same secret") {
+					t.Errorf("agent %d's last line %q, want one saying it %s", i, last, tc.errors[i])
+				}
+				if strings.Contains(p.stderr.String(), "s3cr3t") {
+					t.Errorf("agent %d logged a secret:\n%s", i, p.stderr)
+				}
+			}
+			if _, err := os.Stat(marker); err == nil {
+				t.Error("a worker started")
+			}
+		})
 	}
 }
 
