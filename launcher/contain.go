@@ -3,6 +3,7 @@ package launcher
 import (
 	"fmt"
 	"os"
+	"strings"
 	"syscall"
 	"time"
 
@@ -61,7 +62,16 @@ func (a *agent) openContainment() error {
 	if mode == CgroupAuto {
 		parent = self.V2
 	}
-	j, err := cgroup.Open(parent, fmt.Sprintf("gorun-%d-%s", os.Getpid(), randomID()[:8]))
+	// The jail's name says whose it is — the agent's PID, and the PID
+	// namespace that number belongs to — so that a later agent can tell
+	// a dead agent's jail from a live one's (SweepStale).
+	prefix, known := jailPrefix()
+	if parent != "" && known {
+		if removed, err := cgroup.SweepStale(parent, prefix, cgroupRemoveTimeout); len(removed) > 0 || err != nil {
+			a.log.Info("removed the cgroups of agents that died with their guard", zap.Strings("jails", removed), zap.Error(err))
+		}
+	}
+	j, err := cgroup.Open(parent, fmt.Sprintf("%s%d-%s", prefix, os.Getpid(), randomID()[:8]))
 	if err != nil {
 		if mode == CgroupAuto {
 			a.log.Info("workers share the agent's cgroup: what they leave behind is killed when their group ends, "+
@@ -186,4 +196,16 @@ func (c *containment) remove(w *worker) {
 		c.log.Warn("cannot remove a worker's cgroup", zap.Int("local_rank", w.a.LocalRank), zap.Error(err))
 	}
 	w.slot = nil
+}
+
+// jailPrefix starts the names of this PID namespace's agents' jails:
+// "gorun-<pid namespace inode>-"; known is false when the namespace
+// cannot be read, and then no jail is taken for another's.
+func jailPrefix() (prefix string, known bool) {
+	l, err := os.Readlink("/proc/self/ns/pid") // "pid:[4026531836]"
+	_, v, ok := strings.Cut(l, "[")
+	if err != nil || !ok {
+		return "gorun-", false
+	}
+	return "gorun-" + strings.TrimSuffix(v, "]") + "-", true
 }

@@ -181,7 +181,7 @@ func TestNoEscapeAfterAgentKilledWithCgroups(t *testing.T) {
 				}
 			}
 			pids := daemons(t, dir, tc.n)
-			jails, _ := filepath.Glob(filepath.Join(parent, "gorun-"+strconv.Itoa(p.cmd.Process.Pid)+"-*"))
+			jails, _ := filepath.Glob(filepath.Join(parent, "gorun-*-"+strconv.Itoa(p.cmd.Process.Pid)+"-*"))
 			if len(jails) != 1 {
 				t.Fatalf("want the agent's one jail under %s, found %v", parent, jails)
 			}

@@ -229,3 +229,44 @@ func parseCounter(b []byte, key string) (int64, error) {
 	}
 	return 0, fmt.Errorf("no %q in the counters", key)
 }
+
+// SweepStale removes the jails under parent whose name says they belong
+// to a process that no longer exists (prefix, then "<pid>-"): what an agent
+// left when it died together with its guard (a node's OOM killer may take
+// both). Their processes, the dead job's, are killed first. A jail whose
+// process lives is left alone, even if its PID was reused. It returns the
+// jails it removed.
+func SweepStale(parent, prefix string, within time.Duration) ([]string, error) {
+	entries, err := os.ReadDir(parent)
+	if err != nil {
+		return nil, err
+	}
+	var removed []string
+	var first error
+	for _, e := range entries {
+		rest, ok := strings.CutPrefix(e.Name(), prefix)
+		if !e.IsDir() || !ok {
+			continue
+		}
+		pidText, _, _ := strings.Cut(rest, "-")
+		pid, err := strconv.Atoi(pidText)
+		if err != nil || pid <= 0 || processExists(pid) {
+			continue
+		}
+		dir := filepath.Join(parent, e.Name())
+		if err := Remove(dir, within); err != nil {
+			if first == nil {
+				first = err
+			}
+			continue
+		}
+		removed = append(removed, dir)
+	}
+	return removed, first
+}
+
+// processExists reports whether a process pid exists (a zombie counts).
+func processExists(pid int) bool {
+	_, err := os.Stat("/proc/" + strconv.Itoa(pid))
+	return err == nil
+}

@@ -238,3 +238,52 @@ func TestOOMCounterCountsARealOOMKill(t *testing.T) {
 		t.Fatalf("oom_kill %d → %d, want it to go up", before, after)
 	}
 }
+
+// TestSweepStale: a jail named for a process that is gone is emptied and
+// removed; one named for a live process, or under another prefix, stays.
+func TestSweepStale(t *testing.T) {
+	parent := cgrouptest.V2(t)
+	gonePid := func() int {
+		p, err := os.StartProcess("/bin/true", []string{"true"}, &os.ProcAttr{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		p.Wait()
+		return p.Pid
+	}()
+	prefix := fmt.Sprintf("gorun-sweeptest%d-", os.Getpid())
+	dead, err := cgroup.Open(parent, fmt.Sprintf("%s%d-a", prefix, gonePid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := cgroup.Open(parent, fmt.Sprintf("%s%d-b", prefix, os.Getpid()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	other, err := cgroup.Open(parent, fmt.Sprintf("gorun-other%d-%d-c", os.Getpid(), gonePid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, j := range []*cgroup.Jail{dead, live, other} {
+		t.Cleanup(func() { j.Close(5 * time.Second) })
+	}
+	s, err := dead.NewSlot("w0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	startInSlot(t, s, daemonScript(filepath.Join(dir, "daemon")))
+	daemon := readPid(t, filepath.Join(dir, "daemon"))
+	removed, err := cgroup.SweepStale(parent, prefix, 5*time.Second)
+	if err != nil || len(removed) != 1 || removed[0] != dead.Dir() {
+		t.Fatalf("SweepStale = %v, %v; want only %s", removed, err, dead.Dir())
+	}
+	if !gone(daemon, 5*time.Second) {
+		t.Fatalf("the dead agent's daemon %d survived the sweep", daemon)
+	}
+	for _, j := range []*cgroup.Jail{live, other} {
+		if _, err := os.Stat(j.Dir()); err != nil {
+			t.Errorf("%s was swept: %v", j.Dir(), err)
+		}
+	}
+}
