@@ -147,6 +147,19 @@ func TestJailCloseKillsEverySlot(t *testing.T) {
 // a Close first — the agent SIGKILLed — ends every process in the jail
 // and removes it.
 func TestGuardEmptiesJailWhenAgentGoes(t *testing.T) {
+	for _, tc := range []struct{ name, shell string }{
+		{"shell", "/bin/sh"},
+		{"the agent's binary, without a shell", "/nonexistent/sh"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			old := cgroup.SetShell(tc.shell)
+			defer cgroup.SetShell(old)
+			testGuard(t)
+		})
+	}
+}
+
+func testGuard(t *testing.T) {
 	j := openJail(t)
 	s, err := j.NewSlot("w0")
 	if err != nil {
