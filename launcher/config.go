@@ -356,11 +356,13 @@ type Config struct {
 	// cgroup v2 directory to make them under; failing that is an
 	// ErrLocalResource. gorun's --cgroup.
 	Cgroup string
-	// CgroupGuard is the program started beside the agent to empty the
-	// workers' cgroups if the agent dies (SIGKILL): one whose main calls
-	// cgroup.RunGuardIfAsked before anything else, such as gorun's own
-	// binary, which the CLI names. "" (the default) starts none: the
-	// cgroups of a SIGKILLed agent then outlive it with what is in them.
+	// CgroupGuard is the program started beside the agent, where there is
+	// no /bin/sh, to empty the workers' cgroups if the agent dies
+	// (SIGKILL): any program that links launcher/cgroup, such as gorun's
+	// own binary, which the CLI names. Where /bin/sh exists the guard is a
+	// shell script and this is not used. "" (the default) with no shell:
+	// no guard (logged), and the cgroups of a SIGKILLed agent outlive it
+	// with what is in them.
 	CgroupGuard string
 	// HealthAddr is where the agent serves /healthz, /readyz and /metrics
 	// (see Health): "HOST:PORT", with an empty host for every interface

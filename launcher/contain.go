@@ -83,15 +83,14 @@ func (a *agent) openContainment() error {
 	c.jail = j
 	// PID 1 of a PID namespace needs no guard: its death ends every
 	// process of the namespace, whatever cgroup holds them.
-	if exe := a.cfg.CgroupGuard; exe != "" && os.Getpid() != 1 {
-		g, err := j.StartGuard(exe, func(name string, argv []string, attr *os.ProcAttr) (*os.Process, error) {
+	if os.Getpid() != 1 {
+		g, err := j.StartGuard(a.cfg.CgroupGuard, func(name string, argv []string, attr *os.ProcAttr) (*os.Process, error) {
 			p, ch, err := a.reaper.Start(name, argv, attr)
 			c.guardExit = ch
 			return p, err
 		})
 		if err != nil {
-			j.Close(cgroupRemoveTimeout)
-			return localf("--cgroup: %w", err)
+			a.log.Warn("no guard for the workers' cgroups: what they start survives the agent if it is SIGKILLed", zap.Error(err))
 		}
 		c.guard = g
 	}
