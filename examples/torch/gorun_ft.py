@@ -24,11 +24,22 @@ A shrink epoch drops the ranks that died:
 A grow epoch (heal) brings lost launch slots back: gorun starts a *newcomer*
 in each (GORUN_SHRINK_NEWCOMER set), the survivors keep their ranks and the
 newcomers take the next ones. Neither gloo nor PyTorch's NCCL (2.14
-included) grows a group in place, so every member of the grow, survivors
-and newcomers, stops where it is (gloo: the first to see the epoch destroys
-its group, which fails its peers' collectives; NCCL: the watcher aborts)
-and forms a fresh group of the epoch's members, a fresh communicator with
-NCCL. A newcomer says it is ready (a ``join`` notice) once its constructor
+included) grows a group in place, so the grow's members form a fresh group.
+With gloo the survivors do not stop for it: each builds the grown group
+(``ProcessGroupGloo`` on the epoch's PrefixStore, a constructor that
+releases the GIL) in a thread of its own while its steps go on in the group
+it holds; each member says when it has built it; the leader (rank 0 of the
+grow) then sets the step to switch at, SWITCH_AHEAD steps ahead of its own,
+and the others read it once a step (one store round trip, only while a grow
+builds). At that step's check() every survivor makes the built group the
+default group (init_process_group through a backend plugin that hands it
+over), so its stall is the switch and the resync. Newcomers, and a member
+that holds no group to step on (its group failed), build it where they are
+and wait for the switch; a leader among them sets it for at once. Any other
+epoch that comes meanwhile abandons the build (a built group's connections
+are shut down) and stops the group in use, as below. With NCCL every member
+stops where it is (the watcher aborts) and forms a fresh communicator.
+A newcomer says it is ready (a ``join`` notice) once its constructor
 runs, so survivors never wait on its imports, and waits for the grow that
 adds its slot. The grow is complete once every member has acknowledged it;
 the member that counts last says so (a ``complete`` notice), which the
@@ -42,9 +53,9 @@ epoch appears (for a grow, and whenever the backend re-forms every group
 afresh), so nobody waits on a member that will not come.
 
 What is tested (examples/torch, in CI): with gloo, shrink and grow with
-PyTorch 1.13 and 2.14, and with 1.13 a grow whose newcomer is killed before
-it joins and a newcomer that joins again after a grow that did not
-complete, under a real coordinator of gorun's; for NCCL, without a GPU,
+PyTorch 1.13 and 2.14 (the survivors stepping while the grown group forms),
+and with 1.13 a grow whose newcomer is killed before it joins and a
+newcomer that joins again after a grow that did not complete, under a real coordinator of gorun's; for NCCL, without a GPU,
 only the choice between shrinking in place and a fresh communicator. The
 NCCL paths themselves need a GPU and have not run yet.
 
@@ -386,12 +397,14 @@ class _KeyWaiter:
 
 
 # How many steps ahead of the leader's current step the switch to a grow's
-# group is set. Members step in lockstep (every step's collective needs
-# all of them), so when the leader at step t publishes the switch, every
-# other member is past step t-1 and, once past step t+1, has finished a
-# collective the leader entered after publishing: its check at step t+2
-# reads the switch for sure. Two is the least that is always safe.
-SWITCH_AHEAD = 2
+# group is set. The leader publishes it in its check() of step t, before
+# that step's collective. Members step in lockstep (every step's
+# collective needs all of them), so another member's check of step t+1
+# comes after it finished step t's collective, which the leader entered
+# after publishing: that check reads the switch for sure. Its check of
+# step t may come before the publication: one is the least that is safe
+# (TestTorchFTSwitchStep fails with 0).
+SWITCH_AHEAD = 1
 # The backend name under which a group built ahead of its switch is made
 # the default group: a plugin whose creator hands over the built gloo
 # group, so that init_process_group does its bookkeeping (and, on 1.13,
