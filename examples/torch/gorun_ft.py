@@ -453,6 +453,7 @@ class _Build:
         self.thread = None
         self.started = time.monotonic()
         self.ticks = ticks  # the member's step count when it began, or None
+        self.before = None  # ms the member had stepped in its group by then
 
 
 class ElasticGroup:
@@ -504,6 +505,7 @@ class ElasticGroup:
         # Calls of check() since the group in use formed: the members'
         # common step count, on which the switch to a grow's group is set.
         self._ticks = 0
+        self._formed_at = time.monotonic()  # when the group in use formed
         self._due_at, self._due_val = None, False  # check()'s verdict, per step
         # The group before the last switch, held (its connections open)
         # until every member has reached the switch: see _switch.
@@ -544,7 +546,7 @@ class ElasticGroup:
         opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
         with self._lock:
             self._group, self._group_store, self._group_sockets = e, store, set(opened)
-            self._ticks, self._due_at = 0, None
+            self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
             if self._published > e.number:
                 # The next epoch came while the group formed: the watcher
                 # had no group to act on then. A grow of this group is
@@ -593,6 +595,7 @@ class ElasticGroup:
             return
         if e.number == self.epoch.number + 1 and self._grows_ahead(e):
             self._bg = _Build(e, self._ticks)
+            self._bg.before = (self._bg.started - self._formed_at) * 1000
             self._bg.thread = threading.Thread(target=self._build, args=(self._bg,), name="gorun-ft-grow", daemon=True)
             self._bg.thread.start()
             return
@@ -695,8 +698,10 @@ class ElasticGroup:
             steps, ms = self._ticks - 1 - b.ticks, (time.monotonic() - b.started) * 1000
             if self._switch(b):
                 self._arrive(e)
-                self._log("grow epoch=%d formed in the background: %d steps in %.0f ms meanwhile"
-                          % (e.number, steps, ms))
+                # With the steps before it, to show what the build cost
+                # the steps (the group's first steps include a resync).
+                self._log("grow epoch=%d formed in the background: %d steps in %.0f ms meanwhile "
+                          "(before it: %d steps in %.0f ms)" % (e.number, steps, ms, b.ticks, b.before))
                 self._log(e.line())
                 return True
         self.recover()
@@ -894,7 +899,7 @@ class ElasticGroup:
             self._group, self._group_store, self._group_sockets = e, b.store, b.sockets
             self._retired = old
             self._bg = None
-            self._ticks, self._due_at = 0, None
+            self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
             if self._published > e.number:
                 self._react(self._latest)
         return True

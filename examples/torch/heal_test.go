@@ -113,7 +113,7 @@ func awaitJoin(ctx context.Context, t *testing.T, board *shrink.Board, slot, fro
 
 // backgroundLine is what a survivor prints when it switches to a grow's
 // group that formed while it stepped.
-var backgroundLine = regexp.MustCompile(`grow epoch=\d+ formed in the background: (\d+) steps in \d+ ms meanwhile`)
+var backgroundLine = regexp.MustCompile(`grow epoch=\d+ formed in the background: (\d+) steps in \d+ ms meanwhile.*`)
 
 // growStall is a survivor's stall for grow epoch e, read from its
 // timestamps: from stopping its steps in the epoch before to its first
