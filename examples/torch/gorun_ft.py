@@ -24,11 +24,22 @@ A shrink epoch drops the ranks that died:
 A grow epoch (heal) brings lost launch slots back: gorun starts a *newcomer*
 in each (GORUN_SHRINK_NEWCOMER set), the survivors keep their ranks and the
 newcomers take the next ones. Neither gloo nor PyTorch's NCCL (2.14
-included) grows a group in place, so every member of the grow, survivors
-and newcomers, stops where it is (gloo: the first to see the epoch destroys
-its group, which fails its peers' collectives; NCCL: the watcher aborts)
-and forms a fresh group of the epoch's members, a fresh communicator with
-NCCL. A newcomer says it is ready (a ``join`` notice) once its constructor
+included) grows a group in place, so the grow's members form a fresh group.
+With gloo the survivors do not stop for it: each builds the grown group
+(``ProcessGroupGloo`` on the epoch's PrefixStore, a constructor that
+releases the GIL) in a thread of its own while its steps go on in the group
+it holds; each member says when it has built it; the leader (rank 0 of the
+grow) then sets the step to switch at, SWITCH_AHEAD steps ahead of its own,
+and the others read it once a step (one store round trip, only while a grow
+builds). At that step's check() every survivor makes the built group the
+default group (init_process_group through a backend plugin that hands it
+over), so its stall is the switch and the resync. Newcomers, and a member
+that holds no group to step on (its group failed), build it where they are
+and wait for the switch; a leader among them sets it for at once. Any other
+epoch that comes meanwhile abandons the build (a built group's connections
+are shut down) and stops the group in use, as below. With NCCL every member
+stops where it is (the watcher aborts) and forms a fresh communicator.
+A newcomer says it is ready (a ``join`` notice) once its constructor
 runs, so survivors never wait on its imports, and waits for the grow that
 adds its slot. The grow is complete once every member has acknowledged it;
 the member that counts last says so (a ``complete`` notice), which the
@@ -42,9 +53,9 @@ epoch appears (for a grow, and whenever the backend re-forms every group
 afresh), so nobody waits on a member that will not come.
 
 What is tested (examples/torch, in CI): with gloo, shrink and grow with
-PyTorch 1.13 and 2.14, and with 1.13 a grow whose newcomer is killed before
-it joins and a newcomer that joins again after a grow that did not
-complete, under a real coordinator of gorun's; for NCCL, without a GPU,
+PyTorch 1.13 and 2.14 (the survivors stepping while the grown group forms),
+and with 1.13 a grow whose newcomer is killed before it joins and a
+newcomer that joins again after a grow that did not complete, under a real coordinator of gorun's; for NCCL, without a GPU,
 only the choice between shrinking in place and a fresh communicator. The
 NCCL paths themselves need a GPU and have not run yet.
 
@@ -100,6 +111,7 @@ import datetime
 import gc
 import hashlib
 import hmac
+import inspect
 import json
 import os
 import re
@@ -384,6 +396,66 @@ class _KeyWaiter:
         self._store = None
 
 
+# How many steps ahead of the leader's current step the switch to a grow's
+# group is set. The leader publishes it in its check() of step t, before
+# that step's collective. Members step in lockstep (every step's
+# collective needs all of them), so another member's check of step t+1
+# comes after it finished step t's collective, which the leader entered
+# after publishing: that check reads the switch for sure. Its check of
+# step t may come before the publication: one is the least that is safe
+# (TestTorchFTSwitchStep fails with 0).
+SWITCH_AHEAD = 1
+# The backend name under which a group built ahead of its switch is made
+# the default group: a plugin whose creator hands over the built gloo
+# group, so that init_process_group does its bookkeeping (and, on 1.13,
+# its barrier) without connecting anything.
+PREBUILT_BACKEND = "gorun_prebuilt"
+_prebuilt = []  # the group init_process_group is to take
+
+
+def _take_prebuilt(store, rank, size, timeout):
+    pg = _prebuilt.pop()
+    if pg.rank() != rank or pg.size() != size:
+        raise RuntimeError("prebuilt group is rank %d of %d, wanted %d of %d" % (pg.rank(), pg.size(), rank, size))
+    return pg
+
+
+def _register_prebuilt():
+    if hasattr(dist.Backend, PREBUILT_BACKEND.upper()):
+        return
+    # 2.x asks which devices a plugin serves (and warns when not told).
+    kw = {"devices": ["cpu"]} if "devices" in inspect.signature(dist.Backend.register_backend).parameters else {}
+    dist.Backend.register_backend(PREBUILT_BACKEND, _take_prebuilt, **kw)
+
+
+def _backend_of_default_group():
+    """The default group's gloo backend object. Holding it keeps its
+    connections open after destroy_process_group (both 1.13 and 2.x)."""
+    pg = dist.distributed_c10d._get_default_group()
+    return pg._get_backend(torch.device("cpu")) if hasattr(pg, "_get_backend") else pg
+
+
+class _Build:
+    """A grow's gloo group under construction, not yet the default group:
+    built in a thread of its own while the survivors step on the group the
+    grow builds on, or in the caller's thread (a newcomer; a member that
+    stopped)."""
+
+    def __init__(self, e, ticks):
+        self.epoch = e
+        self.done = threading.Event()  # set once the build has ended, either way
+        self.pg = None  # the built group
+        self.store = None  # its store connection
+        self.sockets = set()  # inodes of the connections it opened
+        self.error = None  # a RestartRequired for the main thread to raise
+        self.abandoned = False  # a later epoch came: never switch to it
+        self.switch = None  # the step to switch at (-1: at once), once known
+        self.thread = None
+        self.started = time.monotonic()
+        self.ticks = ticks  # the member's step count when it began, or None
+        self.before = None  # ms the member had stepped in its group by then
+
+
 class ElasticGroup:
     """The worker's default process group, moved from epoch to epoch.
 
@@ -427,6 +499,17 @@ class ElasticGroup:
         # until its first resync.
         self._synced = not self.newcomer
         self._published = 0  # the highest epoch the watcher has seen
+        self._latest = None  # that epoch
+        # A grow's group being built (_Build), until the switch to it.
+        self._bg = None
+        # Calls of check() since the group in use formed: the members'
+        # common step count, on which the switch to a grow's group is set.
+        self._ticks = 0
+        self._formed_at = time.monotonic()  # when the group in use formed
+        self._due_at, self._due_val = None, False  # check()'s verdict, per step
+        # The group before the last switch, held (its connections open)
+        # until every member has reached the switch: see _switch.
+        self._retired = None
         self._stop = threading.Event()
         # Held while the epoch changes, so the watcher never aborts a group
         # that recover() has just built.
@@ -463,12 +546,14 @@ class ElasticGroup:
         opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
         with self._lock:
             self._group, self._group_store, self._group_sockets = e, store, set(opened)
-            if self.backend == "gloo" and self._published > e.number:
+            self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
+            if self._published > e.number:
                 # The next epoch came while the group formed: the watcher
-                # had no connections to break then, and a member that
-                # moves on without this group must not leave the others
-                # waiting in its first collective.
-                _sever(self._group_sockets)
+                # had no group to act on then. A grow of this group is
+                # built beside it; else a member that moves on without
+                # this group must not leave the others waiting in its
+                # first collective.
+                self._react(self._latest)
 
     def _watch(self, n):
         """Wait on each next epoch's key through a store connection of its own
@@ -495,32 +580,169 @@ class ElasticGroup:
                 self._stop.wait(1.0)
                 continue
             with self._lock:
-                self._published = n
-                if n > self.epoch.number and not self._in_place(e):
-                    _abort_default_group()
-                    if self.backend == "gloo":
-                        # gloo has no abort, and a collective waiting on a
-                        # peer whose host went silent (cut off: nothing
-                        # resets the connection) would wait for the group's
-                        # timeout. Shutting the group's connections down
-                        # fails it at once, here and, through the peers'
-                        # ends, at every member still connected.
-                        _sever(self._group_sockets)
+                self._published, self._latest = n, e
+                if n > self.epoch.number:
+                    self._react(e)
             n += 1
         waiter.close()
 
+    def _react(self, e):
+        """What a newly published epoch e (beyond the current one) does to
+        the group in use; under self._lock. A grow of that group (gloo) is
+        built in the background while the members go on stepping; anything
+        else stops the group at once, and abandons a grow being built."""
+        if self._in_place(e):
+            return
+        if e.number == self.epoch.number + 1 and self._grows_ahead(e):
+            self._bg = _Build(e, self._ticks)
+            self._bg.before = (self._bg.started - self._formed_at) * 1000
+            self._bg.thread = threading.Thread(target=self._build, args=(self._bg,), name="gorun-ft-grow", daemon=True)
+            self._bg.thread.start()
+            return
+        if self._bg is not None and self._bg.epoch.number < e.number:
+            self._abandon(self._bg)
+        _abort_default_group()
+        if self.backend == "gloo":
+            # gloo has no abort, and a collective waiting on a peer whose
+            # host went silent (cut off: nothing resets the connection)
+            # would wait for the group's timeout. Shutting the group's
+            # connections down fails it at once, here and, through the
+            # peers' ends, at every member still connected.
+            _sever(self._group_sockets)
+
+    def _grows_ahead(self, e):
+        """Whether grow e's group is built in the background while this
+        member steps on the group e grows (gloo, which cannot grow a group
+        in place; this member holds e's base group)."""
+        return (self.backend == "gloo" and e.action == "grow" and self._group is not None
+                and self._group.number == e.base and (self._bg is None or self._bg.abandoned)
+                and not self._stop.is_set())
+
+    def _abandon(self, b):
+        """Give build b up, under self._lock: a later epoch supersedes its
+        grow. A group built already has its connections shut down at once
+        (its members may be cut off from each other); one under
+        construction is left to finish, since every member of a sealed
+        formation constructs it (see _formation), and _build then shuts it
+        down. It stays self._bg, so that this member never builds that
+        epoch's group a second time (the store holds the first one's
+        addresses)."""
+        b.abandoned = True
+        if b.pg is not None:
+            _sever(b.sockets)
+            b.pg = None
+
+    def _build(self, b):
+        """Form grow b.epoch's group (the formation rules of _form) and
+        construct its gloo group on a store connection of its own, without
+        making it the default group. It says it is built (a key per rank),
+        which the leader waits for before setting the switch. Never
+        raises: the outcome is in b."""
+        e = b.epoch
+        ns = "%s/epoch_%d" % (self._ns, e.number)
+        rank = e.ranks[self.global_rank]
+        waiter = _KeyWaiter(self.timeout)
+        try:
+            store = _connect_store(self.timeout)
+            b.store = store
+            if not self._formation(e, store, waiter):
+                return
+            before = _socket_inodes()
+            pg = dist.ProcessGroupGloo(dist.PrefixStore(ns + "/pg", store), rank, e.world_size, self.timeout)
+            # As in _init: the connections it opened, less the store's.
+            opened = {i for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+            with self._lock:
+                if b.abandoned:
+                    _sever(opened)
+                    return
+                b.pg, b.sockets = pg, opened
+            # A key per member for the waits of _grow, a count for the
+            # leader's look once a step.
+            store.set("%s/built/%d" % (ns, rank), str(self.global_rank))
+            store.add(ns + "/built", 1)
+        except RestartRequired as err:
+            b.error = err
+        except RuntimeError as err:
+            self._log("rank %d: the group of epoch %d did not form: %s"
+                      % (self.global_rank, e.number, str(err).splitlines()[0]))
+            err.__traceback__ = None
+            with self._lock:
+                if b.pg is not None:
+                    _sever(b.sockets)
+                b.pg = None
+        finally:
+            waiter.close()
+            b.done.set()
+
     def pending(self):
-        """Whether the watcher has seen the next epoch: check() would move to
-        it now."""
-        return self._published > self.epoch.number
+        """Whether check() would move to the next epoch now: the watcher has
+        seen it and, for a grow built in the background, this is the step
+        its members switch at."""
+        return self._due()
 
     def check(self):
-        """Move to the next epoch if the watcher has seen one, and say whether
-        it did. Call it once a step, before the step's collectives."""
-        if self._published > self.epoch.number:
-            self.recover()
-            return True
-        return False
+        """Move to the next epoch if it is due, and say whether it did. Call
+        it once a step, before the step's collectives: a grow's group is
+        built while the members step, and they switch to it together at the
+        check of a step agreed by count."""
+        due = self._due()
+        self._ticks += 1
+        # check() is called after the first collective of a group switched
+        # to (resync): every member has left the group before, which can go.
+        self._retired = None
+        if not due:
+            return False
+        b = self._bg
+        if b is not None and b.switch is not None and self._published == b.epoch.number:
+            e = b.epoch
+            steps, ms = self._ticks - 1 - b.ticks, (time.monotonic() - b.started) * 1000
+            if self._switch(b):
+                self._arrive(e)
+                # With the steps before it, to show what the build cost
+                # the steps (the group's first steps include a resync).
+                self._log("grow epoch=%d formed in the background: %d steps in %.0f ms meanwhile "
+                          "(before it: %d steps in %.0f ms)" % (e.number, steps, ms, b.ticks, b.before))
+                self._log(e.line())
+                return True
+        self.recover()
+        return True
+
+    def _due(self):
+        """check()'s verdict for this step, computed once a step (it may ask
+        the store)."""
+        if self._due_at != self._ticks:
+            b = self._bg
+            if b is not None and self._published == b.epoch.number and b.error is None and not (
+                    b.done.is_set() and b.pg is None):
+                due = self._switch_due(b)
+            else:
+                due = self._published > self.epoch.number
+            self._due_at, self._due_val = self._ticks, due
+        return self._due_val
+
+    def _switch_due(self, b):
+        """For a member stepping while grow b builds: whether this step is
+        the one to switch at. The leader (rank 0 of the grow) sets it, once
+        every member has built the group, SWITCH_AHEAD steps ahead; the
+        others look for it once a step (a store round trip, only while a
+        grow builds). Counters are read with add(key, 0): 1.13's store has
+        no non-blocking check for a key."""
+        if b.switch is None:
+            e = b.epoch
+            ns = "%s/epoch_%d" % (self._ns, e.number)
+            if e.ranks[self.global_rank] == 0:
+                if b.pg is not None and self.store.add(ns + "/built", 0) >= e.world_size:
+                    b.switch = self._set_switch(ns, self._ticks + SWITCH_AHEAD)
+            elif self.store.add(ns + "/switch_set", 0) > 0:
+                b.switch = int(self.store.get(ns + "/switch"))
+        return b.switch is not None and self._ticks >= b.switch
+
+    def _set_switch(self, ns, step):
+        """Set the step at which the members switch (the leader's, once);
+        the value that holds."""
+        v = int(self.store.compare_set(ns + "/switch", "", str(step)))
+        self.store.add(ns + "/switch_set", 1)
+        return v
 
     def recover(self, err=None):
         """Wait for the next epoch and move the group to it. Raises Excluded if
@@ -572,7 +794,7 @@ class ElasticGroup:
                 raise self._restart(nxt)
             if not nxt.newcomer(slot):
                 continue
-            if self._form(nxt):
+            if self._grow(nxt) if self._grows_afresh(nxt) else self._form(nxt):
                 break
             self._log("grow epoch=%d did not complete: joining again" % nxt.number)
             self._file_join()
@@ -596,7 +818,91 @@ class ElasticGroup:
                 self._group = e
             return True
         self._destroy()
+        if self._grows_afresh(e):
+            return self._grow(e)
         return self._form(e)
+
+    def _grows_afresh(self, e):
+        """Whether e is a grow joined through a _Build (gloo): in the
+        background, or, for a member that holds no group to step on, here."""
+        return self.backend == "gloo" and e.action == "grow"
+
+    def _grow(self, e):
+        """Join grow e from outside any group: a newcomer, or a member that
+        stopped (its group failed, or it never held the group e grows).
+        The build runs here unless it is under way in the background; then
+        the member waits for the switch, or, leading, sets it for at once
+        when every member has built. False when the grow is given up (a
+        later epoch came, or its group did not form)."""
+        with self._lock:
+            b = self._bg
+            if b is None or b.epoch.number != e.number:
+                if b is not None:
+                    self._abandon(b)
+                b = self._bg = _Build(e, None)
+        if b.thread is None and not b.done.is_set():
+            self._build(b)
+        bound = self._epoch_wait + self._grow_wait
+        deadline = time.monotonic() + bound
+
+        def past():
+            self.close()
+            return RestartRequired("epoch %d: its group did not form within %.0f s, and no epoch "
+                                   "followed: restart" % (e.number, bound))
+
+        while not b.done.wait(min(max(deadline - time.monotonic(), 0), WATCH_WAIT.total_seconds())):
+            if time.monotonic() >= deadline:
+                raise past()
+        if b.error is not None:
+            self.close()
+            raise b.error
+        ns = "%s/epoch_%d" % (self._ns, e.number)
+        lead = e.ranks[self.global_rank] == 0
+        keys = ["%s/built/%d" % (ns, r) for r in range(e.world_size)] if lead else [ns + "/switch"]
+        while True:
+            with self._lock:
+                if self._published > e.number or b.pg is None:
+                    self._abandon(b)
+                    return False
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise past()
+            if self._awaiter.wait(keys, min(left, WATCH_WAIT.total_seconds())):
+                break
+        if lead:
+            self._set_switch(ns, -1)
+        return self._switch(b)
+
+    def _switch(self, b):
+        """Make build b's group the default group. The group before is held,
+        its connections open, until the next check(): a member reaching the
+        switch may still be sending the last collective of the old group to
+        a member that has not finished it. False when b was abandoned
+        meanwhile."""
+        e = b.epoch
+        pg = b.pg
+        if pg is None:
+            return False
+        old = None
+        if dist.is_initialized():
+            old = _backend_of_default_group()
+            dist.destroy_process_group()
+        _register_prebuilt()
+        _prebuilt[:] = [pg]
+        try:
+            dist.init_process_group(PREBUILT_BACKEND, store=dist.PrefixStore("%s/epoch_%d/switch" % (self._ns, e.number), b.store),
+                                    rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout)
+        finally:
+            _prebuilt.clear()
+        with self._lock:
+            self.epoch = e
+            self._group, self._group_store, self._group_sockets = e, b.store, b.sockets
+            self._retired = old
+            self._bg = None
+            self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
+            if self._published > e.number:
+                self._react(self._latest)
+        return True
 
     def _in_place(self, e):
         """Whether epoch e shrinks the group in use in place (NCCL with
@@ -605,16 +911,37 @@ class ElasticGroup:
         return self._shrinks() and e.action == "shrink" and self._group is not None and self._group.number == e.base
 
     def _form(self, e):
-        """Form epoch e's group afresh among its members. The members first
-        wait, in short waits, until every one of them is there; a grow's
-        formation (and any, where every group is formed afresh) gives up
-        when the next epoch appears, since every member moves on to it. A
+        """Form epoch e's group afresh among its members (see _formation). A
         formation the backend fails is given up too: the next epoch settles
         it. Returns whether the group was formed."""
         ns = "%s/epoch_%d" % (self._ns, e.number)
+        try:
+            if not self._formation(e, self.store, self._awaiter):
+                return False
+        except RestartRequired:
+            self.close()
+            raise
+        try:
+            self._init(e, ns + "/pg")
+        except RuntimeError as err:
+            self._log("rank %d: the group of epoch %d did not form: %s"
+                      % (self.global_rank, e.number, str(err).splitlines()[0]))
+            err.__traceback__ = None
+            self._destroy()
+            return False
+        return True
+
+    def _formation(self, e, store, waiter):
+        """Whether epoch e's group is to be formed, decided once for all its
+        members. The members first wait, in short waits (waiter), until
+        every one of them is there; a grow's formation (and any, where
+        every group is formed afresh) gives up when the next epoch appears,
+        since every member moves on to it. Raises RestartRequired when the
+        members are not all there in time and no epoch follows."""
+        ns = "%s/epoch_%d" % (self._ns, e.number)
         rank = e.ranks[self.global_rank]
         yields = e.action == "grow" or not self._shrinks()
-        self.store.set("%s/member/%d" % (ns, rank), str(self.global_rank))
+        store.set("%s/member/%d" % (ns, rank), str(self.global_rank))
         members = ["%s/member/%d" % (ns, r) for r in range(e.world_size)]
         bound = self._epoch_wait + (self._grow_wait if e.action == "grow" else 0)
         deadline = time.monotonic() + bound
@@ -628,27 +955,14 @@ class ElasticGroup:
         state = "%s/formation" % ns
         while True:
             if yields and self._published > e.number:
-                if self.store.compare_set(state, "", "abandoned") != b"sealed":
-                    return False
-                break  # sealed already: every member forms it
+                return store.compare_set(state, "", "abandoned") == b"sealed"  # sealed already: every member forms it
             left = deadline - time.monotonic()
             if left <= 0:
-                self.close()
                 raise RestartRequired("epoch %d: its members were not all there within %.0f s, and no epoch "
                                       "followed: restart" % (e.number, bound))
-            if self._awaiter.wait(members, min(left, WATCH_WAIT.total_seconds())):
-                if self.store.compare_set(state, "", "sealed") != b"sealed":
-                    return False  # another member abandoned it first
-                break
-        try:
-            self._init(e, ns + "/pg")
-        except RuntimeError as err:
-            self._log("rank %d: the group of epoch %d did not form: %s"
-                      % (self.global_rank, e.number, str(err).splitlines()[0]))
-            err.__traceback__ = None
-            self._destroy()
-            return False
-        return True
+            if waiter.wait(members, min(left, WATCH_WAIT.total_seconds())):
+                # False: another member abandoned it first.
+                return store.compare_set(state, "", "sealed") == b"sealed"
 
     def _arrive(self, e):
         """Acknowledge epoch e; the member whose acknowledgement completes a
@@ -685,6 +999,7 @@ class ElasticGroup:
         with self._lock:
             # Its sockets' inodes may be reused once they close: forget them.
             self._group, self._group_store, self._group_sockets = None, None, set()
+            self._retired = None
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -736,6 +1051,14 @@ class ElasticGroup:
 
     def close(self):
         self._stop.set()
+        with self._lock:
+            b = self._bg
+            if b is not None:
+                self._abandon(b)
+        if b is not None and b.thread is not None and b.thread is not threading.current_thread():
+            # Bounded: a member that died while the group was constructed
+            # leaves the constructor waiting for the group's timeout.
+            b.thread.join(WATCH_WAIT.total_seconds() * 2)
         # Join the watcher before the interpreter exits: a daemon thread
         # still inside a C++ store wait when Python finalizes is killed by
         # forced unwinding on its way back, and the process dies with

@@ -51,6 +51,7 @@ type healRun struct {
 
 // startHealRun starts a healRun of steps steps of 10 ms at least, with
 // interpreter py and train_elastic.py at script, the agents tuned by cfg.
+// The ranks print their timestamps (--timestamps), as under ftbench.
 func startHealRun(t *testing.T, py, script string, cfg shrink.Config, steps int) healRun {
 	t.Helper()
 	return startHealRunAuth(t, py, script, cfg, steps, nil, nil)
@@ -63,7 +64,7 @@ func startHealRunAuth(t *testing.T, py, script string, cfg shrink.Config, steps 
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	t.Cleanup(cancel)
-	j := newJob(ctx, t, py, script, gorunServer, env, 4, "--steps", strconv.Itoa(steps), "--step-ms", "10")
+	j := newJob(ctx, t, py, script, gorunServer, env, 4, "--steps", strconv.Itoa(steps), "--step-ms", "10", "--timestamps")
 	coord := j.coordinate(ctx, t, cfg, auth)
 	board := shrink.NewBoard(j.dial(ctx, t), "").Authenticated(auth)
 	return healRun{ctx: ctx, j: j, coord: coord, board: board, ws: j.startAll(ctx, t)}
@@ -108,6 +109,27 @@ func awaitJoin(ctx context.Context, t *testing.T, board *shrink.Board, slot, fro
 			return i + 1
 		}
 	}
+}
+
+// backgroundLine is what a survivor prints when it switches to a grow's
+// group that formed while it stepped.
+var backgroundLine = regexp.MustCompile(`grow epoch=\d+ formed in the background: (\d+) steps in \d+ ms meanwhile.*`)
+
+// growStall is a survivor's stall for grow epoch e, read from its
+// timestamps: from stopping its steps in the epoch before to its first
+// collective in e.
+func growStall(out string, e int) (time.Duration, bool) {
+	stamp := func(kind string, epoch int) (int64, bool) {
+		m := regexp.MustCompile(kind + ` attempt=0 epoch=` + strconv.Itoa(epoch) + ` unix_ns=(\d+)`).FindStringSubmatch(out)
+		if m == nil {
+			return 0, false
+		}
+		ns, err := strconv.ParseInt(m[1], 10, 64)
+		return ns, err == nil
+	}
+	stopped, ok1 := stamp("stopped", e-1)
+	first, ok2 := stamp("first-collective", e)
+	return time.Duration(first - stopped), ok1 && ok2
 }
 
 var donePID = regexp.MustCompile(`done rank=\d+ world=\d+ steps=\d+ loss=\S+ pid=(\d+)`)
@@ -247,6 +269,30 @@ func testTorchGlooHeal(t *testing.T, py, script string) {
 		}
 		return []string{"shrink epoch=1 world=3 excluded=[2]", "grow epoch=2 world=4 added=[2]"}
 	})
+	// The survivors built the grown group while they stepped, and stopped
+	// only to switch to it: their stall for the grow, from the step they
+	// stopped at to their first collective at full size, is the switch
+	// and the newcomer's resync, not a group formed afresh (0.4 s and
+	// more with gloo on this machine; loose, for a loaded one).
+	const maxStall = time.Second
+	for _, m := range ms[:3] {
+		out := m.w.out.String()
+		bg := backgroundLine.FindStringSubmatch(out)
+		if bg == nil {
+			t.Errorf("slot %d did not form the grown group in the background:\n%s", m.slot, out)
+			continue
+		}
+		if n, _ := strconv.Atoi(bg[1]); n < 1 {
+			t.Errorf("slot %d: %s: no step while the grown group formed", m.slot, bg[0])
+		}
+		stall, ok := growStall(out, 2)
+		if !ok {
+			t.Errorf("slot %d printed no stop in epoch 1 or no first collective in epoch 2:\n%s", m.slot, out)
+		} else if stall > maxStall {
+			t.Errorf("slot %d stalled %v for the grow, want at most %v", m.slot, stall, maxStall)
+		}
+		t.Logf("slot %d: %s; stalled %v", m.slot, bg[0], stall.Round(time.Millisecond))
+	}
 
 	if n, err := h.board.Acks(ctx, 2); err != nil || n != 4 {
 		t.Errorf("acks of the grow = %d %v, want 4", n, err)
@@ -440,5 +486,79 @@ print(json.dumps(moves))
 			t.Errorf("%s holding %s, moving to %v: in place %v, shrink list %v, line %q; want %v, %v, %q",
 				want.Backend, held, want.Next, g.InPlace, g.ShrinkList, g.Line, want.InPlace, want.ShrinkList, want.Line)
 		}
+	}
+}
+
+// TestTorchFTSwitchStep checks the agreement on the step at which the
+// members of a grow switch to the group built in the background
+// (gorun_ft's _switch_due), with a stand-in store and no process group:
+// members step in lockstep (a member checks step k only once every member
+// has checked step k-1, as a collective per step makes them), in random
+// orders, and the leader's build completes at a random point. Every member
+// must switch at the same step, and that step must come after the leader
+// set it.
+func TestTorchFTSwitchStep(t *testing.T) {
+	out := torchtest.Run(t, time.Minute, nil, `
+import random, sys, threading
+sys.path.insert(0, sys.argv[1])
+import gorun_ft
+
+class Store:
+    """The store as the members see it: one server, requests in order."""
+    def __init__(self):
+        self.kv = {}
+    def add(self, k, n):
+        self.kv[k] = int(self.kv.get(k, 0)) + n
+        return self.kv[k]
+    def get(self, k):
+        return str(self.kv[k]).encode()
+    def compare_set(self, k, old, new):
+        if k not in self.kv and old == "":
+            self.kv[k] = new
+        return str(self.kv[k]).encode()
+
+def member(store, g, grow):
+    m = object.__new__(gorun_ft.ElasticGroup)
+    m.store, m.global_rank, m._ns = store, g, "ns"
+    m.epoch = gorun_ft.Epoch.initial(len(grow.ranks) - 1)
+    m._published, m._ticks, m._due_at = grow.number, 0, None
+    m._bg = gorun_ft._Build(grow, 0)
+    m._bg.pg = object()  # built
+    return m
+
+bad = 0
+for trial in range(300):
+    rng = random.Random(trial)
+    world = rng.randint(2, 5)
+    grow = gorun_ft.Epoch(1, [], [], list(range(world + 1)), world + 1, "grow", added=[world])
+    store = Store()
+    ms = [member(store, g, grow) for g in range(world)]
+    built_at = rng.randint(0, 6 * world)  # events before every member has built
+    switched = {}
+    events = 0
+    while len(switched) < world:
+        low = min(m._ticks for m in ms)
+        ready = [m for m in ms if m.global_rank not in switched and m._ticks <= low]
+        m = rng.choice(ready)
+        if events == built_at:
+            store.add("ns/epoch_1/built", world + 1)
+        events += 1
+        t = m._ticks
+        due = m._due()
+        m._ticks += 1
+        if due:
+            switched[m.global_rank] = t
+            m._ticks = 10**9  # out of the old group's steps
+        if t > 200:
+            break
+    steps = set(switched.values())
+    set_at = store.kv.get("ns/epoch_1/switch")
+    if len(switched) != world or len(steps) != 1:
+        bad += 1
+        print("trial", trial, "world", world, "switched at", switched, "set", set_at)
+print("bad", bad)
+`, thisDir())
+	if !strings.Contains(out, "bad 0") {
+		t.Errorf("members switched at different steps:\n%s", out)
 	}
 }
