@@ -92,6 +92,15 @@ func (m *memStore) Set(_ context.Context, k string, v []byte) error {
 	return nil
 }
 
+func (m *memStore) MultiSet(_ context.Context, keys []string, values [][]byte) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i, k := range keys {
+		m.write(k, values[i])
+	}
+	return nil
+}
+
 func (m *memStore) CompareSet(_ context.Context, k string, expected, desired []byte) ([]byte, error) {
 	m.cas.Add(1)
 	m.mu.Lock()
