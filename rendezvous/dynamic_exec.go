@@ -115,8 +115,10 @@ type Dynamic struct {
 	noQueue atomic.Bool
 	calls   atomic.Uint64 // numbers Next calls (request.Call)
 	// buckets is the number of share buckets (dynamic_share.go), bucket
-	// this node's.
-	buckets, bucket int
+	// this node's. viewMultiGet: read the view with one MultiGet (its keys
+	// exist); viewPeek: never (the store would not wait on them).
+	buckets, bucket        int
+	viewMultiGet, viewPeek atomic.Bool
 
 	mu     sync.Mutex
 	closed bool

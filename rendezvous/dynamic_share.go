@@ -41,6 +41,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"hash/fnv"
 	"slices"
@@ -247,14 +248,35 @@ func (d *Dynamic) peek(ctx context.Context, key string, empty []byte) ([]byte, e
 // readView reads this node's view: the marker, then its bucket (in that
 // order: a publisher writes the buckets first, so the bucket is at least
 // as new as the marker).
+//
+// Once both keys exist it reads them with one MultiGet (one round trip on
+// a TCPStore), unless the store refuses to wait on them (etcd: they are
+// unwatched), where it peeks at each.
 func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
-	mb, err := d.peek(ctx, d.key+markerSuffix, emptyMarker)
-	if err != nil {
-		return nil, err
+	var mb, bb []byte
+	if d.viewMultiGet.Load() {
+		vs, err := d.store.MultiGet(ctx, d.key+markerSuffix, d.shareKey(d.bucket))
+		switch {
+		case err == nil && len(vs) == 2:
+			mb, bb = vs[0], vs[1]
+		case errors.Is(err, ErrInvalidArgument), errors.Is(err, ErrNotSupported), err == nil:
+			d.viewMultiGet.Store(false)
+			d.viewPeek.Store(true)
+		default:
+			return nil, fmt.Errorf("read %s: %w", d.key+markerSuffix, err)
+		}
 	}
-	bb, err := d.peek(ctx, d.shareKey(d.bucket), emptyShare)
-	if err != nil {
-		return nil, err
+	if mb == nil {
+		var err error
+		if mb, err = d.peek(ctx, d.key+markerSuffix, emptyMarker); err != nil {
+			return nil, err
+		}
+		if bb, err = d.peek(ctx, d.shareKey(d.bucket), emptyShare); err != nil {
+			return nil, err
+		}
+		if !d.viewPeek.Load() {
+			d.viewMultiGet.Store(true) // both exist now
+		}
 	}
 	var m marker
 	var bucket []shareEntry
