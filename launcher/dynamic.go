@@ -64,12 +64,20 @@ func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress)
 		}
 		return out
 	}
-	fields := []zap.Field{
-		zap.Int("round", p.Round), zap.Strings("joined", names(p.Participants)),
-		zap.Int("awaited_for_min", max(0, minNodes-len(p.Participants))), zap.Int("max", maxNodes),
+	fields := []zap.Field{zap.Int("round", p.Round)}
+	// In runs that queue their joins the rendezvous reports counts only
+	// (each node reads its own share of the state, not the whole list).
+	if p.Participants != nil {
+		fields = append(fields, zap.Strings("joined", names(p.Participants)))
+	} else {
+		fields = append(fields, zap.Int("joined", p.NumParticipants))
 	}
-	if len(p.Waiting) > 0 {
+	fields = append(fields, zap.Int("awaited_for_min", max(0, minNodes-p.NumParticipants)), zap.Int("max", maxNodes))
+	switch {
+	case len(p.Waiting) > 0:
 		fields = append(fields, zap.Strings("waiting_for_next_round", names(p.Waiting)))
+	case p.NumWaiting > 0:
+		fields = append(fields, zap.Int("waiting_for_next_round", p.NumWaiting))
 	}
 	if !p.LastCall.IsZero() && !p.Complete {
 		fields = append(fields, zap.Time("last_call_ends", p.LastCall))

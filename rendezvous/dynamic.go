@@ -112,6 +112,14 @@ type DynamicConfig struct {
 	// little and the direct write takes fewer round trips. 0 means 32; a
 	// negative value, never.
 	QueueMinNodes int
+	// ShareOnly: in queue mode (see QueueMinNodes), Next returns only
+	// this node's share of the round (Round.Number, Rank, Size, Late) and
+	// leaves Round.Members nil; Dynamic.Members reads them on demand.
+	// Otherwise Next reads the members once per round (O(N) bytes per
+	// node, O(N²) for the run). Below QueueMinNodes, and on a store
+	// without queues, Members are always filled: every node reads the
+	// whole state there anyway. Default false.
+	ShareOnly bool
 	// OnProgress, when set, is called by Next each time it reads a state
 	// whose membership differs from the last it reported (who joined, who
 	// waits, when the last call ends), so that an agent can log progress;
@@ -126,10 +134,16 @@ type DynamicConfig struct {
 // Progress is the view of a round in progress that Next reports through
 // OnProgress.
 type Progress struct {
-	Round        int
-	Complete     bool
-	Participants []NodeDesc // in rank order
-	Waiting      []NodeDesc // for the next round
+	Round    int
+	Complete bool
+	// NumParticipants and NumWaiting count the nodes in the round and
+	// those waiting for the next.
+	NumParticipants, NumWaiting int
+	// Participants (in rank order) and Waiting (for the next round) name
+	// them, except in queue mode, where a node reads only its own bucket
+	// of the state (dynamic_share.go): nil there.
+	Participants []NodeDesc
+	Waiting      []NodeDesc
 	// LastCall is when the round completes unless more nodes join; zero
 	// until MinNodes nodes have joined.
 	LastCall time.Time
@@ -137,6 +151,7 @@ type Progress struct {
 
 func (p Progress) equal(q Progress) bool {
 	return p.Round == q.Round && p.Complete == q.Complete && p.LastCall.Equal(q.LastCall) &&
+		p.NumParticipants == q.NumParticipants && p.NumWaiting == q.NumWaiting &&
 		slices.Equal(p.Participants, q.Participants) && slices.Equal(p.Waiting, q.Waiting)
 }
 
@@ -249,6 +264,15 @@ type dynState struct {
 	// while a round runs are in the wait list, and admitted with the next
 	// round. torchrun waits the whole last call after every restart.
 	Rejoin []rejoiner `json:"rejoin,omitempty"`
+	// Pub numbers the writes that changed the header, which queue mode
+	// publishes as the marker (dynamic_share.go).
+	Pub uint64 `json:"pub,omitzero"`
+
+	// view: this is a node's view (the marker and its bucket), not the
+	// state: Nodes holds the bucket's nodes only, others counts the
+	// participants outside it, and there is no Rejoin. Never written.
+	view            bool
+	others, waiting int
 }
 
 // rejoiner is a member of the last complete round on its way to the next.
@@ -303,7 +327,7 @@ func (s *dynState) role(n NodeDesc) (participant, waiting bool) {
 }
 
 func (s *dynState) participants() int {
-	n := 0
+	n := s.others
 	for _, e := range s.Nodes {
 		if !e.Waiting {
 			n++
@@ -775,7 +799,7 @@ func (s *dynState) round(me NodeDesc) (Round, bool) {
 	if !s.Complete {
 		return Round{}, false
 	}
-	r := Round{Number: s.Round, Rank: -1}
+	r := Round{Number: s.Round, Rank: -1, Size: s.Size}
 	for _, e := range s.Nodes {
 		if e.Waiting {
 			continue
@@ -792,9 +816,14 @@ func (s *dynState) round(me NodeDesc) (Round, bool) {
 
 // progress is the state as OnProgress reports it.
 func (s *dynState) progress() Progress {
-	p := Progress{Round: s.Round, Complete: s.Complete, LastCall: s.Deadline}
+	p := Progress{Round: s.Round, Complete: s.Complete, LastCall: s.Deadline, NumParticipants: s.participants()}
+	if s.view {
+		p.NumWaiting = s.waiting // the marker's count: Nodes is one bucket
+		return p
+	}
 	for _, e := range s.Nodes {
 		if e.Waiting {
+			p.NumWaiting++
 			p.Waiting = append(p.Waiting, e.NodeDesc)
 		} else {
 			p.Participants = append(p.Participants, e.NodeDesc)

@@ -32,7 +32,12 @@ type Round struct {
 	Number int
 	// Rank is this node's rank (its group rank).
 	Rank int
+	// Size is the number of nodes the round completed with.
+	Size int
 	// Members are the round's nodes in rank order: Members[i].Rank == i.
+	// Nil in a round that Next handed out as this node's share only
+	// (DynamicConfig.ShareOnly, in queue mode): Dynamic.Members reads
+	// them.
 	Members []Member
 	// Late: this node was admitted into the running round in a lost
 	// member's place (Admit), not a member from its start.
@@ -109,11 +114,20 @@ type Dynamic struct {
 	// server): every node compare-sets the state itself.
 	noQueue atomic.Bool
 	calls   atomic.Uint64 // numbers Next calls (request.Call)
+	// buckets is the number of share buckets (dynamic_share.go), bucket
+	// this node's. viewMultiGet: read the view with one MultiGet (its keys
+	// exist); viewPeek: never (the store would not wait on them).
+	buckets, bucket        int
+	viewMultiGet, viewPeek atomic.Bool
 
 	mu     sync.Mutex
 	closed bool
-	last   *Round     // the round Next last returned
-	ka     *keepAlive // the running heartbeat, or nil
+	last   *Round // the round Next last returned
+	// lateSeen is how many late members the last full read by Status
+	// found in last's round: the marker's count differing says that
+	// Status must read the state again (an admission).
+	lateSeen int
+	ka       *keepAlive // the running heartbeat, or nil
 }
 
 // keepAlive is a running heartbeat goroutine.
@@ -162,6 +176,8 @@ func NewDynamic(store Store, me NodeDesc, data []byte, cfg DynamicConfig) (*Dyna
 	if q := cmp.Or(cfg.QueueMinNodes, defaultQueueMinNodes); q < 0 || cfg.MaxNodes < q {
 		d.noQueue.Store(true)
 	}
+	d.buckets = shareBuckets(cfg.MaxNodes)
+	d.bucket = bucketOf(me, d.buckets)
 	// Call numbers start from the clock so that a handle made anew for the
 	// same node (same address, pid and local id) does not reuse one that
 	// the state may still hold.
@@ -201,7 +217,9 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	defer cancel()
 	deadline := d.now().Add(d.cfg.JoinTimeout)
 
-	snap, err := d.read(ctx)
+	// In queue mode the node reads its view (the marker and its bucket),
+	// never the whole state: dynamic_share.go.
+	snap, err := d.readFor(ctx, !d.noQueue.Load())
 	if err != nil {
 		return Round{}, d.fail("next", err)
 	}
@@ -225,18 +243,42 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	if err != nil {
 		return Round{}, d.fail("next", err)
 	}
-	r, ok := st.round(d.me)
+	var r Round
+	var ok bool
+	if st.view {
+		r, ok = st.viewRound(d.me)
+	} else {
+		r, ok = st.round(d.me)
+	}
 	if !ok { // the join op finishes only as a member
 		return Round{}, fmt.Errorf("rendezvous: run %q: join finished outside the round", d.cfg.RunID)
 	}
+	if d.cfg.ShareOnly && q != nil {
+		// Same contract whether the round came from a view or, on the
+		// node that folded it, from the state.
+		r.Members = nil
+	}
+	if r.Members == nil && !d.cfg.ShareOnly {
+		if err := d.fetchMembers(ctx, &r); err != nil {
+			return Round{}, d.fail("next", err)
+		}
+	}
 	i, _ := st.find(d.me)
+	beat := st.Nodes[i].Heartbeat
+	if q != nil && q.beat.After(beat) {
+		beat = q.beat
+	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
 		return Round{}, errHandleClosed
 	}
 	d.last = &r
-	d.startKeepAlive(st.Nodes[i].Heartbeat.Add(d.cfg.KeepAliveInterval))
+	d.lateSeen = 0
+	if r.Late {
+		d.lateSeen = -1 // unknown: Status reads the state once
+	}
+	d.startKeepAlive(beat.Add(d.cfg.KeepAliveInterval))
 	return r, nil
 }
 
@@ -246,6 +288,9 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	ctx, done := d.bind(ctx)
 	defer done()
+	if st, ok, err := d.quickStatus(ctx); err != nil || ok {
+		return st, d.fail("status", err)
+	}
 	snap, err := d.read(ctx)
 	if err != nil {
 		return Status{}, d.fail("status", err)
@@ -260,8 +305,19 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 		st.sanitize(now, d.cfg)
 	}
 	d.mu.Lock()
+	shareOnly := d.last != nil && d.last.Members == nil && d.last.Size > 0
+	d.mu.Unlock()
+	if shareOnly { // Lost needs the round's members
+		if _, err := d.Members(ctx); err != nil {
+			return Status{}, err
+		}
+	}
+	d.mu.Lock()
 	defer d.mu.Unlock()
 	status := st.status(d.last)
+	if d.last != nil && st.Round == d.last.Number {
+		d.lateSeen = st.marker(d.cfg).Late
+	}
 	if len(status.Admitted) > 0 {
 		r := *d.last
 		r.Members = slices.Clone(r.Members)
@@ -271,6 +327,41 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 		d.last = &r
 	}
 	return status, nil
+}
+
+// quickStatus answers Status from the marker alone, in queue mode, when
+// it shows this node's last round complete and whole, as it was at the
+// last look (no member gone, none admitted, nobody waiting, not closed,
+// no heartbeat expired):
+// what Status finds on almost every poll, for O(1) bytes instead of the
+// state's O(N). It reports false when the state must be read.
+func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
+	d.mu.Lock()
+	last, lateSeen := d.last, d.lateSeen
+	d.mu.Unlock()
+	if d.noQueue.Load() || last == nil {
+		return Status{}, false, nil
+	}
+	b, err := d.peek(ctx, d.key+markerSuffix, emptyMarker)
+	if err != nil {
+		return Status{}, false, err
+	}
+	var m marker
+	if json.Unmarshal(b, &m) != nil || m.Pub == 0 || m.Round != last.Number || !m.Complete || m.Closed ||
+		m.Participants != last.Size || m.Waiting != 0 || m.Late != lateSeen || d.now().After(m.Expires) {
+		return Status{}, false, nil
+	}
+	return Status{Round: m.Round, Complete: true, Participants: m.Participants}, true, nil
+}
+
+// errNoRound: an operation on the round Next returned, before it did.
+var errNoRound = errors.New("this node is in no round")
+
+// lastRound returns the round Next last returned, or nil.
+func (d *Dynamic) lastRound() *Round {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.last
 }
 
 // Admit makes a node waiting for the next round a member of the running
@@ -283,11 +374,9 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 func (d *Dynamic) Admit(ctx context.Context, rank int) (NodeDesc, error) {
 	ctx, done := d.bind(ctx)
 	defer done()
-	d.mu.Lock()
-	last := d.last
-	d.mu.Unlock()
+	last := d.lastRound()
 	if last == nil {
-		return NodeDesc{}, d.fail("admit", errors.New("this node is in no round"))
+		return NodeDesc{}, d.fail("admit", errNoRound)
 	}
 	snap, err := d.read(ctx)
 	for err == nil {
@@ -408,6 +497,15 @@ func (d *Dynamic) read(ctx context.Context) (*snapshot, error) {
 	return d.decode(b)
 }
 
+// readFor reads this node's view in queue mode (view), the state
+// otherwise.
+func (d *Dynamic) readFor(ctx context.Context, view bool) (*snapshot, error) {
+	if view {
+		return d.readView(ctx)
+	}
+	return d.read(ctx)
+}
+
 func (d *Dynamic) decode(b []byte) (*snapshot, error) {
 	st := &dynState{}
 	if len(b) > 0 {
@@ -423,10 +521,20 @@ func (d *Dynamic) decode(b []byte) (*snapshot, error) {
 // Either way snap ends up holding the store's current state: st, or the
 // winner's. A change that waiters must see (wakes) takes the next Wake
 // number, and the winner then wakes them.
+//
+// In queue mode the winner also publishes the change (the marker, the
+// shares, the members: dynamic_share.go) before it wakes anybody.
 func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (bool, error) {
+	if snap.st.view || st.view {
+		return false, errors.New("bug: a node's view written as the state")
+	}
 	notify := wakes(snap.st, st, d.cfg)
 	if notify {
 		st.Wake = snap.st.Wake + 1
+	}
+	publish := !d.noQueue.Load()
+	if publish {
+		numberPublication(snap.st, st, d.cfg)
 	}
 	b, err := json.Marshal(st)
 	if err != nil {
@@ -438,7 +546,13 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 	}
 	switch {
 	case bytes.Equal(cur, b):
+		before := snap.st
 		*snap = snapshot{st: st, token: b}
+		if publish {
+			if err := d.publish(ctx, before, st); err != nil {
+				return true, err
+			}
+		}
 		if notify {
 			return true, d.notify(ctx, st.Wake)
 		}
@@ -510,13 +624,32 @@ type decider func(s *dynState, now time.Time) action
 // exit is done.
 func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState), q *queued) (*dynState, error) {
 	done := 0 // ops finished on a state that is in the store
+	queueMode := func() bool { return q != nil && !d.noQueue.Load() }
 	for {
+		if snap.st.view && !queueMode() {
+			// No queues after all: compare-set the state itself.
+			fresh, err := d.read(ctx)
+			if err != nil {
+				return nil, err
+			}
+			*snap = *fresh
+		}
 		now := d.now()
 		st := snap.st.clone()
-		dropped := st.sanitize(now, d.cfg)
+		dropped := false
+		if st.view {
+			// Only the state's writers sanitize (a view's heartbeats are
+			// as old as its bucket's last rewrite); my own heartbeat is
+			// at least as new as my last folded keep-alive.
+			if i, ok := st.find(d.me); ok && q.beat.After(st.Nodes[i].Heartbeat) {
+				st.Nodes[i].Heartbeat = q.beat
+			}
+		} else {
+			dropped = st.sanitize(now, d.cfg)
+		}
 		cur, changed := done, dropped
 		beatsOnly := !dropped // the pass only refreshes my heartbeat
-		if q != nil && !d.noQueue.Load() {
+		if queueMode() {
 			cur = 0
 			if i, ok := st.find(d.me); ok && st.Nodes[i].Call == q.req.Call {
 				cur = len(ops) - 1
@@ -540,23 +673,30 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				beatsOnly = beatsOnly && a == actKeepAlive
 			}
 		}
-		if changed && q != nil && !d.noQueue.Load() {
+		if changed && queueMode() {
 			again, err := d.request(ctx, snap, q, now, beatsOnly)
 			switch {
 			case err != nil:
 				return nil, err
 			case again: // folded here, or no queues after all: decide afresh
 			default:
-				// Another node folds: wait for its next batch (or, should
-				// the request be lost, for the time to push it again).
+				// Another node folds: wait for a wake-up (the round
+				// completing, ending, the run closing), as after any
+				// other change, and look once a lazy fold's delay after
+				// the push (the folder may have let go just before it:
+				// fold the rest then), and again at settle (the request
+				// may have been lost with a folder that died). Not at
+				// every batch: in a crowd of thousands each batch would
+				// wake every node whose request is still queued, and
+				// their reads would starve the folder's pops.
 				wake := st.wakeAt(d.me, now, deadline, d.cfg)
-				if resend := q.sent.Add(d.settle()); resend.Before(wake) {
+				if resend := q.due; resend.Before(wake) {
 					wake = resend
 				}
-				if lazy := q.sent.Add(d.lazyDelay()); beatsOnly && lazy.After(now) && lazy.Before(wake) {
+				if lazy := q.sent.Add(d.lazyDelay()); lazy.After(now) && lazy.Before(wake) {
 					wake = lazy
 				}
-				if err := d.awaitKey(ctx, snap, now, wake, d.batchKey, func(s *dynState) uint64 { return s.Batch }); err != nil {
+				if err := d.await(ctx, snap, now, wake, queueMode()); err != nil {
 					return nil, err
 				}
 			}
@@ -588,26 +728,20 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			return nil, fmt.Errorf("%w in round %d, which %d other node(s) had joined (it needs %d..%d)",
 				ErrRendezvousTimeout, st.Round, others, d.cfg.MinNodes, d.cfg.MaxNodes)
 		}
-		if err := d.await(ctx, snap, st, now, deadline); err != nil { // actSync
+		if err := d.await(ctx, snap, now, st.wakeAt(d.me, now, deadline, d.cfg), queueMode()); err != nil { // actSync
 			return nil, err
 		}
 	}
 }
 
-// await blocks until the wake-up after snap's or until st's own wake-up
-// time, then re-reads snap.
-func (d *Dynamic) await(ctx context.Context, snap *snapshot, st *dynState, now, deadline time.Time) error {
-	return d.awaitKey(ctx, snap, now, st.wakeAt(d.me, now, deadline, d.cfg), d.wakeKey, func(s *dynState) uint64 { return s.Wake })
-}
-
-// awaitKey blocks until the key named after the number after snap's
-// (count reads it: Wake, or Batch) or until wake, then re-reads snap.
-func (d *Dynamic) awaitKey(ctx context.Context, snap *snapshot, now, wake time.Time, key func(uint64) string, count func(*dynState) uint64) error {
-	target := count(snap.st) + 1
+// await blocks until the wake-up after snap's or until wake, then
+// re-reads snap: this node's view with view, else the state.
+func (d *Dynamic) await(ctx context.Context, snap *snapshot, now, wake time.Time, view bool) error {
+	target := snap.st.Wake + 1
 	notified := false
 	if dur := wake.Sub(now); dur > 0 {
 		wctx, cancel := context.WithTimeout(ctx, dur)
-		err := d.store.Wait(wctx, key(target))
+		err := d.store.Wait(wctx, d.wakeKey(target))
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -618,17 +752,18 @@ func (d *Dynamic) awaitKey(ctx context.Context, snap *snapshot, now, wake time.T
 			return fmt.Errorf("wait for wake-up %d: %w", target, err)
 		}
 	}
-	fresh, err := d.read(ctx)
+	fresh, err := d.readFor(ctx, view)
 	if err != nil {
 		return err
 	}
-	if notified && count(fresh.st) < target {
+	if notified && fresh.st.Wake < target {
 		// The key was there but the state is older: it was reset under
-		// old wake-up keys. Sleep instead of spinning on them.
+		// old wake-up keys (or a view's marker lags). Sleep instead of
+		// spinning on them.
 		if err := sleep(ctx, wake.Sub(d.now())); err != nil {
 			return err
 		}
-		if fresh, err = d.read(ctx); err != nil {
+		if fresh, err = d.readFor(ctx, view); err != nil {
 			return err
 		}
 	}
@@ -716,9 +851,12 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 // DynamicUnwatched lists the keys (and the queue) of run runID's dynamic
 // rendezvous that no node waits on, which an etcd Storage keeps out of
 // every node's watch (etcd.StorageConfig.Unwatched): the state and the
-// folder lock, read and compare-set, and the request queue, pushed and
-// popped without blocking.
+// folder lock, read and compare-set; the request queue, pushed and popped
+// without blocking; and what queue mode publishes beside the state
+// (dynamic_share.go): the marker, the members and, as a prefix ending in
+// "*", the shares. Every node's watch would otherwise carry each bucket
+// and member list written: O(N) bytes to each of N nodes.
 func DynamicUnwatched(runID string) []string {
 	key := "gorun.rendezvous." + runID
-	return []string{key, key + queueSuffix, key + lockSuffix}
+	return []string{key, key + queueSuffix, key + lockSuffix, key + markerSuffix, key + membersSuffix, key + shareSuffix + "*"}
 }

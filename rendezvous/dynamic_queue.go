@@ -6,8 +6,10 @@ package rendezvous
 // few hundred bytes), and the node that holds the folder lock pops every
 // queued request, applies them to the state as their own nodes would
 // (foldRequest), and writes the state once for the whole batch. A
-// requester then waits on one key: the next batch's, then, once its
-// request is in, the wake-up key like any other waiter. Runs smaller than
+// requester then waits on the wake-up key like any other waiter (and
+// looks once a lazy fold's delay after its push, in case the folder let
+// go just before it), reading only its own share of the state
+// (dynamic_share.go). Runs smaller than
 // DynamicConfig.QueueMinNodes (32) keep compare-setting directly.
 //
 // Heartbeats go the same way, lazily: a node pushes its keep-alive and
@@ -32,6 +34,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -45,15 +48,24 @@ const (
 	// lockFree is the lock's holder when nobody holds it.
 	lockFree = "-"
 	// foldBatch bounds the requests one pass applies, so that a pass
-	// writes (and wakes) while more arrive.
-	foldBatch = 4096
+	// writes (and wakes) while more arrive. Each batch wakes the nodes
+	// whose requests are still queued: a crowd of 10,000 makes one or two.
+	foldBatch = 8192
 )
 
 // queued is a Next's request and when it was last pushed.
 type queued struct {
 	req   request
 	sent  time.Time // zero: never
-	token []byte    // the state the node had read then
+	token []byte    // the state (or view) the node had read then
+	// due is when to look again at a request that shows no effect:
+	// settle after the push, or after the last look that found a folder
+	// at work.
+	due time.Time
+	// beat: a fold has started since a keep-alive of this call was
+	// queued at beat, so the node's heartbeat is at least that new (its
+	// view does not show heartbeats that change nothing else).
+	beat time.Time
 }
 
 // settle is how long a queued request may stay without effect before its
@@ -138,17 +150,25 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 			}
 			return false, fmt.Errorf("queue request: %w", err)
 		}
-		q.sent, q.token = now, snap.token
+		q.sent, q.token, q.due = now, snap.token, now.Add(d.settle())
 	}
 	if lazy {
 		if now.Sub(q.sent) < d.lazyDelay() {
 			return false, nil
 		}
-		if done, err := d.foldedSince(ctx, q.sent); err != nil || done {
+		done, err := d.foldedSince(ctx, q.sent)
+		if done {
+			q.beat = q.sent
+		}
+		if err != nil || done {
 			return false, err
 		}
 	}
-	return d.fold(ctx, snap)
+	applied, err := d.fold(ctx, snap)
+	if applied && lazy {
+		q.beat = q.sent
+	}
+	return applied, err
 }
 
 // keepAliveQueued queues this node's heartbeat and, lazyDelay later,
@@ -179,34 +199,46 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 }
 
 // mustPush reports whether q's request must be pushed (again): never
-// pushed; or pushed settle ago (a folder may have died with it); or the
-// state has changed since, and the request has been applied (the state
-// shows this call with the node) or at least taken (the queue is empty) —
-// so that the node's decision on the new state is a new request; a
-// request still queued is not pushed twice.
+// pushed; or applied (the state shows this call with the node) and the
+// state has changed since, or settle has passed (a heartbeat due again):
+// the node's decision on it is a new request; or not applied after settle
+// while nobody holds the folder lock (a folder died with it). A request
+// still queued, or being folded, is not pushed twice: in a crowd of
+// thousands whose folder takes longer than settle, every node pushing
+// again would double the queue the folder has to get through.
 func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now time.Time) (bool, error) {
+	settled := !now.Before(q.due)
 	switch {
-	case q.sent.IsZero() || now.Sub(q.sent) >= d.settle():
+	case q.sent.IsZero():
 		return true, nil
-	case bytes.Equal(q.token, snap.token):
+	case bytes.Equal(q.token, snap.token) && !settled:
 		return false, nil
 	}
 	if i, ok := snap.st.find(d.me); ok && snap.st.Nodes[i].Call == q.req.Call {
 		return true, nil
 	}
-	n, err := d.store.QueueLen(ctx, d.key+queueSuffix)
-	if err != nil {
-		return false, fmt.Errorf("queue length: %w", err)
+	if !settled {
+		return false, nil
 	}
-	return n == 0, nil
+	cur, err := d.store.CompareSet(ctx, d.key+lockSuffix, nil, lockValue{holder: lockFree}.bytes())
+	if err != nil {
+		return false, fmt.Errorf("folder lock: %w", err)
+	}
+	if parseLock(cur).lapsed(now) {
+		return true, nil
+	}
+	q.due = now.Add(d.settle()) // a folder is at work: look again later
+	return false, nil
 }
 
 // fold takes the folder lock if it is free (or its holder's expired), and
 // while it holds it applies the queued requests in batches, one write a
 // batch; it lets go when the queue is empty, or after lazyDelay of
-// folding: heartbeats keep arriving, and the folder has its own Next to
-// finish. (Whoever queued what it leaves is woken by its last batch, or
-// folds after its own lazy delay, and takes the lock over.) It reports
+// folding nothing but heartbeats: they keep arriving, and the folder has
+// its own Next to finish. (Whoever queued what it leaves is woken by its
+// last batch, or folds after its own lazy delay, and takes the lock
+// over.) Joins keep it folding: their nodes wait for them, and a crowd's
+// would otherwise be left to whoever wakes next. It reports
 // whether it applied any request (snap then holds the state as it last
 // read or wrote it).
 func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
@@ -229,7 +261,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 	}()
 	start := d.now()
 	for {
-		reqs, err := d.pop(ctx)
+		reqs, more, err := d.pop(ctx)
 		if err != nil {
 			return applied, err
 		}
@@ -239,7 +271,10 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			}
 			applied = true
 		}
-		if spent := d.now().Sub(start) >= d.lazyDelay(); len(reqs) < foldBatch || spent {
+		// Heartbeats alone do not hold the folder past lazyDelay; joins
+		// do, whose nodes wait for their batch (a crowd's rendezvous).
+		joins := slices.ContainsFunc(reqs, func(r request) bool { return !r.KeepAlive })
+		if spent := d.now().Sub(start) >= d.lazyDelay() && !joins; !more || spent {
 			// Let go, then look again: a request pushed before the
 			// release is seen here, one pushed after it finds the lock
 			// free.
@@ -302,12 +337,18 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 }
 
 // pop takes up to foldBatch requests off the queue, skipping any that do
-// not decode (they are not a gorun node's).
+// not decode (they are not a gorun node's), and reports whether it
+// stopped before the queue was empty: at foldBatch, or after lazyDelay
+// (a fifth of the lock's hold at the defaults), so that the folder writes
+// what it has, renews the lock and can let go (a crowd's thousands of
+// pops, one round trip each on a loaded store, would outlast the lock,
+// and a second folder then race the first with O(N)-byte compare-sets).
 //
 // It pops in batches where the store can (BatchPopper: etcd, where a pop
 // is two round trips), one by one elsewhere.
-func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
+func (d *Dynamic) pop(ctx context.Context) ([]request, bool, error) {
 	var reqs []request
+	until := d.now().Add(min(d.lazyDelay(), d.lockHold()/2))
 	add := func(b []byte) {
 		var r request
 		if json.Unmarshal(b, &r) == nil && (r.Call != 0 || r.KeepAlive) && r.Node.Addr != "" {
@@ -316,6 +357,9 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
 	}
 	bp, batch := d.store.(BatchPopper)
 	for len(reqs) < foldBatch {
+		if d.now().After(until) {
+			return reqs, true, nil
+		}
 		if batch {
 			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, foldBatch-len(reqs))
 			switch {
@@ -323,9 +367,9 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
 				batch = false
 				continue
 			case err != nil:
-				return reqs, fmt.Errorf("pop requests: %w", err)
+				return reqs, false, fmt.Errorf("pop requests: %w", err)
 			case len(bs) == 0:
-				return reqs, nil
+				return reqs, false, nil
 			}
 			for _, b := range bs {
 				add(b)
@@ -335,18 +379,28 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, error) {
 		b, err := d.store.QueuePop(ctx, d.key+queueSuffix, false)
 		switch {
 		case errors.Is(err, ErrQueueEmpty):
-			return reqs, nil
+			return reqs, false, nil
 		case err != nil:
-			return reqs, fmt.Errorf("pop requests: %w", err)
+			return reqs, false, fmt.Errorf("pop requests: %w", err)
 		}
 		add(b)
 	}
-	return reqs, nil
+	return reqs, true, nil
 }
 
 // apply writes reqs into the state: one compare-set, repeated on the
 // state that won when another writer was first.
+//
+// The folder works on the state: a node's view (dynamic_share.go) is
+// replaced by it first.
 func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) error {
+	if snap.st.view {
+		fresh, err := d.read(ctx)
+		if err != nil {
+			return err
+		}
+		*snap = *fresh
+	}
 	for {
 		now := d.now()
 		st := snap.st.clone()
@@ -374,19 +428,7 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 			return err
 		}
 		if won {
-			// Wake the requesters that wait for a batch.
-			if err := d.store.Set(ctx, d.batchKey(st.Batch), nil); err != nil {
-				return fmt.Errorf("batch %d: %w", st.Batch, err)
-			}
-			if st.Batch > notifyKeep {
-				d.store.Delete(ctx, d.batchKey(st.Batch-notifyKeep)) // tidying only
-			}
 			return nil
 		}
 	}
-}
-
-// batchKey names the key set when batch n of requests is in the state.
-func (d *Dynamic) batchKey(n uint64) string {
-	return d.key + "/batch/" + strconv.FormatUint(n, 10)
 }

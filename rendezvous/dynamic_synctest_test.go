@@ -92,6 +92,28 @@ func (m *memStore) Set(_ context.Context, k string, v []byte) error {
 	return nil
 }
 
+func (m *memStore) MultiSet(_ context.Context, keys []string, values [][]byte) error {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for i, k := range keys {
+		m.write(k, values[i])
+	}
+	return nil
+}
+
+func (m *memStore) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	if err := m.Wait(ctx, keys...); err != nil {
+		return nil, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([][]byte, len(keys))
+	for i, k := range keys {
+		out[i] = slices.Clone(m.kv[k])
+	}
+	return out, nil
+}
+
 func (m *memStore) CompareSet(_ context.Context, k string, expected, desired []byte) ([]byte, error) {
 	m.cas.Add(1)
 	m.mu.Lock()

@@ -1,6 +1,6 @@
 // Command rdzvsim measures the dynamic rendezvous's cost against N:
 // N agents as goroutines, each with its own store connection (a tcpstore
-// client of gorun's embedded server, or its own etcd Storage and watch on
+// client of gorun's server, in a process of its own, or its own etcd Storage and watch on
 // a real etcd), all calling Next at once on a fresh run with --nnodes N.
 // Per N it reports the time until every agent has its rank, the store
 // requests and bytes per agent (counted at the Store API), the process's
@@ -10,11 +10,13 @@
 package main
 
 import (
+	"bufio"
 	"cmp"
 	"context"
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"net/http"
@@ -27,6 +29,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -39,7 +42,28 @@ import (
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
-var loss bool // -loss
+var (
+	loss     bool         // -loss
+	members  bool         // -members
+	progress bool         // -progress
+	assigned atomic.Int64 // agents whose Next has returned, for -progress
+)
+
+// watchProgress prints the rendezvous's marker and the requests so far
+// every second, on stderr.
+func watchProgress(ctx context.Context, s rendezvous.Store, c *storecount.Counts) {
+	start := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Second):
+		}
+		m, _ := s.CompareSet(ctx, "gorun.rendezvous.sim/marker", nil, []byte("{}"))
+		n, _ := s.QueueLen(ctx, "gorun.rendezvous.sim/requests")
+		fmt.Fprintf(os.Stderr, "%5.1f s: %d assigned, %d requests, queue %d, marker %s\n", time.Since(start).Seconds(), assigned.Load(), c.Requests.Load(), n, m)
+	}
+}
 
 type result struct {
 	n        int
@@ -69,10 +93,17 @@ func main() {
 	etcdBin := flag.String("etcd-bin", "etcd", "etcd binary (Debian's etcd-server)")
 	etcdClients := flag.Int("etcd-clients", 0, "etcd client connections shared by the agents (0: one per agent)")
 	dataLen := flag.Int("data", 60, "bytes of data each agent publishes with its join (an agent's is ~60)")
+	flag.BoolVar(&members, "members", false, "every agent also reads the round's members, as the launcher does (default: each its own share only)")
+	flag.BoolVar(&progress, "progress", false, "print the marker and the requests so far every second (stderr)")
 	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
 	reps := flag.Int("reps", 1, "repetitions per N; the one with the median time is reported")
+	serve := flag.Bool("serve", false, "internal: serve gorun's store on loopback and print its address (the c10d server's process)")
 	flag.Parse()
+	if *serve {
+		serveStore()
+		return
+	}
 	if *cpuProfile != "" {
 		f, err := os.Create(*cpuProfile)
 		if err == nil {
@@ -140,10 +171,11 @@ func print(r result) {
 }
 
 func config(n int) rendezvous.DynamicConfig {
+	c := rendezvous.DynamicConfig{RunID: "sim", MinNodes: n, MaxNodes: n, ShareOnly: !members}
 	if loss && n > 1 {
-		return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n - 1, MaxNodes: n}
+		c.MinNodes = n - 1
 	}
-	return rendezvous.DynamicConfig{RunID: "sim", MinNodes: n, MaxNodes: n}
+	return c
 }
 
 func node(i int) rendezvous.NodeDesc {
@@ -182,6 +214,12 @@ func rendezvousAll(r *result, stores []rendezvous.Store, c *storecount.Counts, s
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), timeout)
 	defer cancel()
+	if progress {
+		pctx, stop := context.WithCancel(ctx)
+		defer stop()
+		go watchProgress(pctx, stores[0], c)
+	}
+	assigned.Store(0)
 	r.done, r.elapsed, r.err = nextAll(ctx, ds, 0)
 	perAgent(r, c)
 	first()
@@ -207,20 +245,28 @@ func rendezvousAll(r *result, stores []rendezvous.Store, c *storecount.Counts, s
 }
 
 // nextAll runs Next on every handle at once and returns how many got
-// round number round with every handle a member, and when the last did.
+// round number round with every handle a member (each rank once; with
+// -members, each agent's members all of them), and when the last did.
 func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, time.Duration, error) {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	done, last := 0, time.Duration(0)
 	var firstErr error
+	ranks := make([]bool, len(ds))
 	start := time.Now()
 	for i, d := range ds {
 		wg.Go(func() {
 			r, err := d.Next(ctx)
+			assigned.Add(1)
 			mu.Lock()
 			defer mu.Unlock()
+			ok := err == nil && r.Number == round && r.Size == len(ds) && r.Rank >= 0 && r.Rank < len(ds) && !ranks[r.Rank]
+			if ok && members {
+				ok = len(r.Members) == len(ds) && r.Members[r.Rank].Node == node(i)
+			}
 			switch {
-			case err == nil && r.Number == round && len(r.Members) == len(ds) && r.Members[r.Rank].Node == node(i):
+			case ok:
+				ranks[r.Rank] = true
 				done++
 				last = max(last, time.Since(start))
 			case err == nil:
@@ -229,6 +275,15 @@ func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, tim
 				firstErr = cmpErr(firstErr, err)
 			}
 		})
+	}
+	if progress {
+		// Where the stragglers are, should the timeout end the run.
+		go func() {
+			<-ctx.Done()
+			if assigned.Load() < int64(len(ds)) {
+				pprof.Lookup("goroutine").WriteTo(os.Stderr, 1)
+			}
+		}()
 	}
 	wg.Wait()
 	if done < len(ds) {
@@ -258,19 +313,75 @@ func cpuTime() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// serveStore serves gorun's store until stdin closes: the c10d server
+// runs in a process of its own, so that 10,000 agents' connections and
+// the server's fit one process's file limit each.
+func serveStore() {
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println(srv.Addr().String())
+	io.Copy(io.Discard, os.Stdin)
+	srv.Close()
+}
+
+// storeProc is the c10d server's process.
+type storeProc struct {
+	cmd  *exec.Cmd
+	in   io.WriteCloser
+	addr string
+}
+
+func startStoreProc() (*storeProc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, "-serve")
+	cmd.Stderr = os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	in, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, err
+	}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start the store's process: %w", err)
+	}
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return nil, fmt.Errorf("the store's process: %w", err)
+	}
+	return &storeProc{cmd: cmd, in: in, addr: strings.TrimSpace(line)}, nil
+}
+
+func (p *storeProc) cpu() time.Duration { return procCPU(p.cmd.Process.Pid) }
+
+func (p *storeProc) stop() {
+	p.in.Close()
+	p.cmd.Wait()
+}
+
 func runC10d(n, size int, timeout time.Duration) result {
 	r := result{n: n}
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	srv, err := startStoreProc()
 	if err != nil {
 		r.err = err
 		return r
 	}
-	defer srv.Close()
+	defer srv.stop()
 	var c storecount.Counts
 	stores := make([]rendezvous.Store, n)
 	for i := range stores {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		cl, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: timeout})
+		cl, err := tcpstore.Dial(ctx, srv.addr, tcpstore.ClientConfig{Timeout: timeout})
 		cancel()
 		if err != nil {
 			r.err = err
@@ -279,8 +390,8 @@ func runC10d(n, size int, timeout time.Duration) result {
 		defer cl.Close()
 		stores[i] = storecount.New(cl, &c)
 	}
-	cpu0 := cpuTime()
-	rendezvousAll(&r, stores, &c, size, timeout, func() { r.cpu = cpuTime() - cpu0 })
+	cpu0, scpu0 := cpuTime(), srv.cpu()
+	rendezvousAll(&r, stores, &c, size, timeout, func() { r.cpu = cpuTime() - cpu0 + srv.cpu() - scpu0 })
 	return r
 }
 
@@ -460,8 +571,11 @@ func (e *etcdServer) stop() {
 }
 
 // cpu is etcd's user and system CPU so far, from /proc.
-func (e *etcdServer) cpu() time.Duration {
-	b, err := os.ReadFile("/proc/" + strconv.Itoa(e.cmd.Process.Pid) + "/stat")
+func (e *etcdServer) cpu() time.Duration { return procCPU(e.cmd.Process.Pid) }
+
+// procCPU is process pid's user and system CPU so far, from /proc.
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
 	if err != nil {
 		return 0
 	}

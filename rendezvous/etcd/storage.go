@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"hash/maphash"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -50,7 +51,8 @@ type StorageConfig struct {
 	// dynamic rendezvous's state is one: kilobytes, rewritten by every
 	// node's join and heartbeat, and only ever read. A name here also
 	// names an unwatched queue, which only non-blocking pops may take
-	// from (rendezvous.DynamicUnwatched lists the rendezvous's).
+	// from (rendezvous.DynamicUnwatched lists the rendezvous's). A name
+	// ending in "*" names every key (and queue) that starts with the rest.
 	Unwatched []string
 }
 
@@ -112,8 +114,10 @@ type Storage struct {
 	waiters  map[string]map[*waiter]struct{} // by key
 	barriers map[string]map[*barrier]struct{}
 	watches  map[string]map[*watch]struct{}
-	// unwatched are StorageConfig.Unwatched; read-only after NewStorage.
-	unwatched map[string]bool
+	// unwatched are StorageConfig.Unwatched, the prefixes (names ending
+	// in "*") in unwatchedPrefixes; read-only after NewStorage.
+	unwatched         map[string]bool
+	unwatchedPrefixes []string
 	// watchingOld: the second watch, with previous values, runs (see
 	// Watch).
 	watchingOld bool
@@ -171,6 +175,10 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	if len(cfg.Unwatched) > 0 {
 		s.unwatched = make(map[string]bool, len(cfg.Unwatched))
 		for _, k := range cfg.Unwatched {
+			if p, ok := strings.CutSuffix(k, "*"); ok {
+				s.unwatchedPrefixes = append(s.unwatchedPrefixes, p)
+				continue
+			}
 			s.unwatched[k] = true
 		}
 	}
@@ -218,17 +226,31 @@ func (s *Storage) Drop(ctx context.Context) error {
 func (s *Storage) Prefix() string { return s.prefix }
 
 func (s *Storage) kkey(key []byte) string {
-	if s.unwatched[string(key)] {
+	if s.isUnwatched(key) {
 		return s.prefix + unwatchedDir + string(key)
 	}
 	return s.prefix + keysDir + string(key)
+}
+
+// isUnwatched reports whether key (or queue) is one of StorageConfig's
+// Unwatched.
+func (s *Storage) isUnwatched(key []byte) bool {
+	if s.unwatched[string(key)] {
+		return true
+	}
+	for _, p := range s.unwatchedPrefixes {
+		if strings.HasPrefix(string(key), p) {
+			return true
+		}
+	}
+	return false
 }
 
 // refuseUnwatched fails an operation that would wait on one of keys when
 // it is unwatched: nothing would ever release it.
 func (s *Storage) refuseUnwatched(op string, keys ...[]byte) error {
 	for _, k := range keys {
-		if s.unwatched[string(k)] {
+		if s.isUnwatched(k) {
 			return fmt.Errorf("%w: etcd storage %s %q: the key is unwatched", rendezvous.ErrInvalidArgument, op, k)
 		}
 	}
@@ -236,7 +258,7 @@ func (s *Storage) refuseUnwatched(op string, keys ...[]byte) error {
 }
 
 func (s *Storage) qdir(name []byte) string {
-	if s.unwatched[string(name)] {
+	if s.isUnwatched(name) {
 		return s.prefix + unwatchedQueuesDir + hex.EncodeToString(name) + "/"
 	}
 	return s.prefix + queuesDir + hex.EncodeToString(name) + "/"

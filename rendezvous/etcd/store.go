@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"time"
@@ -131,12 +132,29 @@ func (s *Store) MultiSet(ctx context.Context, keys []string, values [][]byte) er
 	if len(keys) != len(values) {
 		return fmt.Errorf("%w: multi_set of %d keys and %d values", rendezvous.ErrInvalidArgument, len(keys), len(values))
 	}
-	for i, k := range keys {
-		if err := s.Set(ctx, k, values[i]); err != nil {
-			return err
+	// Distinct keys go out together, so that the batcher sends them in a
+	// few transactions rather than one round trip each (the rendezvous
+	// publishes its shares so: dozens of keys per batch); a key set twice
+	// keeps its order.
+	seen := make(map[string]bool, len(keys))
+	for _, k := range keys {
+		if seen[k] {
+			for i, k := range keys {
+				if err := s.Set(ctx, k, values[i]); err != nil {
+					return err
+				}
+			}
+			return nil
 		}
+		seen[k] = true
 	}
-	return nil
+	errs := make([]error, len(keys))
+	var wg sync.WaitGroup
+	for i, k := range keys {
+		wg.Go(func() { errs[i] = s.Set(ctx, k, values[i]) })
+	}
+	wg.Wait()
+	return errors.Join(errs...)
 }
 
 func (s *Store) ListKeys(context.Context) ([]string, error) {

@@ -1,0 +1,411 @@
+package rendezvous
+
+// Shares: what a node reads of the state in queue mode (runs of
+// DynamicConfig.QueueMinNodes or more on a store with queues).
+//
+// The state holds every node (O(N) bytes). If every node read it at every
+// wake-up, a round would cost O(N²) bytes read and decoded: at 1,024 nodes
+// that decoding was 70% of the CPU, and 10,000 nodes would decode about
+// 20 GB. So whoever writes the state (the folder, or a node that
+// compare-sets it directly: Leave, SetClosed, Admit, Status) also
+// publishes, beside it:
+//
+//   - the marker "<state>/marker": the state's header (round, complete,
+//     closed, last call, size, the wake-up and batch numbers, the counts
+//     of participants, waiting and late nodes), rewritten by every write
+//     that changes it;
+//   - the shares "<state>/share/<b>": bucket b's nodes (a node's bucket is
+//     a hash of its identity; about shareBucketNodes nodes a bucket), each
+//     with its role, rank, late flag and call, without its data; a bucket
+//     is rewritten only when one of its nodes changes other than by a
+//     heartbeat (every bucket when a round completes: the ranks);
+//   - the members "<state>/members": the last round to complete, every
+//     member with its data, once per round.
+//
+// A node in Next reads the marker and its own bucket (a view: O(1) bytes)
+// and decides on them with the same operations as on the state
+// (dynamic.go); only the folder reads the state. Next hands out the node's
+// share of the round (Round.Number, Rank, Size, Late) and, unless
+// DynamicConfig.ShareOnly, the members (one read of the members key per
+// round: O(N) bytes, which the launcher needs for its plan). Status reads
+// the marker, and the state only when the marker shows a change of the
+// round (a member gone, a node admitted or waiting, the run closed).
+//
+// The state stays the one truth: a view is only ever read, and everything
+// written is decided on the state by whoever writes it. A view older than
+// the state (a publisher that died midway, two publishers crossing) makes a
+// node wait longer or queue a request again, never take a wrong round: its
+// round comes from its own bucket, which holds the call that put it there.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"slices"
+	"strconv"
+	"time"
+)
+
+const (
+	markerSuffix  = "/marker"
+	membersSuffix = "/members"
+	shareSuffix   = "/share/"
+	// shareBucketNodes is about how many nodes share a bucket: what a
+	// node reads at each look, whatever N.
+	shareBucketNodes = 8
+	// publishChunk bounds the keys of one MultiSet (etcd's --max-txn-ops
+	// is 128 by default).
+	publishChunk = 100
+)
+
+// marker is the state's header, as a node in queue mode reads it.
+type marker struct {
+	// Pub numbers the publications (dynState.Pub): a publisher does not
+	// replace a later one's marker.
+	Pub          uint64    `json:"pub"`
+	Round        int       `json:"round"`
+	Complete     bool      `json:"complete,omitzero"`
+	Closed       bool      `json:"closed,omitzero"`
+	Deadline     time.Time `json:"deadline,omitzero"`
+	Size         int       `json:"size,omitzero"`
+	Wake         uint64    `json:"wake"`
+	Batch        uint64    `json:"batch,omitzero"`
+	Participants int       `json:"participants"`
+	Waiting      int       `json:"waiting,omitzero"`
+	// Late counts the participants admitted into the complete round
+	// (Admit): a change tells Status to look at the state.
+	Late int `json:"late,omitzero"`
+	// Expires is when the oldest heartbeat in the state expires: from
+	// then on the state's next reader drops a node (sanitize), so Status
+	// reads the state, as it would before every poll. The heartbeats'
+	// folds (a fifth of a keep-alive interval apart) would find it too,
+	// but only at their next fold: up to an interval later.
+	Expires time.Time `json:"expires,omitzero"`
+}
+
+// shareEntry is a node's entry in its bucket: its nodeState without the
+// data.
+type shareEntry struct {
+	NodeDesc
+	Waiting   bool      `json:"waiting,omitzero"`
+	Rank      int       `json:"rank,omitzero"`
+	Late      bool      `json:"late,omitzero"`
+	Call      uint64    `json:"call,omitzero"`
+	Heartbeat time.Time `json:"heartbeat"`
+}
+
+// sameShare: a and b differ at most by their heartbeats, which do not make
+// a bucket worth rewriting (the node itself tracks its own: queued.beat).
+func sameShare(a, b shareEntry) bool {
+	return a.NodeDesc == b.NodeDesc && a.Waiting == b.Waiting && a.Rank == b.Rank && a.Late == b.Late && a.Call == b.Call
+}
+
+// membersValue is the members key's value.
+type membersValue struct {
+	Round   int          `json:"round"`
+	Members []memberJSON `json:"members"`
+}
+
+type memberJSON struct {
+	NodeDesc
+	Rank int    `json:"rank"`
+	Data []byte `json:"data,omitempty"`
+	Late bool   `json:"late,omitzero"`
+}
+
+var (
+	emptyMarker  = mustMarshal(marker{})
+	emptyShare   = []byte("[]")
+	emptyMembers = mustMarshal(membersValue{Round: -1})
+)
+
+func mustMarshal(v any) []byte {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err)
+	}
+	return b
+}
+
+// shareBuckets is the number of buckets of a run of at most maxNodes.
+func shareBuckets(maxNodes int) int {
+	return max(1, (maxNodes+shareBucketNodes-1)/shareBucketNodes)
+}
+
+// bucketOf is n's bucket among nb.
+func bucketOf(n NodeDesc, nb int) int {
+	h := fnv.New32a()
+	h.Write([]byte(n.String()))
+	return int(h.Sum32() % uint32(nb))
+}
+
+// marker returns s's header.
+func (s *dynState) marker(cfg DynamicConfig) marker {
+	m := marker{Pub: s.Pub, Round: s.Round, Complete: s.Complete, Closed: s.Closed, Deadline: s.Deadline,
+		Size: s.Size, Wake: s.Wake, Batch: s.Batch}
+	for _, e := range s.Nodes {
+		if exp := e.Heartbeat.Add(cfg.ttl()); m.Expires.IsZero() || exp.Before(m.Expires) {
+			m.Expires = exp
+		}
+		switch {
+		case e.Waiting:
+			m.Waiting++
+		case e.Late:
+			m.Participants++
+			m.Late++
+		default:
+			m.Participants++
+		}
+	}
+	return m
+}
+
+// sameMarker: a and b differ at most by their publication numbers.
+func sameMarker(a, b marker) bool {
+	a.Pub, b.Pub = 0, 0
+	ad, bd, ae, be := a.Deadline, b.Deadline, a.Expires, b.Expires
+	a.Deadline, b.Deadline, a.Expires, b.Expires = time.Time{}, time.Time{}, time.Time{}, time.Time{}
+	return a == b && ad.Equal(bd) && ae.Equal(be)
+}
+
+// numberPublication gives after the next publication number when its
+// header differs from before's (so that publish rewrites the marker), and
+// before's otherwise.
+func numberPublication(before, after *dynState, cfg DynamicConfig) {
+	after.Pub = before.Pub
+	if !sameMarker(before.marker(cfg), after.marker(cfg)) {
+		after.Pub++
+	}
+}
+
+// shares splits s's nodes into nb buckets.
+func (s *dynState) shares(nb int) [][]shareEntry {
+	out := make([][]shareEntry, nb)
+	for _, e := range s.Nodes {
+		b := bucketOf(e.NodeDesc, nb)
+		out[b] = append(out[b], shareEntry{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call, Heartbeat: e.Heartbeat})
+	}
+	return out
+}
+
+// members returns the members of s's complete round, in rank order.
+func (s *dynState) members() membersValue {
+	v := membersValue{Round: s.Round}
+	for _, e := range s.Nodes {
+		if !e.Waiting {
+			v.Members = append(v.Members, memberJSON{NodeDesc: e.NodeDesc, Rank: e.Rank, Data: e.Data, Late: e.Late})
+		}
+	}
+	slices.SortFunc(v.Members, func(a, b memberJSON) int { return a.Rank - b.Rank })
+	return v
+}
+
+// viewOf builds a node's view from the marker and its bucket: a dynState
+// whose Nodes are the bucket's and whose header is the marker's. The
+// operations of dynamic.go decide on it as on the state: a node's own role
+// is exact, and participants() counts the nodes outside the bucket too.
+func viewOf(m marker, bucket []shareEntry) *dynState {
+	st := &dynState{view: true, Pub: m.Pub, Round: m.Round, Complete: m.Complete, Closed: m.Closed,
+		Deadline: m.Deadline, Size: m.Size, Wake: m.Wake, Batch: m.Batch}
+	in := 0
+	for _, e := range bucket {
+		st.Nodes = append(st.Nodes, nodeState{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call, Heartbeat: e.Heartbeat})
+		if !e.Waiting {
+			in++
+		}
+	}
+	slices.SortFunc(st.Nodes, func(a, b nodeState) int { return compareNodes(a.NodeDesc, b.NodeDesc) })
+	st.others, st.waiting = max(0, m.Participants-in), m.Waiting
+	return st
+}
+
+// viewRound returns me's share of the complete round a view shows: no
+// members.
+func (s *dynState) viewRound(me NodeDesc) (Round, bool) {
+	i, ok := s.find(me)
+	if !s.Complete || !ok || s.Nodes[i].Waiting {
+		return Round{}, false
+	}
+	return Round{Number: s.Round, Rank: s.Nodes[i].Rank, Size: s.Size, Late: s.Nodes[i].Late}, true
+}
+
+func (d *Dynamic) shareKey(b int) string { return d.key + shareSuffix + strconv.Itoa(b) }
+
+// peek reads key without blocking (a compare-set that creates it with
+// empty when absent): the marker, shares and members are unwatched on
+// etcd, where a Get would refuse to wait.
+func (d *Dynamic) peek(ctx context.Context, key string, empty []byte) ([]byte, error) {
+	b, err := d.store.CompareSet(ctx, key, nil, empty)
+	if err != nil {
+		return nil, fmt.Errorf("read %s: %w", key, err)
+	}
+	return b, nil
+}
+
+// readView reads this node's view: the marker, then its bucket (in that
+// order: a publisher writes the buckets first, so the bucket is at least
+// as new as the marker).
+//
+// Once both keys exist it reads them with one MultiGet (one round trip on
+// a TCPStore), unless the store refuses to wait on them (etcd: they are
+// unwatched), where it peeks at each.
+func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
+	var mb, bb []byte
+	if d.viewMultiGet.Load() {
+		vs, err := d.store.MultiGet(ctx, d.key+markerSuffix, d.shareKey(d.bucket))
+		switch {
+		case err == nil && len(vs) == 2:
+			mb, bb = vs[0], vs[1]
+		case errors.Is(err, ErrInvalidArgument), errors.Is(err, ErrNotSupported), err == nil:
+			d.viewMultiGet.Store(false)
+			d.viewPeek.Store(true)
+		default:
+			return nil, fmt.Errorf("read %s: %w", d.key+markerSuffix, err)
+		}
+	}
+	if mb == nil {
+		var err error
+		if mb, err = d.peek(ctx, d.key+markerSuffix, emptyMarker); err != nil {
+			return nil, err
+		}
+		if bb, err = d.peek(ctx, d.shareKey(d.bucket), emptyShare); err != nil {
+			return nil, err
+		}
+		if !d.viewPeek.Load() {
+			d.viewMultiGet.Store(true) // both exist now
+		}
+	}
+	var m marker
+	var bucket []shareEntry
+	if err := json.Unmarshal(mb, &m); err != nil {
+		return nil, fmt.Errorf("marker of %q is not a gorun rendezvous marker: %w", d.key, err)
+	}
+	if err := json.Unmarshal(bb, &bucket); err != nil {
+		return nil, fmt.Errorf("share %d of %q is not a gorun rendezvous share: %w", d.bucket, d.key, err)
+	}
+	token := make([]byte, 0, len(mb)+1+len(bb))
+	token = append(append(append(token, mb...), 0), bb...)
+	return &snapshot{st: viewOf(m, bucket), token: token}, nil
+}
+
+// publish writes what changed from before to after (a write of the state
+// that won) into the members key, the shares and the marker, in that
+// order, so that a node that sees the marker finds the rest at least as
+// new. after.Pub is before's + 1 (commit numbered it).
+func (d *Dynamic) publish(ctx context.Context, before, after *dynState) error {
+	var keys []string
+	var vals [][]byte
+	if after.Complete && (!before.Complete || before.Round != after.Round) {
+		b, err := json.Marshal(after.members())
+		if err != nil {
+			return err
+		}
+		keys, vals = append(keys, d.key+membersSuffix), append(vals, b)
+	}
+	old, cur := before.shares(d.buckets), after.shares(d.buckets)
+	for b := range cur {
+		if slices.EqualFunc(old[b], cur[b], sameShare) {
+			continue
+		}
+		v := emptyShare
+		if len(cur[b]) > 0 {
+			var err error
+			if v, err = json.Marshal(cur[b]); err != nil {
+				return err
+			}
+		}
+		keys, vals = append(keys, d.shareKey(b)), append(vals, v)
+	}
+	for len(keys) > 0 {
+		n := min(len(keys), publishChunk)
+		if err := d.store.MultiSet(ctx, keys[:n], vals[:n]); err != nil {
+			return fmt.Errorf("publish shares: %w", err)
+		}
+		keys, vals = keys[n:], vals[n:]
+	}
+	mb, ma := before.marker(d.cfg), after.marker(d.cfg)
+	if after.Pub == before.Pub { // the header did not change (commit)
+		return nil
+	}
+	want := mustMarshal(ma)
+	got, err := d.store.CompareSet(ctx, d.key+markerSuffix, mustMarshal(mb), want)
+	if err != nil {
+		return fmt.Errorf("publish marker: %w", err)
+	}
+	if bytes.Equal(got, want) {
+		return nil
+	}
+	// Not the predecessor's marker: a publisher between them died midway,
+	// or one after them has already published (keep its marker then).
+	var m marker
+	if json.Unmarshal(got, &m) == nil && m.Pub > ma.Pub {
+		return nil
+	}
+	if err := d.store.Set(ctx, d.key+markerSuffix, want); err != nil {
+		return fmt.Errorf("publish marker: %w", err)
+	}
+	return nil
+}
+
+// fetchMembers fills in r's members: from the members key when it holds
+// r's round with this node at its rank, else from the state.
+func (d *Dynamic) fetchMembers(ctx context.Context, r *Round) error {
+	b, err := d.peek(ctx, d.key+membersSuffix, emptyMembers)
+	if err != nil {
+		return err
+	}
+	var v membersValue
+	if json.Unmarshal(b, &v) == nil && v.Round == r.Number && !r.Late && r.Rank < len(v.Members) && v.Members[r.Rank].NodeDesc == d.me {
+		r.Members = make([]Member, len(v.Members))
+		for i, m := range v.Members {
+			r.Members[i] = Member{Node: m.NodeDesc, Rank: m.Rank, Data: m.Data, Late: m.Late}
+		}
+		return nil
+	}
+	// Admitted late (the key holds the round as it completed), or the key
+	// is already the next round's: the state has the members.
+	snap, err := d.read(ctx)
+	if err != nil {
+		return err
+	}
+	if snap.st.Round != r.Number || !snap.st.Complete {
+		return fmt.Errorf("round %d's members: the run is at round %d", r.Number, snap.st.Round)
+	}
+	full, ok := snap.st.round(d.me)
+	if !ok || full.Rank != r.Rank {
+		return fmt.Errorf("round %d's members: this node is no longer in it", r.Number)
+	}
+	r.Members = full.Members
+	return nil
+}
+
+// Members returns the members of the round Next last returned, in rank
+// order, as it completed (with nodes admitted into it since, once Status
+// has reported them): what Round.Members holds unless
+// DynamicConfig.ShareOnly. It reads O(N) bytes; call it where the whole
+// membership is needed (a leader, liveness, spares), not on every node
+// every round.
+func (d *Dynamic) Members(ctx context.Context) ([]Member, error) {
+	ctx, done := d.bind(ctx)
+	defer done()
+	last := d.lastRound()
+	if last == nil {
+		return nil, d.fail("members", errNoRound)
+	}
+	if last.Members != nil {
+		return slices.Clone(last.Members), nil
+	}
+	r := *last
+	if err := d.fetchMembers(ctx, &r); err != nil {
+		return nil, d.fail("members", err)
+	}
+	d.mu.Lock()
+	if d.last != nil && d.last.Number == r.Number && d.last.Members == nil {
+		d.last.Members = r.Members
+	}
+	d.mu.Unlock()
+	return slices.Clone(r.Members), nil
+}
