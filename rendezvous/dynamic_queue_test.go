@@ -158,7 +158,12 @@ func TestBubbleQueuedLastCall(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
 		lastCall(t, m)
-		if n := len(m.queues["gorun.rendezvous.job"+queueSuffix]); n != 0 {
+		// A keep-alive may be pushed meanwhile: read under the store's
+		// lock.
+		m.mu.Lock()
+		n := len(m.queues["gorun.rendezvous.job"+queueSuffix])
+		m.mu.Unlock()
+		if n != 0 {
 			t.Errorf("%d requests left in the queue", n)
 		}
 	})
