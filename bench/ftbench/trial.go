@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -526,14 +525,9 @@ func (j *job) await(ctx context.Context, t *tally, n int) error {
 // descendants, by the RANK in its environment, and the agent it runs
 // under (agent i runs in host i).
 func (j *job) rankPID(rank int) (pid, agent int, err error) {
-	want := []byte("RANK=" + strconv.Itoa(rank) + "\x00")
 	for i, a := range j.agents {
 		for _, pid := range procs.Descendants(a.Process.Pid) {
-			env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
-			if err != nil {
-				continue
-			}
-			if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...)) {
+			if procs.HasEnv(pid, "RANK="+strconv.Itoa(rank)) {
 				return pid, i, nil
 			}
 		}
