@@ -82,6 +82,7 @@ func main() {
 	flag.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout: how long a collective waits on a silent peer")
 	flag.StringVar(&c.job.HeartbeatTimeout, "heartbeat-timeout", "2", "gorun's --heartbeat-timeout, seconds (a hung rank)")
 	flag.StringVar(&c.job.RespawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff in the heal row, seconds")
+	flag.StringVar(&c.job.ShutdownTimeout, "shutdown-timeout", "", "gorun's --shutdown-timeout, seconds (default gorun's, 30: a hung rank ignores SIGTERM)")
 	flag.StringVar(&c.job.Gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
 	flag.StringVar(&c.job.Worker, "worker", "", "examples/allreduce binary (default: build it)")
 	flag.StringVar(&c.job.Python, "python", "/usr/bin/python3", "Python with PyTorch 1.13, for torchrun")

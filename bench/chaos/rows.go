@@ -75,6 +75,11 @@ type Job struct {
 	HeartbeatTimeout string
 	// RespawnBackoff is gorun's --respawn-backoff in the heal rows.
 	RespawnBackoff string
+	// ShutdownTimeout is gorun's --shutdown-timeout, seconds; "" for its
+	// default (30 s, torchrun's too). A hung (SIGSTOPped) rank ignores
+	// the SIGTERM that stops a group, so a restart that stops one waits
+	// this long before its SIGKILL.
+	ShutdownTimeout string
 }
 
 // agentArgv is the command line of a row's agent: dir holds its logs and
@@ -95,6 +100,9 @@ func (j Job) agentArgv(r Row, dir, healthAddr string) []string {
 	}
 	argv := []string{j.Gorun, "--standalone", "--nproc-per-node", strconv.Itoa(j.Nproc), "--log-dir", logs,
 		"--health-addr", healthAddr, "--heartbeat-timeout", j.HeartbeatTimeout, "--max-restarts", plenty}
+	if j.ShutdownTimeout != "" {
+		argv = append(argv, "--shutdown-timeout", j.ShutdownTimeout)
+	}
 	switch r.Mode {
 	case modeRestart:
 		argv = append(argv, "--on-failure", modeRestart)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -96,7 +97,9 @@ func (r RowResult) Brought() int {
 
 var (
 	progressRE = regexp.MustCompile(`progress attempt=(\d+) epoch=(\d+) step=(\d+) world=(\d+) unix_ns=(\d+)`)
-	doneRE     = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S+)`)
+	// The launcher's prefix, [defaultN]: (gorun's and torchrun's with
+	// --tee), names the local rank: on one host, the launch rank.
+	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) sum=(\S+)`)
 )
 
 // output is what the run's scanner gathers from the agent's output.
@@ -107,9 +110,11 @@ type output struct {
 	done     []doneLine
 }
 
+// doneLine is a rank's last line: its launch rank, the final group's
+// size, the steps it ran and the last step's sum.
 type doneLine struct {
-	rank, world, steps int
-	sum                float64
+	launch, world, steps int
+	sum                  float64
 }
 
 // scan reads the agent's output (its workers' included) to the end,
@@ -134,7 +139,7 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time) {
 			o.mu.Unlock()
 		} else if m := doneRE.FindStringSubmatch(line); m != nil {
 			var d doneLine
-			d.rank, _ = strconv.Atoi(m[1])
+			d.launch, _ = strconv.Atoi(m[1])
 			d.world, _ = strconv.Atoi(m[2])
 			d.steps, _ = strconv.Atoi(m[3])
 			d.sum, _ = strconv.ParseFloat(m[4], 64)
@@ -226,7 +231,6 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
-	faulted := map[int]bool{} // launch ranks a shrink row has lost for good
 	next := 0
 	for !ended {
 		var faultC <-chan time.Time
@@ -239,13 +243,18 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 		case <-ctx.Done():
 			return res, fmt.Errorf("%s: %w after %v (%d steps done)", r.Name, context.Cause(ctx), time.Since(t0).Round(time.Second), len(out.progress))
 		case <-faultC:
-			a := bring(ctx, j, r, cmd.Process.Pid, sched[next], faulted, t0)
+			a := bring(ctx, j, r, cmd.Process.Pid, sched[next], t0)
 			res.Faults = append(res.Faults, a)
 			fmt.Fprintf(console, "# fault %v\n", a)
 			next++
 		case <-tick.C:
-			if out.started() {
-				res.Samples = append(res.Samples, sample(ctx, j, r, cmd.Process.Pid, healthAddr, time.Since(t0), out.nEpochs()))
+			if !out.started() {
+				break
+			}
+			// A sample the exiting agent could not answer in full is
+			// not one.
+			if s := sample(ctx, j, r, cmd.Process.Pid, healthAddr, time.Since(t0), out.nEpochs()); s.FDs > 0 && s.RSSKiB > 0 && (r.Torchrun || s.Goroutines > 0) {
+				res.Samples = append(res.Samples, s)
 			}
 		}
 	}
@@ -256,13 +265,13 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	case <-time.After(5 * time.Second):
 	}
 	res.Left = len(cleanUp(marker)) // the deferred count adds anything later
-	judge(&res, j, r, out, waitErr, stepTime, faulted, lim)
+	judge(&res, j, out, waitErr, stepTime, lim)
 	return res, nil
 }
 
 // judge measures the run and checks the invariants, recording every
 // broken one in res.Violations.
-func judge(res *RowResult, j Job, r Row, out *output, waitErr error, stepTime time.Duration, faulted map[int]bool, lim Limits) {
+func judge(res *RowResult, j Job, out *output, waitErr error, stepTime time.Duration, lim Limits) {
 	bad := func(format string, a ...any) { res.Violations = append(res.Violations, fmt.Sprintf(format, a...)) }
 	if waitErr != nil {
 		bad("the job did not complete: agent %v", waitErr)
@@ -286,29 +295,39 @@ func judge(res *RowResult, j Job, r Row, out *output, waitErr error, stepTime ti
 		bad("%v", err)
 	}
 
-	// Rank r contributes r+1: the sum over the ranks that finished.
-	want := float64(j.Nproc * (j.Nproc + 1) / 2)
-	for rank := range faulted {
-		want -= float64(rank + 1)
-	}
+	// Launch rank r contributes r+1: the sum must be over exactly the
+	// ranks of the final group. Its size is the last done line's world,
+	// and its members the ranks of the last that many lines (a group that
+	// finished before a late restart printed done lines too).
 	res.Exact = len(done) > 0
-	ranks := map[int]bool{}
-	for _, d := range done {
-		ranks[d.rank] = true
-		res.Sum = d.sum
-		if d.steps != j.Steps || d.sum != want {
-			res.Exact = false
-			bad("rank %d done after %d of %d steps with sum %g, want %g", d.rank, d.steps, j.Steps, d.sum, want)
+	if res.Exact {
+		final := done[max(len(done)-done[len(done)-1].world, 0):]
+		want := 0.0
+		ranks := map[int]bool{}
+		for _, d := range final {
+			if !ranks[d.launch] {
+				want += float64(d.launch + 1)
+			}
+			ranks[d.launch] = true
 		}
-	}
-	if wantRanks := j.Nproc - len(faulted); len(ranks) < wantRanks {
-		res.Exact = false
-		bad("%d ranks reported done, want %d", len(ranks), wantRanks)
+		if len(ranks) != len(final) {
+			res.Exact = false
+			bad("the last %d done lines are not %d ranks'", len(final), len(final))
+		}
+		for _, d := range final {
+			res.Sum = d.sum
+			if d.steps != j.Steps || d.sum != want {
+				res.Exact = false
+				bad("launch rank %d done after %d of %d steps with sum %g, want %g (the final group's ranks %v)", d.launch, d.steps, j.Steps, d.sum, want, slices.Sorted(maps.Keys(ranks)))
+			}
+		}
+	} else {
+		bad("no rank reported done")
 	}
 	if res.Left > 0 {
 		bad("%d processes of the job left after its agent exited", res.Left)
 	}
-	checkSamples(res, r, lim, bad)
+	checkSamples(res, res.Row, lim, bad)
 }
 
 // checkSamples checks the agent's resources at its last sample against
@@ -334,9 +353,10 @@ func checkSamples(res *RowResult, r Row, lim Limits, bad func(string, ...any)) {
 
 // bring brings fault f to the job under agent: it picks the target rank's
 // worker (or, when that rank is not running, the next launch rank that
-// is), and signals it. A shrink row keeps at least half its ranks, and a
-// rank already hung is not hit again.
-func bring(ctx context.Context, j Job, r Row, agent int, f Fault, faulted map[int]bool, t0 time.Time) Applied {
+// is), and signals it. A shrink row keeps at least half its ranks (a
+// fault that would take more is skipped), and a rank already hung is not
+// hit again.
+func bring(ctx context.Context, j Job, r Row, agent int, f Fault, t0 time.Time) Applied {
 	a := Applied{Fault: f, Rank: -1}
 	var workers map[int]int
 	// Between a failure and the next group there may be no worker: wait
@@ -348,7 +368,7 @@ func bring(ctx context.Context, j Job, r Row, agent int, f Fault, faulted map[in
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	if r.Mode == modeShrink && len(faulted) >= j.Nproc/2 {
+	if r.Mode == modeShrink && len(workers) <= j.Nproc/2 {
 		a.Skipped = "the shrink row keeps half its ranks"
 		return a
 	}
@@ -368,9 +388,6 @@ func bring(ctx context.Context, j Job, r Row, agent int, f Fault, faulted map[in
 	if err := syscall.Kill(a.PID, sig); err != nil {
 		a.Skipped = fmt.Sprintf("signal %d: %v", a.PID, err)
 		return a
-	}
-	if r.Mode == modeShrink {
-		faulted[a.Rank] = true
 	}
 	return a
 }
