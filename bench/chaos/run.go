@@ -96,18 +96,45 @@ func (r RowResult) Brought() int {
 }
 
 var (
-	progressRE = regexp.MustCompile(`progress attempt=(\d+) epoch=(\d+) step=(\d+) world=(\d+) unix_ns=(\d+)`)
+	progressRE = regexp.MustCompile(`progress attempt=(\d+) epoch=(\d+) step=(\d+) rank=(\d+) world=(\d+) unix_ns=(\d+)`)
 	// The launcher's prefix, [defaultN]: (gorun's and torchrun's with
 	// --tee), names the local rank: on one host, the launch rank.
 	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) sum=(\S+)`)
 )
 
-// output is what the run's scanner gathers from the agent's output.
+// output is what the run's scanner gathers from the agents' output.
 type output struct {
-	mu       sync.Mutex
-	progress map[[3]int]Progress // by attempt, epoch, step: its first line
-	epochs   map[[2]int]bool
-	done     []doneLine
+	mu sync.Mutex
+	// completions are the group's rank 0's progress lines: one per
+	// completion of a step (a group has one rank 0 at a time, whichever
+	// agent it runs under and whatever attempt number that agent is at).
+	completions []Progress
+	// others are the first line of each step from any other rank: a step
+	// whose rank 0 died before its line still completed.
+	others map[int]Progress
+	epochs map[[2]int]bool // (attempt, epoch) pairs seen
+	done   []doneLine
+	steps  int // progress lines read
+}
+
+func newOutput() *output {
+	return &output{others: map[int]Progress{}, epochs: map[[2]int]bool{}}
+}
+
+// progress returns every completion: rank 0's, and another rank's for a
+// step rank 0 never printed.
+func (o *output) progress() []Progress {
+	out := slices.Clone(o.completions)
+	seen := map[int]bool{}
+	for _, p := range o.completions {
+		seen[p.Step] = true
+	}
+	for s, p := range o.others {
+		if !seen[s] {
+			out = append(out, p)
+		}
+	}
+	return out
 }
 
 // doneLine is a rank's last line: its launch rank, the final group's
@@ -126,16 +153,19 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time) {
 		line := sc.Text()
 		fmt.Fprintln(console, line)
 		if m := progressRE.FindStringSubmatch(line); m != nil {
-			var v [5]int64
+			var v [6]int64
 			for i := range v {
 				v[i], _ = strconv.ParseInt(m[i+1], 10, 64)
 			}
-			key := [3]int{int(v[0]), int(v[1]), int(v[2])}
+			p := Progress{At: time.Duration(v[5] - t0.UnixNano()), Step: int(v[2]), World: int(v[4])}
 			o.mu.Lock()
-			if _, ok := o.progress[key]; !ok {
-				o.progress[key] = Progress{At: time.Duration(v[4] - t0.UnixNano()), Step: int(v[2]), World: int(v[3])}
+			o.steps++
+			if v[3] == 0 {
+				o.completions = append(o.completions, p)
+			} else if _, ok := o.others[p.Step]; !ok {
+				o.others[p.Step] = p
 			}
-			o.epochs[[2]int{key[0], key[1]}] = true
+			o.epochs[[2]int{int(v[0]), int(v[1])}] = true
 			o.mu.Unlock()
 		} else if m := doneRE.FindStringSubmatch(line); m != nil {
 			var d doneLine
@@ -150,10 +180,13 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time) {
 	}
 }
 
-func (o *output) started() bool {
+func (o *output) started() bool { return o.lines() > 0 }
+
+// lines counts the progress lines read so far.
+func (o *output) lines() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
-	return len(o.progress) > 0
+	return o.steps
 }
 
 func (o *output) nEpochs() int {
@@ -200,7 +233,7 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	}
 	cmd.Stdout, cmd.Stderr = pw, pw
 	fmt.Fprintf(console, "# %s: %s\n", r.Name, strings.Join(argv, " "))
-	out := &output{progress: map[[3]int]Progress{}, epochs: map[[2]int]bool{}}
+	out := newOutput()
 	t0 := time.Now()
 	err = cmd.Start()
 	pw.Close()
@@ -241,7 +274,7 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 		case waitErr = <-exited:
 			end, ended = time.Now(), true
 		case <-ctx.Done():
-			return res, fmt.Errorf("%s: %w after %v (%d steps done)", r.Name, context.Cause(ctx), time.Since(t0).Round(time.Second), len(out.progress))
+			return res, fmt.Errorf("%s: %w after %v (%d progress lines)", r.Name, context.Cause(ctx), time.Since(t0).Round(time.Second), out.lines())
 		case <-faultC:
 			a := bring(ctx, j, r, cmd.Process.Pid, sched[next], t0)
 			res.Faults = append(res.Faults, a)
@@ -278,9 +311,7 @@ func judge(res *RowResult, j Job, out *output, waitErr error, stepTime time.Dura
 	}
 	out.mu.Lock()
 	run := Run{Steps: j.Steps, World: j.Nproc, Wall: res.Wall}
-	for _, p := range out.progress {
-		run.Progress = append(run.Progress, p)
-	}
+	run.Progress = out.progress()
 	done := slices.Clone(out.done)
 	res.Epochs = len(out.epochs)
 	out.mu.Unlock()

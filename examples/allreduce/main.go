@@ -51,9 +51,10 @@
 //
 // With --progress every rank prints, after every step S (from 0),
 //
-//	progress attempt=A epoch=E step=S world=W unix_ns=T
+//	progress attempt=A epoch=E step=S rank=R world=W unix_ns=T
 //
-// (bench/chaos counts useful and redone rank-steps from them). With
+// (R and W the group's rank and size; bench/chaos counts useful and redone
+// rank-steps from them). With
 // --checkpoint FILE the group's rank 0 records the steps done in FILE, and
 // a group that forms (a start, a restart) resumes from there: a restart
 // redoes only the steps since the last checkpoint. Every step sends gorun
@@ -169,7 +170,7 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.DurationVar(&opt.timeout, "timeout", 5*time.Minute, "bound on forming the group, on each step and on waiting for a shrink epoch")
 	fs.BoolVar(&opt.shrink, "shrink", false, "follow gorun's shrink epochs; default: on when GORUN_ON_FAILURE=shrink (--shrink=false turns it off)")
 	fs.BoolVar(&opt.timestamps, "timestamps", false, "print 'first-collective attempt=A epoch=E unix_ns=T' after the first successful collective of each attempt and epoch")
-	fs.BoolVar(&opt.progress, "progress", false, "print 'progress attempt=A epoch=E step=S world=W unix_ns=T' after every step (W: the group's size)")
+	fs.BoolVar(&opt.progress, "progress", false, "print 'progress attempt=A epoch=E step=S rank=R world=W unix_ns=T' after every step (R, W: the group's rank and size)")
 	fs.StringVar(&opt.checkpoint, "checkpoint", "", "file where the group's rank 0 records the steps done and that a (re)started group resumes from (default: none, every attempt starts at step 0)")
 	fs.IntVar(&opt.checkpointEvery, "checkpoint-every", 1, "steps between checkpoints (with --checkpoint)")
 	if err := fs.Parse(args); err != nil {

@@ -17,14 +17,14 @@ import (
 // (when it asks for them), the progress line, and on the group's rank 0
 // the checkpoint. Every rank prints progress, not only rank 0: a rank 0
 // killed between its step and its line would otherwise leave a step the
-// survivors did unrecorded (a reader keeps one line per attempt, epoch and
-// step).
+// survivors did unrecorded (a reader counts rank 0's lines, and another
+// rank's for a step rank 0 has none of).
 func (w *worker) stepDone(step int) error {
 	// A beat that cannot be sent is the agent's concern (it will call the
 	// rank hung); the step itself succeeded.
 	_ = health.Beat()
 	if w.opt.progress {
-		fmt.Fprintln(w.out, progressLine(w.attempt, w.epoch.Number, step, w.group.Size(), time.Now()))
+		fmt.Fprintln(w.out, progressLine(w.attempt, w.epoch.Number, step, w.group.Rank(), w.group.Size(), time.Now()))
 	}
 	if w.group.Rank() == 0 && w.opt.checkpoint != "" && ((step+1)%w.opt.checkpointEvery == 0 || step+1 == w.opt.steps) {
 		if err := writeCheckpoint(w.opt.checkpoint, step+1); err != nil {
@@ -34,10 +34,10 @@ func (w *worker) stepDone(step int) error {
 	return nil
 }
 
-// progressLine is what a rank prints with --progress after
-// step (from 0) of a group of world ranks, at time t.
-func progressLine(attempt, epoch, step, world int, t time.Time) string {
-	return fmt.Sprintf("progress attempt=%d epoch=%d step=%d world=%d unix_ns=%d", attempt, epoch, step, world, t.UnixNano())
+// progressLine is what a rank prints with --progress after step (from 0),
+// as rank of a group of world ranks, at time t.
+func progressLine(attempt, epoch, step, rank, world int, t time.Time) string {
+	return fmt.Sprintf("progress attempt=%d epoch=%d step=%d rank=%d world=%d unix_ns=%d", attempt, epoch, step, rank, world, t.UnixNano())
 }
 
 // writeCheckpoint records that steps steps are done. The file is replaced

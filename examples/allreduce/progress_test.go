@@ -9,7 +9,7 @@ import (
 
 func TestProgressLine(t *testing.T) {
 	at := time.Unix(1700000000, 5)
-	if got, want := progressLine(1, 2, 41, 3, at), "progress attempt=1 epoch=2 step=41 world=3 unix_ns=1700000000000000005"; got != want {
+	if got, want := progressLine(1, 2, 41, 0, 3, at), "progress attempt=1 epoch=2 step=41 rank=0 world=3 unix_ns=1700000000000000005"; got != want {
 		t.Errorf("progressLine = %q, want %q", got, want)
 	}
 }
