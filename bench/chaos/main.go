@@ -54,10 +54,12 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
 
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
 	"golang.org/x/sys/unix"
 )
 
@@ -72,11 +74,22 @@ type config struct {
 	logs       string // keep every row's console output here
 	root       string // the repository, to build from
 	limits     Limits
+	etcd       string        // the etcd binary, for -backend etcd
+	replace    time.Duration // a killed agent's replacement starts this much later
+	// baselineSteps is the fault-free row's work (0: -steps): its rate is
+	// what is measured, and a shorter run gives it sooner.
+	baselineSteps int
 }
 
 func main() {
 	var c config
-	flag.IntVar(&c.job.Nproc, "nproc", 4, "ranks (one host)")
+	flag.IntVar(&c.job.Nproc, "nproc", 4, "ranks per host")
+	flag.IntVar(&c.job.Hosts, "hosts", 1, "hosts: 1 (--standalone), or 2 or more network-namespace hosts (root, iproute2), with a spare host for the hot-spare row")
+	flag.StringVar(&c.job.Backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member on the bed's gateway)")
+	flag.StringVar(&c.job.RdzvConf, "rdzv-conf", "join_timeout=1800,last_call_timeout=1", "every multi-host agent's --rdzv-conf (a spare stands by for up to join_timeout)")
+	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
+	flag.DurationVar(&c.replace, "replace-after", time.Second, "a killed agent's replacement (a replacement node) starts on its host this much later")
+	flag.IntVar(&c.baselineSteps, "baseline-steps", 0, "the fault-free row's steps (default -steps)")
 	flag.IntVar(&c.job.Steps, "steps", 1200, "the fixed work: allreduce steps")
 	flag.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
 	flag.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout: how long a collective waits on a silent peer")
@@ -119,6 +132,15 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if err != nil {
 		return nil, err
 	}
+	if c.baselineSteps == 0 {
+		c.baselineSteps = c.job.Steps
+	}
+	switch {
+	case c.job.Hosts < 1 || c.job.Nproc < 1:
+		return nil, errors.New("-hosts and -nproc must be at least 1")
+	case c.job.Hosts > 1 && c.job.Backend != backendC10d && c.job.Backend != backendEtcd:
+		return nil, fmt.Errorf("-backend %q: want %s or %s", c.job.Backend, backendC10d, backendEtcd)
+	}
 	split := strings.Split(c.kinds, ",")
 	if c.sched.Kinds, err = ParseKinds(split); err != nil {
 		return nil, err
@@ -141,17 +163,38 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 		}
 	}
 	var notes []string
-	if !torchAvailable(ctx, c.job.Python) {
-		note := fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python)
-		notes = append(notes, note)
-		fmt.Fprintln(stderr, "chaos:", note)
-		var keep []Row
-		for _, r := range selected {
-			if !r.Torchrun {
-				keep = append(keep, r)
-			}
+	skip := func(drop func(Row) bool, note string) {
+		if slices.ContainsFunc(selected, drop) {
+			notes = append(notes, note)
+			fmt.Fprintln(stderr, "chaos:", note)
+			selected = slices.DeleteFunc(selected, drop)
 		}
-		selected = keep
+	}
+	torchrun := func(r Row) bool { return r.Torchrun }
+	switch {
+	case c.job.Hosts > 1:
+		skip(torchrun, "torchrun row skipped: it runs on one host here (ftbench runs torchrun 1.13 across hosts)")
+	case !torchAvailable(ctx, c.job.Python):
+		skip(torchrun, fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python))
+	}
+	if c.job.Hosts <= 1 {
+		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
+	}
+	env := runEnv{replaceAfter: c.replace, timeout: c.rowTimeout}
+	if c.job.Hosts > 1 {
+		cfg := hostbed.Config{Hosts: c.job.Hosts + 1, Dir: tmp} // the last: the spare's
+		if c.job.Backend == backendEtcd {
+			cfg.Etcd = c.etcd
+		}
+		bed, err := hostbed.Create(ctx, cfg)
+		if err != nil {
+			return nil, err
+		}
+		defer bed.Close()
+		env.bed, c.job.HostIPs = bed, bed.IPs
+		if bed.Etcd != nil {
+			c.job.EtcdEndpoint = bed.Etcd.Endpoint
+		}
 	}
 
 	var results []RowResult
@@ -167,11 +210,18 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 			defer f.Close()
 			console = f
 		}
+		j := c.job
+		// Each run its own rendezvous id: etcd keeps a finished run's
+		// state.
+		j.RunID = fmt.Sprintf("chaos-%d-%d", os.Getpid(), i+1)
 		var s []Fault
-		if !r.FaultFree {
+		if r.FaultFree {
+			j.Steps = c.baselineSteps
+		} else {
 			s = sched
 		}
-		res, err := runRow(ctx, c.job, r, s, stepTime, c.limits, c.rowTimeout, console)
+		env.console = console
+		res, err := runRow(ctx, j, r, s, stepTime, c.limits, env)
 		if err != nil {
 			return err
 		}
@@ -186,10 +236,10 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 			if err := runOne(i, r); err != nil {
 				return results, err
 			}
-			stepTime = results[0].Wall / time.Duration(c.job.Steps)
+			stepTime = results[0].Wall / time.Duration(c.baselineSteps)
 		}
 	}
-	c.sched.World = c.job.Nproc
+	c.sched.World, c.sched.Hosts = c.job.World(), c.job.Hosts
 	c.sched.Horizon = c.horizon
 	if c.sched.Horizon == 0 {
 		c.sched.Horizon = 3 * time.Duration(c.job.Steps) * max(stepTime, time.Duration(c.job.StepMs)*time.Millisecond)

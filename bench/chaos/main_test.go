@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -25,10 +26,10 @@ func TestSelectRows(t *testing.T) {
 		want    []string
 		wantErr bool
 	}{
-		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name}, false},
+		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name, rows[5].Name}, false},
 		{"4,2,2", []string{rows[1].Name, rows[3].Name}, false},
 		{"0", nil, true},
-		{"6", nil, true},
+		{"7", nil, true},
 		{"x", nil, true},
 	}
 	for _, tt := range tests {
@@ -58,11 +59,39 @@ func TestAgentArgv(t *testing.T) {
 		{rows[4], []string{"/py -m torch.distributed.run --redirects 1 --tee 1 --standalone --nproc_per_node 4 --max_restarts 100000", worker}},
 	}
 	for _, tt := range tests {
-		got := strings.Join(j.agentArgv(tt.row, "/d", "127.0.0.1:9"), " ")
+		got := strings.Join(j.agentArgv(tt.row, "/d", "127.0.0.1:9", 0, false), " ")
 		for _, w := range tt.want {
 			if !strings.Contains(got, w) {
 				t.Errorf("%s: %q lacks %q", tt.row.Name, got, w)
 			}
+		}
+	}
+
+	// On several hosts: the rendezvous, the host's address, and a spare
+	// row's standby agents pre-start their workers.
+	j.Hosts, j.HostIPs, j.Backend, j.RunID, j.RdzvConf, j.EtcdEndpoint = 2, []string{"10.0.0.2", "10.0.0.3", "10.0.0.4"}, backendC10d, "id", "join_timeout=9", "10.0.0.1:2379"
+	hostTests := []struct {
+		name    string
+		backend string
+		host    int
+		standby bool
+		want    []string
+		not     string
+	}{
+		{"c10d", backendC10d, 1, false, []string{"--nnodes 2 --rdzv-backend c10d --rdzv-endpoint 10.0.0.2:29400 --rdzv-id id --rdzv-conf join_timeout=9 --local-addr 10.0.0.3", "--health-addr 10.0.0.3:29401"}, "--spare-prestart"},
+		{"etcd", backendEtcd, 0, false, []string{"--rdzv-backend etcd --rdzv-endpoint 10.0.0.1:2379 --rdzv-id id --rdzv-conf join_timeout=9,lease_ttl=1 --local-addr 10.0.0.2"}, "--spare-prestart"},
+		{"spare", backendC10d, 2, true, []string{"--local-addr 10.0.0.4 --spare-prestart"}, "--standalone"},
+	}
+	for _, tt := range hostTests {
+		j.Backend = tt.backend
+		got := strings.Join(j.agentArgv(rows[5], "/d", net.JoinHostPort(j.HostIPs[tt.host], "29401"), tt.host, tt.standby), " ")
+		for _, w := range tt.want {
+			if !strings.Contains(got, w) {
+				t.Errorf("%s: %q lacks %q", tt.name, got, w)
+			}
+		}
+		if strings.Contains(got, tt.not) {
+			t.Errorf("%s: %q has %q", tt.name, got, tt.not)
 		}
 	}
 }

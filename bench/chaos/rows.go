@@ -2,6 +2,7 @@ package main
 
 import (
 	"fmt"
+	"net"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -25,6 +26,10 @@ type Row struct {
 	// FaultFree: the row runs no fault; its goodput is the one the others
 	// are compared with.
 	FaultFree bool
+	// Spare: a hot spare agent stands by on the bed's extra host (several
+	// hosts only), started once the job runs, its workers pre-started
+	// (--spare-prestart).
+	Spare bool
 }
 
 // rows are the rows the harness knows, in table order.
@@ -34,6 +39,7 @@ var rows = []Row{
 	{Name: "gorun shrink (--regrow off)", Mode: modeShrink},
 	{Name: "gorun shrink+heal", Mode: modeHeal},
 	{Name: "torchrun 1.13 restart", Torchrun: true, Mode: modeRestart},
+	{Name: "gorun heal, hot spare", Mode: modeHeal, Spare: true},
 }
 
 // selectRows returns the rows named by number (1-based, comma-separated),
@@ -63,9 +69,24 @@ func selectRows(s string) ([]Row, error) {
 // Job is what every row runs: the binaries and the fixed work.
 type Job struct {
 	Gorun, Worker, Python string
-	Nproc                 int // ranks (one host, --standalone)
-	Steps                 int // the fixed work
-	StepMs                int // each step's cost: the worker's pause before it
+	Nproc                 int // ranks per host
+	// Hosts: 1 runs one agent with --standalone; 2 or more run agent i
+	// on host i of a network-namespace bed, meeting by Backend's
+	// rendezvous.
+	Hosts   int
+	Backend string // backendC10d (the store on host 0) or backendEtcd
+	// The bed's host addresses and the etcd member's endpoint (several
+	// hosts).
+	HostIPs      []string
+	EtcdEndpoint string
+	// RdzvConf is every multi-host agent's --rdzv-conf.
+	RdzvConf string
+	// RunID is the job's --rdzv-id: every agent of a run, replacements
+	// included, has the same; each run its own (etcd keeps a finished
+	// run's state).
+	RunID  string
+	Steps  int // the fixed work
+	StepMs int // each step's cost: the worker's pause before it
 	// WorkerTimeout is the worker's --timeout: how long a collective may
 	// wait on a silent (hung) peer before it fails. Under torchrun, which
 	// has no hang detection, it is what ends a hang.
@@ -82,10 +103,28 @@ type Job struct {
 	ShutdownTimeout string
 }
 
-// agentArgv is the command line of a row's agent: dir holds its logs and
-// the worker's checkpoint, healthAddr is gorun's --health-addr.
-func (j Job) agentArgv(r Row, dir, healthAddr string) []string {
-	logs := filepath.Join(dir, "logs")
+// Rendezvous backends of several hosts.
+const (
+	backendC10d = "c10d"
+	backendEtcd = "etcd"
+	// c10dPort is where host 0's agent hosts the c10d store (torchrun's
+	// port, in host 0's own namespace).
+	c10dPort = 29400
+	// healthPort is every multi-host agent's --health-addr port, on its
+	// host's address (each host has its own ports).
+	healthPort = 29401
+)
+
+// World is the job's full size.
+func (j Job) World() int { return j.Nproc * max(j.Hosts, 1) }
+
+// agentArgv is the command line of a row's agent on host (0 with one
+// host): dir holds its logs and the worker's checkpoint (one file system
+// for every host), healthAddr is gorun's --health-addr. standby: the agent
+// comes to a running job (a spare, a replacement); in a spare row it
+// pre-starts its workers.
+func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []string {
+	logs := filepath.Join(dir, "logs", "h"+strconv.Itoa(host))
 	worker := []string{j.Worker, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
 		"--progress", "--checkpoint", filepath.Join(dir, "checkpoint"), "--timeout", j.WorkerTimeout}
 	// Restarts and respawns are not what ends a run here: the schedule's
@@ -98,8 +137,23 @@ func (j Job) agentArgv(r Row, dir, healthAddr string) []string {
 			"--nproc_per_node", strconv.Itoa(j.Nproc), "--max_restarts", plenty, "--log_dir", logs, "--no_python"}
 		return append(argv, worker...)
 	}
-	argv := []string{j.Gorun, "--standalone", "--nproc-per-node", strconv.Itoa(j.Nproc), "--log-dir", logs,
-		"--health-addr", healthAddr, "--heartbeat-timeout", j.HeartbeatTimeout, "--max-restarts", plenty}
+	argv := []string{j.Gorun}
+	if j.Hosts <= 1 {
+		argv = append(argv, "--standalone")
+	} else {
+		endpoint, conf := net.JoinHostPort(j.HostIPs[0], strconv.Itoa(c10dPort)), j.RdzvConf
+		if j.Backend == backendEtcd {
+			// lease_ttl=1: a lost agent's lease lapses in about a second.
+			endpoint, conf = j.EtcdEndpoint, conf+",lease_ttl=1"
+		}
+		argv = append(argv, "--nnodes", strconv.Itoa(j.Hosts), "--rdzv-backend", j.Backend, "--rdzv-endpoint", endpoint,
+			"--rdzv-id", j.RunID, "--rdzv-conf", conf, "--local-addr", j.HostIPs[host])
+		if r.Spare && standby {
+			argv = append(argv, "--spare-prestart")
+		}
+	}
+	argv = append(argv, "--nproc-per-node", strconv.Itoa(j.Nproc), "--log-dir", logs,
+		"--health-addr", healthAddr, "--heartbeat-timeout", j.HeartbeatTimeout, "--max-restarts", plenty)
 	if j.ShutdownTimeout != "" {
 		argv = append(argv, "--shutdown-timeout", j.ShutdownTimeout)
 	}

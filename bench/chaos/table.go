@@ -16,8 +16,12 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 			base = r.Report.Goodput
 		}
 	}
-	fmt.Fprintf(w, "%d ranks on one host (--standalone), %d CPUs; %d steps, each %d ms apart (Go allreduce, pg/cpu, checkpoint every step); schedule: seed %d, MTBF %v, kinds %s, within %v.\n\n",
-		c.job.Nproc, runtime.NumCPU(), c.job.Steps, c.job.StepMs, c.sched.Seed, c.sched.MTBF, c.kinds, c.sched.Horizon)
+	where := fmt.Sprintf("%d ranks on one host (--standalone)", c.job.Nproc)
+	if c.job.Hosts > 1 {
+		where = fmt.Sprintf("%d hosts (network namespaces on one machine) × %d ranks, rendezvous %s, a killed agent replaced on its host %v later", c.job.Hosts, c.job.Nproc, c.job.Backend, c.replace)
+	}
+	fmt.Fprintf(w, "%s, %d CPUs; %d steps (the fault-free row %d), each %d ms apart (Go allreduce, pg/cpu, checkpoint every step); schedule: seed %d, MTBF %v, kinds %s, within %v.\n\n",
+		where, runtime.NumCPU(), c.job.Steps, c.baselineSteps, c.job.StepMs, c.sched.Seed, c.sched.MTBF, c.kinds, c.sched.Horizon)
 	fmt.Fprintln(w, "| row | wall (s) | goodput (rank-steps/s/rank) | vs fault-free | faults (skipped) | lost per fault, median (p90) s | steps redone | epochs | exact | invariants |")
 	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|")
 	for _, r := range results {
