@@ -144,7 +144,7 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	lim = lim.withDefaults()
 	ru := &runner{j: j, r: r, env: env, out: newOutput(),
 		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}
-	ru.env.console = &lockedWriter{w: env.console}
+	ru.env.console = &procs.LockedWriter{W: env.console}
 	if env.bed != nil && env.bed.Etcd != nil {
 		ru.spares = append(ru.spares, env.bed.Etcd.PID())
 	}

@@ -23,23 +23,42 @@
 //
 // Rows (-rows, by number):
 //
-//  1. gorun, no faults (--on-failure shrink --regrow on): the baseline.
+//  1. gorun, no faults (--on-failure shrink --regrow on): the baseline
+//     (-baseline-steps of work: its rate is what counts).
 //  2. gorun --on-failure restart.
 //  3. gorun --on-failure shrink --regrow off: the survivors carry on; the
 //     row keeps half its ranks (later faults are skipped, and counted).
 //  4. gorun --on-failure shrink --regrow on (heal): lost ranks are
-//     respawned and grown back in.
+//     respawned and grown back in, a replacement agent admitted.
 //  5. torchrun 1.13 restart (-python -m torch.distributed.run --redirects 1
-//     --tee 1 --standalone), its default --monitor_interval.
+//     --tee 1 --standalone), its default --monitor_interval; one host only.
+//  6. gorun heal with a hot spare: a spare agent on the bed's extra host,
+//     its workers pre-started (--spare-prestart), started once the job
+//     runs; several hosts only.
 //
 // Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the worker
 // ends between steps with exit code 1), rank-hang (SIGSTOP: gorun finds it
 // by --heartbeat-timeout, torchrun when a peer's collective times out,
-// -worker-timeout). All rows run on one host (--standalone); hosts as
-// network namespaces, agents killed and replaced, c10d and etcd are still
-// to come (issue 16).
+// -worker-timeout), agent-kill (SIGKILL of a host's agent, its workers
+// dying with it; a replacement agent starts on that host -replace-after
+// later — in the spare row it becomes the next spare). A rank fault picks
+// its rank among every agent's workers by RANK (the next running one when
+// that rank is not running: a pre-started spare's workers have none); an
+// agent fault never hits host 0, whose agent is the job's witness (its
+// exit code is the job's, its resources are sampled; with c10d it holds
+// the store).
+//
+// With -hosts 1 the agent runs with --standalone; with -hosts H ≥ 2 (root,
+// iproute2) agent i runs in host i of a network-namespace bed
+// (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
+// the store on host 0; etcd: one member on the bed's gateway) and its
+// host's --local-addr. Still to come (issue 16): link cuts, two faults at
+// once by design, a fault during a grow, the coordinator's host lost,
+// torchrun on several hosts, PyTorch gloo workers, etcd key and lease
+// counts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
+//	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6
 //
 // The command exits 1 when a row broke an invariant.
 package main

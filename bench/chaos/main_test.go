@@ -102,7 +102,7 @@ func TestAgentArgv(t *testing.T) {
 // invariant checked: each job completes with the exact sum, no step lost,
 // no process left, the agent's fds, goroutines, RSS and store keys back
 // near their start. The schedule covers a minute; each row runs its
-// prefix until its 300 steps are done. Bounded at 3 minutes; about 80 s on
+// prefix until its 250 steps are done. Bounded at 3 minutes; about 80 s on
 // a 2-core box.
 func TestSeededSchedule(t *testing.T) {
 	if testing.Short() {
@@ -113,14 +113,16 @@ func TestSeededSchedule(t *testing.T) {
 	c := &config{
 		// --shutdown-timeout 2: a restart that stops a hung rank waits
 		// that long, not 30 s, for it to take SIGTERM (it cannot).
-		job: Job{Gorun: testutil.BuildGorun(t), Python: "/usr/bin/python3", Nproc: 4, Steps: 300, StepMs: 40, WorkerTimeout: "15s",
+		job: Job{Gorun: testutil.BuildGorun(t), Python: "/usr/bin/python3", Hosts: 1, Nproc: 4, Steps: 250, StepMs: 40, WorkerTimeout: "15s",
 			HeartbeatTimeout: "2", RespawnBackoff: "0.1", ShutdownTimeout: "2"},
-		sched:      ScheduleConfig{Seed: 16, MTBF: 4 * time.Second},
-		kinds:      "rank-kill,rank-exit,rank-hang",
-		horizon:    time.Minute,
-		rows:       "1,2,3,4",
-		rowTimeout: time.Minute,
-		root:       "../..",
+		sched:   ScheduleConfig{Seed: 16, MTBF: 4 * time.Second},
+		kinds:   "rank-kill,rank-exit,rank-hang",
+		horizon: time.Minute,
+		// The fault-free row measures the step rate: a short run does.
+		baselineSteps: 100,
+		rows:          "1,2,3,4",
+		rowTimeout:    time.Minute,
+		root:          "../..",
 	}
 	var table, progress strings.Builder
 	results, err := run(ctx, c, &table, &progress)

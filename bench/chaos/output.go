@@ -133,15 +133,3 @@ func (o *output) nEpochs() int {
 	defer o.mu.Unlock()
 	return len(o.epochs)
 }
-
-// lockedWriter serialises lines from several agents' scanners.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
-}

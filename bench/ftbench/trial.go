@@ -368,7 +368,7 @@ func startJob(c *config, r row, dir, runID string, console io.Writer) (*job, err
 	// Room for far more lines than a run prints (one per rank, attempt
 	// and epoch), so that a reader never blocks — a blocked reader would
 	// stall the workers writing to its pipe.
-	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1, out: &lockedWriter{w: console}}
+	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1, out: &procs.LockedWriter{W: console}}
 	if c.hasSpare(r) {
 		j.spare, specs = &specs[len(specs)-1], specs[:len(specs)-1]
 	}
@@ -616,16 +616,4 @@ func (j *job) stop(c *config) int {
 	}
 	<-read
 	return left
-}
-
-// lockedWriter serialises lines from several agents' readers.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }

@@ -8,11 +8,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -155,4 +157,17 @@ func WithEnv(kv string) []int {
 	}
 	slices.Sort(out)
 	return out
+}
+
+// LockedWriter serialises writes from several processes' output readers
+// onto one writer (a console), a line at a time when they write lines.
+type LockedWriter struct {
+	mu sync.Mutex
+	W  io.Writer
+}
+
+func (l *LockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.W.Write(p)
 }
