@@ -31,7 +31,8 @@
 //  4. gorun --on-failure shrink --regrow on (heal): lost ranks are
 //     respawned and grown back in, a replacement agent admitted.
 //  5. torchrun 1.13 restart (-python -m torch.distributed.run --redirects 1
-//     --tee 1 --standalone), its default --monitor_interval; one host only.
+//     --tee 1), its default --monitor_interval; --standalone on one host,
+//     c10d on several (each agent with its host's name: hostbed.AsHost).
 //  6. gorun heal with a hot spare: a spare agent on the bed's extra host,
 //     its workers pre-started (--spare-prestart), started once the job
 //     runs; several hosts only.
@@ -54,8 +55,7 @@
 // the store on host 0; etcd: one member on the bed's gateway) and its
 // host's --local-addr. Still to come (issue 16): link cuts, two faults at
 // once by design, a fault during a grow, the coordinator's host lost,
-// torchrun on several hosts, PyTorch gloo workers, etcd key and lease
-// counts.
+// torchrun 2.14, PyTorch gloo workers, etcd key and lease counts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
 //	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6
@@ -191,8 +191,8 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	}
 	torchrun := func(r Row) bool { return r.Torchrun }
 	switch {
-	case c.job.Hosts > 1:
-		skip(torchrun, "torchrun row skipped: it runs on one host here (ftbench runs torchrun 1.13 across hosts)")
+	case c.job.Hosts > 1 && c.job.Backend != backendC10d:
+		skip(torchrun, "torchrun row skipped: torchrun 1.13's etcd rendezvous speaks etcd's v2 API; it runs with -backend c10d")
 	case !torchAvailable(ctx, c.job.Python):
 		skip(torchrun, fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python))
 	}
@@ -210,7 +210,7 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 			return nil, err
 		}
 		defer bed.Close()
-		env.bed, c.job.HostIPs = bed, bed.IPs
+		env.bed, c.job.HostIPs, c.job.HostNames, c.job.HostsFile = bed, bed.IPs, bed.Names, bed.HostsFile
 		if bed.Etcd != nil {
 			c.job.EtcdEndpoint = bed.Etcd.Endpoint
 		}

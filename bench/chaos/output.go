@@ -16,7 +16,9 @@ var (
 	progressRE = regexp.MustCompile(`progress attempt=(\d+) epoch=(\d+) step=(\d+) rank=(\d+) world=(\d+) unix_ns=(\d+)`)
 	// The launcher's prefix, [defaultN]: (gorun's and torchrun's with
 	// --tee), names the local rank: on one host, the launch rank.
-	groupRankRE = regexp.MustCompile(`"group_rank": (\d+)`)
+	// gorun's log field, or the "  group_rank=G" line of torchrun's
+	// "Rendezvous complete" (LOGLEVEL=INFO).
+	groupRankRE = regexp.MustCompile(`"group_rank": (\d+)|group_rank=(\d+)`)
 	doneRE      = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) sum=(\S+)`)
 )
 
@@ -68,8 +70,8 @@ type doneLine struct {
 // label starts every console line (a host's, on several); nproc is the
 // agent's ranks: a done line's launch rank is the agent's group rank ×
 // nproc + the local rank, the group rank from the agent's latest
-// "starting workers" or "admitted into the running round" line (0 until
-// there is one: one host, or torchrun).
+// "starting workers" or "admitted into the running round" line, or
+// torchrun's "Rendezvous complete" (0 until there is one: one host).
 func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string, nproc int) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
@@ -78,9 +80,10 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 		line := sc.Text()
 		fmt.Fprintln(console, label+line)
 		// A spare admitted in a lost node's place says so instead.
-		if strings.Contains(line, "starting workers") || strings.Contains(line, "admitted into the running round") {
+		if strings.Contains(line, "starting workers") || strings.Contains(line, "admitted into the running round") ||
+			strings.HasPrefix(strings.TrimSpace(line), "group_rank=") {
 			if m := groupRankRE.FindStringSubmatch(line); m != nil {
-				groupRank, _ = strconv.Atoi(m[1])
+				groupRank, _ = strconv.Atoi(m[1] + m[2])
 			}
 		}
 		if m := progressRE.FindStringSubmatch(line); m != nil {

@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
 )
 
 // The failure modes of a row: gorun's --on-failure, and heal (shrink with
@@ -79,6 +81,10 @@ type Job struct {
 	// hosts).
 	HostIPs      []string
 	EtcdEndpoint string
+	// HostNames and HostsFile give torchrun its host's name (see
+	// hostbed.AsHost).
+	HostNames []string
+	HostsFile string
 	// RdzvConf is every multi-host agent's --rdzv-conf.
 	RdzvConf string
 	// RunID is the job's --rdzv-id: every agent of a run, replacements
@@ -133,8 +139,17 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 	if r.Torchrun {
 		// --redirects 1 --tee 1: torchrun 1.13 crashes on Python 3.11
 		// without them. Its --monitor_interval stays its default (5 s).
-		argv := []string{j.Python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1", "--standalone",
-			"--nproc_per_node", strconv.Itoa(j.Nproc), "--max_restarts", plenty, "--log_dir", logs, "--no_python"}
+		argv := []string{j.Python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"}
+		if j.Hosts <= 1 {
+			argv = append(argv, "--standalone")
+		} else {
+			// torchrun 1.13 finds its address by its host name, and its
+			// etcd rendezvous speaks etcd's v2 API: c10d only.
+			argv = append(hostbed.AsHost(j.HostsFile, j.HostNames[host]), argv...)
+			argv = append(argv, "--nnodes", strconv.Itoa(j.Hosts), "--rdzv_backend", backendC10d,
+				"--rdzv_endpoint", net.JoinHostPort(j.HostIPs[0], strconv.Itoa(c10dPort)), "--rdzv_id", j.RunID, "--rdzv_conf", j.RdzvConf)
+		}
+		argv = append(argv, "--nproc_per_node", strconv.Itoa(j.Nproc), "--max_restarts", plenty, "--log_dir", logs, "--no_python")
 		return append(argv, worker...)
 	}
 	argv := []string{j.Gorun}

@@ -90,6 +90,12 @@ func TestReadEnv(t *testing.T) {
 			if e.namespace() != "allreduce/attempt_3" {
 				t.Errorf("namespace = %q", e.namespace())
 			}
+			// A store of rank 0's is new with every group: no attempt in
+			// the namespace (torchrun's agents count restarts apart).
+			e.agentStore = false
+			if e.namespace() != "allreduce" {
+				t.Errorf("namespace without the agent store = %q, want allreduce", e.namespace())
+			}
 		})
 	}
 }

@@ -78,6 +78,21 @@ func Create(ctx context.Context, cfg Config) (*Bed, error) {
 	return b, nil
 }
 
+// AsHostScript takes a hosts file and a host name, installs them (in the
+// program's own mount and UTS namespaces) and runs the rest of its
+// arguments.
+const AsHostScript = `mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"`
+
+// AsHost is the prefix of a command line that runs the rest as host name,
+// in a UTS namespace of its own, seeing hostsFile as /etc/hosts (a host
+// of the bed runs in the mount namespace `ip netns exec` makes). The bed's
+// hosts share the machine's host name, which resolves to loopback: a
+// program that finds its address by its host name (torchrun 1.13) needs
+// its host's own, as real hosts have.
+func AsHost(hostsFile, name string) []string {
+	return []string{"unshare", "--uts", "sh", "-c", AsHostScript, "sh", hostsFile, name}
+}
+
 // Close stops etcd and removes the bed.
 func (b *Bed) Close() error {
 	var err error
