@@ -241,7 +241,13 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 		}
 		env.console = console
 		res, err := runRow(ctx, j, r, s, stepTime, c.limits, env)
-		if err != nil {
+		switch {
+		case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !r.FaultFree:
+			// A row that never finished is the row's result, not the
+			// end of the run: the job did not complete.
+			res.Wall = c.rowTimeout
+			res.Violations = append(res.Violations, err.Error())
+		case err != nil:
 			return err
 		}
 		fmt.Fprintf(stderr, "chaos: %s: wall %.1f s, goodput %.2f, %d faults, %d violations %v\n",
