@@ -8,7 +8,7 @@ BUILDTAGS ?= urfave_cli_no_docs
 # The launcher is one static binary.
 export CGO_ENABLED ?= 0
 
-.PHONY: all build example test test-deps test-short bench lint fuzz gpu-smoke clean
+.PHONY: all build example test test-deps test-short bench lint fuzz gpu-smoke soak clean
 
 all: build
 
@@ -61,6 +61,19 @@ gpu-smoke:
 # bench: see BENCHMARKS.md for what it measures and the recorded results.
 bench: build test-deps
 	./bench/run.sh
+
+# soak runs issue 16's chaos soak (bench/chaos; root, iproute2, etcd): a
+# 10-minute schedule of faults (MTBF 5 s: over 100 rank kills, exits, hangs
+# and agent kills with a replacement agent) against gorun restart, heal and
+# heal with a hot spare on 2 network-namespace hosts, c10d then etcd, and
+# prints each table; it fails when a run breaks an invariant. About 1.5 h.
+soak: build
+	$(GO) build $(GOFLAGS) -o $(BIN)/allreduce ./examples/allreduce
+	for backend in c10d etcd; do \
+		$(GO) run ./bench/chaos -gorun $(BIN)/gorun-etcd -worker $(BIN)/allreduce -backend $$backend \
+			-hosts 2 -nproc 2 -steps 12000 -step-ms 50 -baseline-steps 1200 -mtbf 5s -horizon 10m \
+			-kinds rank-kill,rank-exit,rank-hang,agent-kill -rows 1,2,4,6 -row-timeout 45m || exit 1; \
+	done
 
 clean:
 	rm -rf $(BIN)

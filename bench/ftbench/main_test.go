@@ -13,6 +13,7 @@ import (
 
 	"go.uber.org/goleak"
 
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/netns"
 )
@@ -332,12 +333,12 @@ func TestAgentCommandsHosts(t *testing.T) {
 			"/b/gorun --nnodes 2 " + etcd + " --local-addr 198.18.0.3 --nproc-per-node 4 --log-dir /d/logs/h1 --on-failure shrink --regrow off " + goWork,
 		}, false, ""},
 		{"torchrun, c10d: as its host", 3, func(*config) {}, [2]string{
-			"unshare --uts sh -c " + asHost + " sh /t/hosts gorun-b0-h0 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h0 /repo/bench/gloo_resume.py --step-ms 5",
-			"unshare --uts sh -c " + asHost + " sh /t/hosts gorun-b0-h1 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h1 /repo/bench/gloo_resume.py --step-ms 5",
+			"unshare --uts sh -c " + hostbed.AsHostScript + " sh /t/hosts gorun-b0-h0 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h0 /repo/bench/gloo_resume.py --step-ms 5",
+			"unshare --uts sh -c " + hostbed.AsHostScript + " sh /t/hosts gorun-b0-h1 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h1 /repo/bench/gloo_resume.py --step-ms 5",
 		}, true, ""},
 		{"torchrun, c10d, blackhole", 3, func(c *config) { c.fault = faultBlackhole }, [2]string{
-			"unshare --uts sh -c " + asHost + " sh /t/hosts gorun-b0-h0 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 1:2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h0 /repo/bench/gloo_resume.py --step-ms 5",
-			"unshare --uts sh -c " + asHost + " sh /t/hosts gorun-b0-h1 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 1:2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h1 /repo/bench/gloo_resume.py --step-ms 5",
+			"unshare --uts sh -c " + hostbed.AsHostScript + " sh /t/hosts gorun-b0-h0 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 1:2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h0 /repo/bench/gloo_resume.py --step-ms 5",
+			"unshare --uts sh -c " + hostbed.AsHostScript + " sh /t/hosts gorun-b0-h1 /py -m torch.distributed.run --redirects 1 --tee 1 --nnodes 1:2 --rdzv_backend c10d --rdzv_endpoint 198.18.0.2:29400 --rdzv_id run --rdzv_conf join_timeout=30,last_call_timeout=1 --nproc_per_node 4 --max_restarts 1 --log_dir /d/logs/h1 /repo/bench/gloo_resume.py --step-ms 5",
 		}, true, ""},
 		{"torchrun, etcd", 3, func(c *config) { c.backend = backendEtcd }, [2]string{}, false, "python-etcd"},
 		{"gorun restart, PyTorch, etcd", 4, func(c *config) { c.backend = backendEtcd }, [2]string{

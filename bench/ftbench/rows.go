@@ -7,6 +7,8 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
 )
 
 // launcherKind is the program that runs the job.
@@ -204,15 +206,10 @@ func (c *config) torchrunArgs(host int, dir, runID string) ([]string, error) {
 		}
 		run = append(run, "--nnodes", c.nnodes(row{mode: modeRestart}), "--rdzv_backend", backendC10d,
 			"--rdzv_endpoint", c.c10dEndpoint(), "--rdzv_id", runID, "--rdzv_conf", c.rdzvConf)
-		run = append([]string{"unshare", "--uts", "sh", "-c", asHost, "sh", c.hostsFile, c.hostNames[host]}, run...)
+		run = append(hostbed.AsHost(c.hostsFile, c.hostNames[host]), run...)
 	}
 	return append(run, "--nproc_per_node", strconv.Itoa(c.nproc), "--max_restarts", "1", "--log_dir", c.logDir(dir, host)), nil
 }
-
-// asHost takes a hosts file and a host name, installs them (in the
-// agent's own mount and UTS namespaces) and runs the rest of its
-// arguments.
-const asHost = `mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"`
 
 // torchrunEtcd says why the torchrun row runs with the c10d backend only.
 const torchrunEtcd = "torchrun 1.13's etcd rendezvous speaks etcd's v2 API through the python-etcd package; it runs with -backend c10d only"

@@ -2,7 +2,6 @@ package main
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -369,7 +368,7 @@ func startJob(c *config, r row, dir, runID string, console io.Writer) (*job, err
 	// Room for far more lines than a run prints (one per rank, attempt
 	// and epoch), so that a reader never blocks — a blocked reader would
 	// stall the workers writing to its pipe.
-	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1, out: &lockedWriter{w: console}}
+	j := &job{stamps: make(chan stamp, 4096), exited: make(chan int, len(specs)), cut: -1, out: &procs.LockedWriter{W: console}}
 	if c.hasSpare(r) {
 		j.spare, specs = &specs[len(specs)-1], specs[:len(specs)-1]
 	}
@@ -526,14 +525,9 @@ func (j *job) await(ctx context.Context, t *tally, n int) error {
 // descendants, by the RANK in its environment, and the agent it runs
 // under (agent i runs in host i).
 func (j *job) rankPID(rank int) (pid, agent int, err error) {
-	want := []byte("RANK=" + strconv.Itoa(rank) + "\x00")
 	for i, a := range j.agents {
 		for _, pid := range procs.Descendants(a.Process.Pid) {
-			env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
-			if err != nil {
-				continue
-			}
-			if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...)) {
+			if procs.HasEnv(pid, "RANK="+strconv.Itoa(rank)) {
 				return pid, i, nil
 			}
 		}
@@ -622,16 +616,4 @@ func (j *job) stop(c *config) int {
 	}
 	<-read
 	return left
-}
-
-// lockedWriter serialises lines from several agents' readers.
-type lockedWriter struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-func (l *lockedWriter) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.w.Write(p)
 }

@@ -117,8 +117,16 @@ func (e workerEnv) boardAuth(out io.Writer) (*shrink.Auth, error) {
 	})
 }
 
-// namespace is where this attempt's group bootstraps in the store.
+// namespace is where this attempt's group bootstraps in the store. A
+// launcher's store outlives attempts, so each has its own namespace. A
+// store rank 0 hosts (torchrun's c10d jobs) is new with every group, and
+// needs none; the attempt must not be in it there: torchrun's restart
+// count is each agent's own, and a replacement agent's differs from the
+// others', so ranks under it would bootstrap where no peer ever comes.
 func (e workerEnv) namespace() string {
+	if !e.agentStore {
+		return "allreduce"
+	}
 	return "allreduce/attempt_" + strconv.Itoa(e.attempt)
 }
 

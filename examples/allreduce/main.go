@@ -49,6 +49,18 @@
 //
 //	parked unix_ns=T
 //
+// With --progress every rank prints, after every step S (from 0),
+//
+//	progress attempt=A epoch=E step=S rank=R world=W unix_ns=T
+//
+// (R and W the group's rank and size; bench/chaos counts useful and redone
+// rank-steps from them). With
+// --checkpoint FILE the group's rank 0 records the steps done in FILE, and
+// a group that forms (a start, a restart) resumes from there: a restart
+// redoes only the steps since the last checkpoint. Every step sends gorun
+// a heartbeat when it asks for them (--heartbeat-timeout), so that a hung
+// rank is found.
+//
 // bench/ftbench measures recovery from these: the group working again, a
 // newcomer's start and readiness, and how long a survivor did no step. `allreduce -h` lists the
 // flags and the exit codes.
@@ -125,6 +137,16 @@ type options struct {
 	shrink bool
 	// timestamps: print a first-collective line per attempt and epoch.
 	timestamps bool
+	// progress: every rank prints a progress line after every step
+	// (bench/chaos counts useful and redone rank-steps from them).
+	progress bool
+	// checkpoint is a file where group rank 0 records the steps done,
+	// every checkpointEvery steps, and that a rank that forms a group
+	// (a start or a restart, not a newcomer) resumes from: a restarted
+	// job redoes only the steps since the last checkpoint, as a training
+	// job that checkpoints does. "": none, every attempt starts at step 0.
+	checkpoint      string
+	checkpointEvery int
 }
 
 func main() {
@@ -148,6 +170,9 @@ func run(args []string, stdout, stderr io.Writer) int {
 	fs.DurationVar(&opt.timeout, "timeout", 5*time.Minute, "bound on forming the group, on each step and on waiting for a shrink epoch")
 	fs.BoolVar(&opt.shrink, "shrink", false, "follow gorun's shrink epochs; default: on when GORUN_ON_FAILURE=shrink (--shrink=false turns it off)")
 	fs.BoolVar(&opt.timestamps, "timestamps", false, "print 'first-collective attempt=A epoch=E unix_ns=T' after the first successful collective of each attempt and epoch")
+	fs.BoolVar(&opt.progress, "progress", false, "print 'progress attempt=A epoch=E step=S rank=R world=W unix_ns=T' after every step (R, W: the group's rank and size)")
+	fs.StringVar(&opt.checkpoint, "checkpoint", "", "file where the group's rank 0 records the steps done and that a (re)started group resumes from (default: none, every attempt starts at step 0)")
+	fs.IntVar(&opt.checkpointEvery, "checkpoint-every", 1, "steps between checkpoints (with --checkpoint)")
 	if err := fs.Parse(args); err != nil {
 		return exitUsage
 	}
@@ -155,8 +180,8 @@ func run(args []string, stdout, stderr io.Writer) int {
 	case fs.NArg() > 0:
 		fmt.Fprintf(stderr, "allreduce: unexpected arguments %q\n", fs.Args())
 		return exitUsage
-	case opt.steps < 1 || stepMs < 0 || opt.elems < 1:
-		fmt.Fprintln(stderr, "allreduce: --steps and --elems must be at least 1, --step-ms at least 0")
+	case opt.steps < 1 || stepMs < 0 || opt.elems < 1 || opt.checkpointEvery < 1:
+		fmt.Fprintln(stderr, "allreduce: --steps, --elems and --checkpoint-every must be at least 1, --step-ms at least 0")
 		return exitUsage
 	}
 	opt.stepGap = time.Duration(stepMs) * time.Millisecond

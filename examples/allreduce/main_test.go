@@ -90,6 +90,12 @@ func TestReadEnv(t *testing.T) {
 			if e.namespace() != "allreduce/attempt_3" {
 				t.Errorf("namespace = %q", e.namespace())
 			}
+			// A store of rank 0's is new with every group: no attempt in
+			// the namespace (torchrun's agents count restarts apart).
+			e.agentStore = false
+			if e.namespace() != "allreduce" {
+				t.Errorf("namespace without the agent store = %q, want allreduce", e.namespace())
+			}
 		})
 	}
 }
@@ -189,7 +195,8 @@ func TestUsageErrors(t *testing.T) {
 	}{
 		{"no launcher env", nil, []string{"RANK=", "WORLD_SIZE=", "MASTER_ADDR=", "MASTER_PORT="}, "RANK expected"},
 		{"unknown backend", []string{"--backend", "mpi"}, nil, `unknown --backend "mpi"`},
-		{"zero steps", []string{"--steps", "0"}, nil, "--steps and --elems must be at least 1"},
+		{"zero steps", []string{"--steps", "0"}, nil, "--steps, --elems and --checkpoint-every must be at least 1"},
+		{"zero checkpoint interval", []string{"--checkpoint-every", "0"}, nil, "--checkpoint-every must be at least 1"},
 		{"stray argument", []string{"extra"}, nil, "unexpected arguments"},
 		{"unknown failure mode", nil, []string{"RANK=0", "WORLD_SIZE=1", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=1", "GORUN_ON_FAILURE=retry"}, `GORUN_ON_FAILURE="retry"`},
 		{"help lists the exit codes", []string{"-h"}, nil, "4  shrink mode: a shrink epoch excluded this rank"},

@@ -91,8 +91,12 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		defer stop() // before w.close, as above
 		w.follower = f
 	}
+	first, err := readCheckpoint(opt.checkpoint, opt.steps)
+	if err != nil {
+		return res, err
+	}
 	fmt.Fprintf(out, "start rank=%d world=%d backend=%s shrink=%t\n", e.rank, e.world, opt.backend, opt.shrink)
-	return w.run(ctx, 0)
+	return w.run(ctx, first)
 }
 
 // worker runs the steps on the current group. In shrink mode its follower
@@ -161,6 +165,9 @@ func (w *worker) run(ctx context.Context, first int) (result, error) {
 		var err error
 		if step < w.opt.steps {
 			if err = w.runStep(ctx, step, &res); err == nil {
+				if err := w.stepDone(step); err != nil {
+					return res, err
+				}
 				step++
 				continue
 			}

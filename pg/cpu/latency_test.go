@@ -153,3 +153,67 @@ func TestShrinkLatency(t *testing.T) {
 		t.Errorf("median %v", took[len(took)/2])
 	}
 }
+
+// TestFormingLeavesNoKeys: once a group is formed no rank needs another's
+// address, and the store holds none of them — a job that forms a group per
+// shrink or grow epoch must not leave a key per rank per epoch (issue 16).
+// Shrink forms its group the same way.
+func TestFormingLeavesNoKeys(t *testing.T) {
+	for _, size := range []int{1, 2, 4} {
+		t.Run(fmt.Sprint(size), func(t *testing.T) {
+			srv := startStore(t)
+			groups := formGroups(t, srv, "leak", size)
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if size > 1 {
+				shrunk, err := shrinkAll(ctx, groups, []int{0})
+				if err != nil {
+					t.Fatal(err)
+				}
+				for _, g := range shrunk {
+					t.Cleanup(func() { g.Close() })
+				}
+			}
+			c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			keys, err := c.ListKeys(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(keys) != 0 {
+				t.Errorf("after forming a group of %d (and shrinking it): keys %q, want none", size, keys)
+			}
+		})
+	}
+}
+
+// shrinkAll shrinks every group but the excluded ranks' and returns the
+// survivors' new groups.
+func shrinkAll(ctx context.Context, groups []*cpu.Group, exclude []int) ([]pg.ProcessGroup, error) {
+	var (
+		wg   sync.WaitGroup
+		mu   sync.Mutex
+		out  []pg.ProcessGroup
+		errs []error
+	)
+	for r, g := range groups {
+		if slices.Contains(exclude, r) {
+			continue
+		}
+		wg.Go(func() {
+			s, err := g.Shrink(ctx, exclude, pg.ShrinkAbort)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, fmt.Errorf("rank %d: %w", r, err))
+				return
+			}
+			out = append(out, s)
+		})
+	}
+	wg.Wait()
+	return out, errors.Join(errs...)
+}

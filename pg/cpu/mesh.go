@@ -259,6 +259,12 @@ func formMesh(ctx context.Context, cfg Config) (links []link, err error) {
 		}
 		return nil, firstErr
 	}
+	// Every rank above this one has dialled it, so has read its address:
+	// nobody needs the key again. Without this a job that shrinks and
+	// grows leaves a key per rank per group in the store, which grows
+	// with every epoch of a long job (issue 16). A store that cannot
+	// delete only keeps the key, as before.
+	_, _ = store.Delete(ctx, addrKey(rank))
 	for _, l := range links {
 		if l.data != nil && l.ring == nil {
 			setupData(l.data, cfg)

@@ -8,11 +8,13 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -116,4 +118,56 @@ func Tail(path string, n int) string {
 		b = b[len(b)-n:]
 	}
 	return strings.ReplaceAll(strings.TrimSpace(string(b)), "\n", " ⏎ ")
+}
+
+// HasEnv reports whether process pid's environment holds kv ("KEY=value"),
+// as it was when the process started.
+func HasEnv(pid int, kv string) bool {
+	env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
+	if err != nil {
+		return false
+	}
+	want := []byte(kv + "\x00")
+	return bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...))
+}
+
+// Env returns the value of key in process pid's environment, and whether
+// it is there.
+func Env(pid int, key string) (string, bool) {
+	env, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/environ")
+	if err != nil {
+		return "", false
+	}
+	for kv := range bytes.SplitSeq(env, []byte{0}) {
+		if k, v, ok := bytes.Cut(kv, []byte("=")); ok && string(k) == key {
+			return string(v), true
+		}
+	}
+	return "", false
+}
+
+// WithEnv lists every process of the machine whose environment holds kv:
+// a job's processes by a marker variable, wherever they were reparented.
+func WithEnv(kv string) []int {
+	var out []int
+	for pid := range Parents() {
+		if HasEnv(pid, kv) {
+			out = append(out, pid)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// LockedWriter serialises writes from several processes' output readers
+// onto one writer (a console), a line at a time when they write lines.
+type LockedWriter struct {
+	mu sync.Mutex
+	W  io.Writer
+}
+
+func (l *LockedWriter) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.W.Write(p)
 }

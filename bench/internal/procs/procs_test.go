@@ -73,3 +73,36 @@ func TestTail(t *testing.T) {
 		t.Fatalf("Tail = %q", got)
 	}
 }
+
+// TestEnv: a child started with a marker variable is found by it, and its
+// variables read back; a process without it is not found.
+func TestEnv(t *testing.T) {
+	marker := "PROCS_TEST_MARKER=" + strconv.Itoa(os.Getpid())
+	cmd := exec.Command("sleep", "100")
+	cmd.Env = append(os.Environ(), marker, "PROCS_TEST_OTHER=a=b")
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	tests := []struct {
+		name string
+		got  any
+		want any
+	}{
+		{"HasEnv marker", HasEnv(cmd.Process.Pid, marker), true},
+		{"HasEnv a prefix of a value", HasEnv(cmd.Process.Pid, "PROCS_TEST_OTHER=a"), false},
+		{"HasEnv of this process", HasEnv(os.Getpid(), marker), false},
+		{"WithEnv", slices.Equal(WithEnv(marker), []int{cmd.Process.Pid}), true},
+	}
+	for _, tt := range tests {
+		if tt.got != tt.want {
+			t.Errorf("%s = %v, want %v", tt.name, tt.got, tt.want)
+		}
+	}
+	if v, ok := Env(cmd.Process.Pid, "PROCS_TEST_OTHER"); !ok || v != "a=b" {
+		t.Errorf("Env = %q, %v; want \"a=b\", true", v, ok)
+	}
+	if _, ok := Env(cmd.Process.Pid, "PROCS_TEST_NONE"); ok {
+		t.Errorf("Env found a variable that is not there")
+	}
+}

@@ -1,0 +1,403 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
+	"github.com/gorunhq/gorun/bench/internal/procs"
+)
+
+// Run-time settings of a row's run that are not the job's.
+type runEnv struct {
+	bed *hostbed.Bed // nil with one host
+	// replaceAfter is how long after an agent is killed a replacement
+	// agent starts on its host (a replacement node).
+	replaceAfter time.Duration
+	timeout      time.Duration // bound on the run
+	console      io.Writer
+}
+
+// agent is one launcher process of a run, on a host.
+type agent struct {
+	host    int
+	cmd     *exec.Cmd
+	pipe    *os.File
+	exited  chan struct{} // closed once waited for; err holds Wait's
+	err     error
+	at      time.Time // when it exited
+	scanned chan struct{}
+	killed  bool // by a fault
+	standby bool // came to a running job: a spare, a replacement
+	stopped bool // still standing by at the end, stopped by the harness
+}
+
+func (a *agent) done() bool {
+	select {
+	case <-a.exited:
+		return true
+	default:
+		return false
+	}
+}
+
+// runner is one row's run: its agents and what they printed.
+type runner struct {
+	j      Job
+	r      Row
+	env    runEnv
+	dir    string
+	marker string
+	t0     time.Time
+	out    *output
+	agents []*agent
+	// spares are our children that are no job's (etcd): never reaped
+	// as leftovers.
+	spares []int
+	single string // one host: the agent's --health-addr (a free port)
+}
+
+// healthAddr is host's agent's --health-addr.
+func (ru *runner) healthAddr(host int) string {
+	if ru.env.bed == nil {
+		return ru.single
+	}
+	return net.JoinHostPort(ru.j.HostIPs[host], strconv.Itoa(healthPort))
+}
+
+// start starts an agent on host.
+func (ru *runner) start(host int, standby bool) error {
+	argv := ru.j.agentArgv(ru.r, ru.dir, ru.healthAddr(host), host, standby)
+	var cmd *exec.Cmd
+	if ru.env.bed == nil {
+		cmd = exec.Command(argv[0], argv[1:]...)
+	} else {
+		cmd = ru.env.bed.Hosts[host].Command(context.Background(), argv[0], argv[1:]...)
+	}
+	// The marker finds the job's processes wherever they end up.
+	// LOGLEVEL=INFO: torchrun logs its rendezvous' result (the group
+	// rank) only at INFO.
+	cmd.Env = append(os.Environ(), ru.marker, "PYTHON_EXEC="+ru.j.Python, "LOGLEVEL=INFO")
+	// Its own process group, to end the whole tree at once; it dies with
+	// us.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
+	pr, pw, err := os.Pipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stdout, cmd.Stderr = pw, pw
+	label := ""
+	if ru.env.bed != nil {
+		label = "[h" + strconv.Itoa(host) + "] "
+	}
+	fmt.Fprintf(ru.env.console, "# %v %s%s\n", time.Since(ru.t0).Round(time.Millisecond), label, strings.Join(argv, " "))
+	err = cmd.Start()
+	pw.Close() // the agent and its workers hold it now
+	if err != nil {
+		pr.Close()
+		return fmt.Errorf("start %s: %w", argv[0], err)
+	}
+	a := &agent{host: host, cmd: cmd, pipe: pr, exited: make(chan struct{}), scanned: make(chan struct{}), standby: standby}
+	ru.agents = append(ru.agents, a)
+	go func() { ru.out.scan(pr, ru.env.console, ru.t0, label, ru.j.Nproc); close(a.scanned) }()
+	go func() { a.err = cmd.Wait(); a.at = time.Now(); close(a.exited) }()
+	return nil
+}
+
+// current is host's latest agent that is running, or nil.
+func (ru *runner) current(host int) *agent {
+	for i := len(ru.agents) - 1; i >= 0; i-- {
+		if a := ru.agents[i]; a.host == host && !a.done() {
+			return a
+		}
+	}
+	return nil
+}
+
+// pids are the running agents' processes.
+func (ru *runner) pids() []int {
+	var out []int
+	for _, a := range ru.agents {
+		if !a.done() {
+			out = append(out, a.cmd.Process.Pid)
+		}
+	}
+	return out
+}
+
+// runRow runs the job of row r through sched (none for a fault-free row)
+// and checks the invariants. stepTime is a step at the fault-free rate (0
+// when not known yet). Everything it starts is ended before it returns.
+//
+// Host 0's agent is the job's witness: it is never a fault's target (with
+// c10d it holds the store), so the run ends when it exits, its exit code
+// is the job's, and its resources are the ones sampled.
+func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Duration, lim Limits, env runEnv) (res RowResult, err error) {
+	res.Row = r
+	lim = lim.withDefaults()
+	ru := &runner{j: j, r: r, env: env, out: newOutput(),
+		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}
+	ru.env.console = &procs.LockedWriter{W: env.console}
+	if env.bed != nil && env.bed.Etcd != nil {
+		ru.spares = append(ru.spares, env.bed.Etcd.PID())
+	}
+	if ru.dir, err = os.MkdirTemp("", "chaos-"); err != nil {
+		return res, err
+	}
+	defer os.RemoveAll(ru.dir)
+	ctx, cancel := context.WithTimeout(ctx, env.timeout)
+	defer cancel()
+	if r.Torchrun && env.bed == nil {
+		// torchrun 1.13 --standalone always hosts its store on 29400.
+		if err := procs.WaitPortFree(ctx, 29400); err != nil {
+			return res, err
+		}
+	}
+	if env.bed == nil {
+		if ru.single, err = freeAddr(); err != nil {
+			return res, err
+		}
+	}
+	ru.t0 = time.Now()
+	defer ru.end(&res)
+	for host := range max(j.Hosts, 1) {
+		if err := ru.start(host, false); err != nil {
+			return res, err
+		}
+	}
+	witness := ru.agents[0]
+
+	tick := time.NewTicker(time.Second)
+	defer tick.Stop()
+	type replacement struct {
+		host int
+		at   time.Time
+	}
+	var pending []replacement
+	spareStarted := !r.Spare || env.bed == nil
+	next := 0
+	for !witness.done() {
+		var faultC, replaceC <-chan time.Time
+		if next < len(sched) {
+			faultC = time.After(time.Until(ru.t0.Add(sched[next].At)))
+		}
+		if len(pending) > 0 {
+			replaceC = time.After(time.Until(pending[0].at))
+		}
+		select {
+		case <-witness.exited:
+		case <-ctx.Done():
+			return res, fmt.Errorf("%s: %w after %v (%d progress lines)", r.Name, context.Cause(ctx), time.Since(ru.t0).Round(time.Second), ru.out.lines())
+		case <-faultC:
+			a := ru.bring(ctx, sched[next])
+			res.Faults = append(res.Faults, a)
+			fmt.Fprintf(ru.env.console, "# fault %v\n", a)
+			if a.Skipped == "" && a.Kind.hostFault() {
+				pending = append(pending, replacement{a.Target, time.Now().Add(env.replaceAfter)})
+			}
+			next++
+		case <-replaceC:
+			if err := ru.start(pending[0].host, true); err != nil {
+				return res, err
+			}
+			pending = pending[1:]
+		case <-tick.C:
+			// Samples while the workers run: a finishing job's agent
+			// has fewer of everything.
+			if !ru.out.started() || ru.out.finishing() {
+				break
+			}
+			if !spareStarted {
+				// The spare comes once the job runs, so that it cannot
+				// take a member's place: on the bed's extra host.
+				if err := ru.start(j.Hosts, true); err != nil {
+					return res, err
+				}
+				spareStarted = true
+			}
+			// A sample the exiting agent could not answer in full is
+			// not one.
+			s := sample(ctx, j, r, witness.cmd.Process.Pid, ru.healthAddr(0), time.Since(ru.t0), ru.out.nEpochs())
+			if s.FDs > 0 && s.RSSKiB > 0 && (r.Torchrun || s.Goroutines > 0) {
+				fmt.Fprintf(ru.env.console, "# sample %+v\n", s)
+				res.Samples = append(res.Samples, s)
+			}
+		}
+	}
+	res.Wall = witness.at.Sub(ru.t0)
+	waitErr := witness.err
+	// The others finish with it; an agent still standing by (a spare
+	// never admitted) is stopped, which is no failure.
+	ru.settle(10 * time.Second)
+	for _, a := range ru.agents[1:] {
+		// A replacement that came as the job ended finds it over:
+		// gorun's exit code 7, no failure.
+		late := a.standby && a.cmd.ProcessState != nil && a.cmd.ProcessState.ExitCode() == exitJobEnded
+		if !a.killed && !a.stopped && !late && a.err != nil && waitErr == nil {
+			waitErr = fmt.Errorf("the agent on host %d: %w", a.host, a.err)
+		}
+	}
+	for _, a := range ru.agents {
+		select {
+		case <-a.scanned:
+		case <-time.After(5 * time.Second):
+		}
+	}
+	res.Left = len(ru.cleanUp())
+	judge(&res, j, ru.out, waitErr, stepTime, lim)
+	return res, nil
+}
+
+// exitJobEnded is gorun's exit code for a node that tried to join a job
+// that had already ended.
+const exitJobEnded = 7
+
+// settle waits up to grace for every agent to exit, then stops (SIGTERM,
+// and SIGKILL after 10 s) those still running: spares that were never
+// admitted.
+func (ru *runner) settle(grace time.Duration) {
+	deadline := time.After(grace)
+	for _, a := range ru.agents {
+		select {
+		case <-a.exited:
+			continue
+		case <-deadline:
+		}
+		a.stopped = true
+		a.cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case <-a.exited:
+		case <-time.After(10 * time.Second):
+			syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+			<-a.exited
+		}
+	}
+}
+
+// end runs as runRow returns: whatever still runs (after an error) is
+// killed, the leftovers reaped and counted, the pipes closed.
+func (ru *runner) end(res *RowResult) {
+	for _, a := range ru.agents {
+		if !a.done() {
+			syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
+			<-a.exited
+		}
+	}
+	res.Left += len(ru.cleanUp())
+	for _, a := range ru.agents {
+		select {
+		case <-a.scanned:
+		case <-time.After(5 * time.Second): // a writer escaped us: stop reading
+		}
+		a.pipe.Close()
+	}
+}
+
+// cleanUp kills and reaps whatever of the job is left — our orphaned
+// children (we are a child subreaper), any process with the job's marker,
+// any process in the bed's hosts — and returns their PIDs.
+func (ru *runner) cleanUp() []int {
+	var left []int
+	for _, pid := range procs.WithEnv(ru.marker) {
+		if pid != os.Getpid() {
+			syscall.Kill(pid, syscall.SIGKILL)
+			left = append(left, pid)
+		}
+	}
+	if ru.env.bed != nil {
+		for _, h := range ru.env.bed.Hosts {
+			if pids, _ := h.PIDs(); len(pids) > 0 {
+				for _, p := range pids {
+					if !slices.Contains(left, p) {
+						left = append(left, p)
+					}
+				}
+				h.Kill()
+			}
+		}
+	}
+	n := procs.ReapOrphans(ru.spares...)
+	for len(left) < n {
+		left = append(left, 0) // reaped before the scans saw it
+	}
+	return left
+}
+
+// bring brings fault f. A rank fault picks the target rank's worker (or,
+// when that rank is not running, the next launch rank that is) among every
+// agent's, and signals it; a shrink row keeps at least half its ranks (a
+// fault that would take more is skipped), and a rank already hung is not
+// hit again. A host fault SIGKILLs the target host's agent (its workers
+// die with it: Pdeathsig) and reaps them; runRow starts a replacement on
+// that host replaceAfter later.
+func (ru *runner) bring(ctx context.Context, f Fault) Applied {
+	a := Applied{Fault: f, Rank: -1}
+	if f.Kind.hostFault() {
+		ag := ru.current(f.Target)
+		if ag == nil {
+			a.Skipped = "no agent on the host"
+			return a
+		}
+		a.At, a.PID, ag.killed = time.Since(ru.t0), ag.cmd.Process.Pid, true
+		if err := ag.cmd.Process.Signal(syscall.SIGKILL); err != nil {
+			a.Skipped = fmt.Sprintf("kill agent %d: %v", a.PID, err)
+			return a
+		}
+		select {
+		case <-ag.exited:
+		case <-time.After(5 * time.Second):
+		}
+		// Its workers, dead with it, are our orphans now: reaped, not
+		// counted as the job's leftovers; anything else of the host's
+		// goes too (a lost node's processes are gone).
+		ru.env.bed.Hosts[f.Target].Kill()
+		procs.ReapOrphans(append(ru.pids(), ru.spares...)...)
+		return a
+	}
+	var workers map[int]int
+	// Between a failure and the next group there may be no worker: wait
+	// a while for one, as a fault would strike the next group.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		workers = map[int]int{}
+		for _, pid := range ru.pids() {
+			for rank, w := range liveWorkers(pid) {
+				workers[rank] = w
+			}
+		}
+		if len(workers) > 0 || time.Now().After(deadline) || ctx.Err() != nil {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	world := ru.j.World()
+	if ru.r.Mode == modeShrink && len(workers) <= world/2 {
+		a.Skipped = "the shrink row keeps half its ranks"
+		return a
+	}
+	for i := range world {
+		rank := (f.Target + i) % world
+		if pid, ok := workers[rank]; ok {
+			a.Rank, a.PID = rank, pid
+			break
+		}
+	}
+	if a.PID == 0 {
+		a.Skipped = "no rank running"
+		return a
+	}
+	sig := map[Kind]syscall.Signal{RankKill: syscall.SIGKILL, RankExit: syscall.SIGTERM, RankHang: syscall.SIGSTOP}[f.Kind]
+	a.At = time.Since(ru.t0)
+	if err := syscall.Kill(a.PID, sig); err != nil {
+		a.Skipped = fmt.Sprintf("signal %d: %v", a.PID, err)
+	}
+	return a
+}

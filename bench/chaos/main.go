@@ -1,0 +1,323 @@
+// Command chaos runs a job of fixed work through a seeded schedule of
+// failures, under each row's launcher and failure mode, and reports per
+// row: wall time, goodput (useful rank-steps ÷ (world × wall)) beside the
+// fault-free run's, lost time per failure, steps redone, whether the
+// result is exact, and the invariants a long job needs (no step lost, no
+// process left, the agent's fds, goroutines, RSS and store keys back near
+// where they started). Issue 16.
+//
+// Why a command of its own rather than `ftbench -schedule`: ftbench
+// measures one fault to the next collective, trial after trial, its rows
+// interleaved; a soak runs one long job per row through many faults and
+// judges the whole run. They share the process chores (bench/internal/
+// procs) and the arithmetic (bench/internal/stats), not their loops.
+//
+// The work is examples/allreduce: -steps steps, each -step-ms apart, every
+// rank printing a progress line per step (--progress) and the group's
+// rank 0 checkpointing the steps done (--checkpoint, every step), so that a
+// restart resumes where the job was, as a training job that checkpoints
+// does. The fault-free row runs first; its rate is what lost time and the
+// goodput ratio are measured against, and the schedule's horizon is 3× its
+// wall time (or -horizon). The schedule (-seed, -mtbf, -min-gap, -kinds)
+// is the same for every row; a fault's time counts from the job's start.
+//
+// Rows (-rows, by number):
+//
+//  1. gorun, no faults (--on-failure shrink --regrow on): the baseline
+//     (-baseline-steps of work: its rate is what counts).
+//  2. gorun --on-failure restart.
+//  3. gorun --on-failure shrink --regrow off: the survivors carry on; the
+//     row keeps half its ranks (later faults are skipped, and counted).
+//  4. gorun --on-failure shrink --regrow on (heal): lost ranks are
+//     respawned and grown back in, a replacement agent admitted.
+//  5. torchrun 1.13 restart (-python -m torch.distributed.run --redirects 1
+//     --tee 1), its default --monitor_interval; --standalone on one host,
+//     c10d on several (each agent with its host's name: hostbed.AsHost).
+//  6. gorun heal with a hot spare: a spare agent on the bed's extra host,
+//     its workers pre-started (--spare-prestart), started once the job
+//     runs; several hosts only.
+//
+// Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the worker
+// ends between steps with exit code 1), rank-hang (SIGSTOP: gorun finds it
+// by --heartbeat-timeout, torchrun when a peer's collective times out,
+// -worker-timeout), agent-kill (SIGKILL of a host's agent, its workers
+// dying with it; a replacement agent starts on that host -replace-after
+// later — in the spare row it becomes the next spare). A rank fault picks
+// its rank among every agent's workers by RANK (the next running one when
+// that rank is not running: a pre-started spare's workers have none); an
+// agent fault never hits host 0, whose agent is the job's witness (its
+// exit code is the job's, its resources are sampled; with c10d it holds
+// the store).
+//
+// With -hosts 1 the agent runs with --standalone; with -hosts H ≥ 2 (root,
+// iproute2) agent i runs in host i of a network-namespace bed
+// (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
+// the store on host 0; etcd: one member on the bed's gateway) and its
+// host's --local-addr. Still to come (issue 16): link cuts, two faults at
+// once by design, a fault during a grow, the coordinator's host lost,
+// torchrun 2.14, PyTorch gloo workers, etcd key and lease counts.
+//
+//	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
+//	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6
+//
+// The command exits 1 when a row broke an invariant.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
+	"golang.org/x/sys/unix"
+)
+
+// config is the command's settings, from the flags.
+type config struct {
+	job        Job
+	sched      ScheduleConfig
+	kinds      string
+	horizon    time.Duration // 0: 3× the fault-free wall time
+	rows       string
+	rowTimeout time.Duration
+	logs       string // keep every row's console output here
+	root       string // the repository, to build from
+	limits     Limits
+	etcd       string        // the etcd binary, for -backend etcd
+	replace    time.Duration // a killed agent's replacement starts this much later
+	// baselineSteps is the fault-free row's work (0: -steps): its rate is
+	// what is measured, and a shorter run gives it sooner.
+	baselineSteps int
+}
+
+func main() {
+	var c config
+	flag.IntVar(&c.job.Nproc, "nproc", 4, "ranks per host")
+	flag.IntVar(&c.job.Hosts, "hosts", 1, "hosts: 1 (--standalone), or 2 or more network-namespace hosts (root, iproute2), with a spare host for the hot-spare row")
+	flag.StringVar(&c.job.Backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member on the bed's gateway)")
+	flag.StringVar(&c.job.RdzvConf, "rdzv-conf", "join_timeout=1800,last_call_timeout=1", "every multi-host agent's --rdzv-conf (a spare stands by for up to join_timeout)")
+	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
+	flag.DurationVar(&c.replace, "replace-after", time.Second, "a killed agent's replacement (a replacement node) starts on its host this much later")
+	flag.IntVar(&c.baselineSteps, "baseline-steps", 0, "the fault-free row's steps (default -steps)")
+	flag.IntVar(&c.job.Steps, "steps", 1200, "the fixed work: allreduce steps")
+	flag.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
+	flag.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout: how long a collective waits on a silent peer")
+	flag.StringVar(&c.job.HeartbeatTimeout, "heartbeat-timeout", "2", "gorun's --heartbeat-timeout, seconds (a hung rank)")
+	flag.StringVar(&c.job.RespawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff in the heal row, seconds")
+	flag.StringVar(&c.job.ShutdownTimeout, "shutdown-timeout", "", "gorun's --shutdown-timeout, seconds (default gorun's, 30: a hung rank ignores SIGTERM)")
+	flag.StringVar(&c.job.Gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
+	flag.StringVar(&c.job.Worker, "worker", "", "examples/allreduce binary (default: build it)")
+	flag.StringVar(&c.job.Python, "python", "/usr/bin/python3", "Python with PyTorch 1.13, for torchrun")
+	flag.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
+	flag.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
+	flag.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
+	flag.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated")
+	flag.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
+	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
+	flag.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")
+	flag.StringVar(&c.logs, "logs", "", "keep every row's console output in this directory")
+	flag.StringVar(&c.root, "root", ".", "the repository's root")
+	flag.Parse()
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	defer stop()
+	results, err := run(ctx, &c, os.Stdout, os.Stderr)
+	if err == nil {
+		for _, r := range results {
+			if len(r.Violations) > 0 {
+				err = errors.New("a row broke an invariant")
+			}
+		}
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "chaos:", err)
+		os.Exit(1)
+	}
+}
+
+// run runs the selected rows and prints the table on stdout, progress on
+// stderr.
+func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult, error) {
+	selected, err := selectRows(c.rows)
+	if err != nil {
+		return nil, err
+	}
+	if c.baselineSteps == 0 {
+		c.baselineSteps = c.job.Steps
+	}
+	switch {
+	case c.job.Hosts < 1 || c.job.Nproc < 1:
+		return nil, errors.New("-hosts and -nproc must be at least 1")
+	case c.job.Hosts > 1 && c.job.Backend != backendC10d && c.job.Backend != backendEtcd:
+		return nil, fmt.Errorf("-backend %q: want %s or %s", c.job.Backend, backendC10d, backendEtcd)
+	}
+	split := strings.Split(c.kinds, ",")
+	if c.sched.Kinds, err = ParseKinds(split); err != nil {
+		return nil, err
+	}
+	// Orphans of a launcher are reparented to us, so none escapes.
+	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
+		return nil, fmt.Errorf("become a subreaper: %w", err)
+	}
+	tmp, err := os.MkdirTemp("", "chaos-bin-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	if err := build(ctx, c.root, tmp, &c.job); err != nil {
+		return nil, err
+	}
+	if c.logs != "" {
+		if err := os.MkdirAll(c.logs, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	var notes []string
+	skip := func(drop func(Row) bool, note string) {
+		if slices.ContainsFunc(selected, drop) {
+			notes = append(notes, note)
+			fmt.Fprintln(stderr, "chaos:", note)
+			selected = slices.DeleteFunc(selected, drop)
+		}
+	}
+	torchrun := func(r Row) bool { return r.Torchrun }
+	switch {
+	case c.job.Hosts > 1 && c.job.Backend != backendC10d:
+		skip(torchrun, "torchrun row skipped: torchrun 1.13's etcd rendezvous speaks etcd's v2 API; it runs with -backend c10d")
+	case !torchAvailable(ctx, c.job.Python):
+		skip(torchrun, fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python))
+	}
+	if c.job.Hosts <= 1 {
+		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
+	}
+	env := runEnv{replaceAfter: c.replace, timeout: c.rowTimeout}
+	if c.job.Hosts > 1 {
+		cfg := hostbed.Config{Hosts: c.job.Hosts + 1, Dir: tmp} // the last: the spare's
+		if c.job.Backend == backendEtcd {
+			cfg.Etcd = c.etcd
+		}
+		bed, err := hostbed.Create(ctx, cfg)
+		if err != nil {
+			return nil, err
+		}
+		defer bed.Close()
+		env.bed, c.job.HostIPs, c.job.HostNames, c.job.HostsFile = bed, bed.IPs, bed.Names, bed.HostsFile
+		if bed.Etcd != nil {
+			c.job.EtcdEndpoint = bed.Etcd.Endpoint
+		}
+	}
+
+	var results []RowResult
+	var stepTime time.Duration
+	var sched []Fault
+	runOne := func(i int, r Row) error {
+		console := io.Discard
+		if c.logs != "" {
+			f, err := os.Create(consolePath(c.logs, i, r))
+			if err != nil {
+				return err
+			}
+			defer f.Close()
+			console = f
+		}
+		j := c.job
+		// Each run its own rendezvous id: etcd keeps a finished run's
+		// state.
+		j.RunID = fmt.Sprintf("chaos-%d-%d", os.Getpid(), i+1)
+		var s []Fault
+		if r.FaultFree {
+			j.Steps = c.baselineSteps
+		} else {
+			s = sched
+		}
+		env.console = console
+		res, err := runRow(ctx, j, r, s, stepTime, c.limits, env)
+		switch {
+		case errors.Is(err, context.DeadlineExceeded) && ctx.Err() == nil && !r.FaultFree:
+			// A row that never finished is the row's result, not the
+			// end of the run: the job did not complete.
+			res.Wall = c.rowTimeout
+			res.Violations = append(res.Violations, err.Error())
+		case err != nil:
+			return err
+		}
+		fmt.Fprintf(stderr, "chaos: %s: wall %.1f s, goodput %.2f, %d faults, %d violations %v\n",
+			r.Name, res.Wall.Seconds(), res.Report.Goodput, res.Brought(), len(res.Violations), res.Violations)
+		results = append(results, res)
+		return nil
+	}
+	// The fault-free row first: the others are measured against it.
+	for i, r := range rows {
+		if r.FaultFree {
+			if err := runOne(i, r); err != nil {
+				return results, err
+			}
+			stepTime = results[0].Wall / time.Duration(c.baselineSteps)
+		}
+	}
+	c.sched.World, c.sched.Hosts = c.job.World(), c.job.Hosts
+	c.sched.Horizon = c.horizon
+	if c.sched.Horizon == 0 {
+		c.sched.Horizon = 3 * time.Duration(c.job.Steps) * max(stepTime, time.Duration(c.job.StepMs)*time.Millisecond)
+	}
+	if sched, err = NewSchedule(c.sched); err != nil {
+		return results, err
+	}
+	fmt.Fprintf(stderr, "chaos: schedule (seed %d): %d faults within %v\n", c.sched.Seed, len(sched), c.sched.Horizon)
+	for _, r := range selected {
+		if r.FaultFree {
+			continue
+		}
+		i := indexOf(r)
+		if err := runOne(i, r); err != nil {
+			return results, err
+		}
+	}
+	printTable(stdout, c, results, notes)
+	return results, nil
+}
+
+func indexOf(r Row) int {
+	for i, x := range rows {
+		if x.Name == r.Name {
+			return i
+		}
+	}
+	return -1
+}
+
+// build builds gorun and the Go worker into dir unless the job names them.
+func build(ctx context.Context, root, dir string, j *Job) error {
+	for _, b := range []struct {
+		path *string
+		pkg  string
+	}{{&j.Gorun, "./cmd/gorun"}, {&j.Worker, "./examples/allreduce"}} {
+		if *b.path != "" {
+			continue
+		}
+		*b.path = filepath.Join(dir, filepath.Base(b.pkg))
+		cmd := exec.CommandContext(ctx, "go", "build", "-o", *b.path, b.pkg)
+		cmd.Dir = root
+		cmd.Env = append(cmd.Environ(), "CGO_ENABLED=0")
+		if out, err := cmd.CombinedOutput(); err != nil {
+			return fmt.Errorf("go build %s: %w\n%s", b.pkg, err, out)
+		}
+	}
+	return nil
+}
+
+// torchAvailable reports whether python can import torch.
+func torchAvailable(ctx context.Context, python string) bool {
+	ctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	return exec.CommandContext(ctx, python, "-c", "import torch").Run() == nil
+}

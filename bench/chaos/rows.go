@@ -1,0 +1,185 @@
+package main
+
+import (
+	"fmt"
+	"net"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+
+	"github.com/gorunhq/gorun/bench/internal/hostbed"
+)
+
+// The failure modes of a row: gorun's --on-failure, and heal (shrink with
+// the lost ranks respawned and grown back in). torchrun only restarts.
+const (
+	modeRestart = "restart"
+	modeShrink  = "shrink"
+	modeHeal    = "heal"
+)
+
+// Row is one line of the table: a launcher in a failure mode. Every row
+// runs the same Go worker (examples/allreduce) through the same schedule.
+type Row struct {
+	Name     string
+	Torchrun bool   // torchrun 1.13 instead of gorun
+	Mode     string // modeRestart, modeShrink or modeHeal
+	// FaultFree: the row runs no fault; its goodput is the one the others
+	// are compared with.
+	FaultFree bool
+	// Spare: a hot spare agent stands by on the bed's extra host (several
+	// hosts only), started once the job runs, its workers pre-started
+	// (--spare-prestart).
+	Spare bool
+}
+
+// rows are the rows the harness knows, in table order.
+var rows = []Row{
+	{Name: "gorun, no faults", Mode: modeHeal, FaultFree: true},
+	{Name: "gorun restart", Mode: modeRestart},
+	{Name: "gorun shrink (--regrow off)", Mode: modeShrink},
+	{Name: "gorun shrink+heal", Mode: modeHeal},
+	{Name: "torchrun 1.13 restart", Torchrun: true, Mode: modeRestart},
+	{Name: "gorun heal, hot spare", Mode: modeHeal, Spare: true},
+}
+
+// selectRows returns the rows named by number (1-based, comma-separated),
+// in table order; all of them for "".
+func selectRows(s string) ([]Row, error) {
+	if s == "" {
+		return slices.Clone(rows), nil
+	}
+	var idx []int
+	for f := range strings.SplitSeq(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 || n > len(rows) {
+			return nil, fmt.Errorf("-rows: %q is not a row number 1..%d", f, len(rows))
+		}
+		if !slices.Contains(idx, n-1) {
+			idx = append(idx, n-1)
+		}
+	}
+	slices.Sort(idx)
+	var out []Row
+	for _, i := range idx {
+		out = append(out, rows[i])
+	}
+	return out, nil
+}
+
+// Job is what every row runs: the binaries and the fixed work.
+type Job struct {
+	Gorun, Worker, Python string
+	Nproc                 int // ranks per host
+	// Hosts: 1 runs one agent with --standalone; 2 or more run agent i
+	// on host i of a network-namespace bed, meeting by Backend's
+	// rendezvous.
+	Hosts   int
+	Backend string // backendC10d (the store on host 0) or backendEtcd
+	// The bed's host addresses and the etcd member's endpoint (several
+	// hosts).
+	HostIPs      []string
+	EtcdEndpoint string
+	// HostNames and HostsFile give torchrun its host's name (see
+	// hostbed.AsHost).
+	HostNames []string
+	HostsFile string
+	// RdzvConf is every multi-host agent's --rdzv-conf.
+	RdzvConf string
+	// RunID is the job's --rdzv-id: every agent of a run, replacements
+	// included, has the same; each run its own (etcd keeps a finished
+	// run's state).
+	RunID  string
+	Steps  int // the fixed work
+	StepMs int // each step's cost: the worker's pause before it
+	// WorkerTimeout is the worker's --timeout: how long a collective may
+	// wait on a silent (hung) peer before it fails. Under torchrun, which
+	// has no hang detection, it is what ends a hang.
+	WorkerTimeout string
+	// HeartbeatTimeout is gorun's --heartbeat-timeout, in seconds: a
+	// rank that has not stepped for that long is hung.
+	HeartbeatTimeout string
+	// RespawnBackoff is gorun's --respawn-backoff in the heal rows.
+	RespawnBackoff string
+	// ShutdownTimeout is gorun's --shutdown-timeout, seconds; "" for its
+	// default (30 s, torchrun's too). A hung (SIGSTOPped) rank ignores
+	// the SIGTERM that stops a group, so a restart that stops one waits
+	// this long before its SIGKILL.
+	ShutdownTimeout string
+}
+
+// Rendezvous backends of several hosts.
+const (
+	backendC10d = "c10d"
+	backendEtcd = "etcd"
+	// c10dPort is where host 0's agent hosts the c10d store (torchrun's
+	// port, in host 0's own namespace).
+	c10dPort = 29400
+	// healthPort is every multi-host agent's --health-addr port, on its
+	// host's address (each host has its own ports).
+	healthPort = 29401
+)
+
+// World is the job's full size.
+func (j Job) World() int { return j.Nproc * max(j.Hosts, 1) }
+
+// agentArgv is the command line of a row's agent on host (0 with one
+// host): dir holds its logs and the worker's checkpoint (one file system
+// for every host), healthAddr is gorun's --health-addr. standby: the agent
+// comes to a running job (a spare, a replacement); in a spare row it
+// pre-starts its workers.
+func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []string {
+	logs := filepath.Join(dir, "logs", "h"+strconv.Itoa(host))
+	worker := []string{j.Worker, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
+		"--progress", "--checkpoint", filepath.Join(dir, "checkpoint"), "--timeout", j.WorkerTimeout}
+	// Restarts and respawns are not what ends a run here: the schedule's
+	// faults are many by design.
+	const plenty = "100000"
+	if r.Torchrun {
+		// --redirects 1 --tee 1: torchrun 1.13 crashes on Python 3.11
+		// without them. Its --monitor_interval stays its default (5 s).
+		argv := []string{j.Python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"}
+		if j.Hosts <= 1 {
+			argv = append(argv, "--standalone")
+		} else {
+			// torchrun 1.13 finds its address by its host name, and its
+			// etcd rendezvous speaks etcd's v2 API: c10d only.
+			argv = append(hostbed.AsHost(j.HostsFile, j.HostNames[host]), argv...)
+			argv = append(argv, "--nnodes", strconv.Itoa(j.Hosts), "--rdzv_backend", backendC10d,
+				"--rdzv_endpoint", net.JoinHostPort(j.HostIPs[0], strconv.Itoa(c10dPort)), "--rdzv_id", j.RunID, "--rdzv_conf", j.RdzvConf)
+		}
+		argv = append(argv, "--nproc_per_node", strconv.Itoa(j.Nproc), "--max_restarts", plenty, "--log_dir", logs, "--no_python")
+		return append(argv, worker...)
+	}
+	argv := []string{j.Gorun}
+	if j.Hosts <= 1 {
+		argv = append(argv, "--standalone")
+	} else {
+		endpoint, conf := net.JoinHostPort(j.HostIPs[0], strconv.Itoa(c10dPort)), j.RdzvConf
+		if j.Backend == backendEtcd {
+			// lease_ttl=1: a lost agent's lease lapses in about a second.
+			endpoint, conf = j.EtcdEndpoint, conf+",lease_ttl=1"
+		}
+		argv = append(argv, "--nnodes", strconv.Itoa(j.Hosts), "--rdzv-backend", j.Backend, "--rdzv-endpoint", endpoint,
+			"--rdzv-id", j.RunID, "--rdzv-conf", conf, "--local-addr", j.HostIPs[host])
+		if r.Spare && standby {
+			argv = append(argv, "--spare-prestart")
+		}
+	}
+	argv = append(argv, "--nproc-per-node", strconv.Itoa(j.Nproc), "--log-dir", logs,
+		"--health-addr", healthAddr, "--heartbeat-timeout", j.HeartbeatTimeout, "--max-restarts", plenty)
+	if j.ShutdownTimeout != "" {
+		argv = append(argv, "--shutdown-timeout", j.ShutdownTimeout)
+	}
+	switch r.Mode {
+	case modeRestart:
+		argv = append(argv, "--on-failure", modeRestart)
+	case modeShrink:
+		argv = append(argv, "--on-failure", modeShrink, "--regrow", "off")
+	case modeHeal:
+		argv = append(argv, "--on-failure", modeShrink, "--regrow", "on", "--max-respawns", plenty,
+			"--respawn-backoff", j.RespawnBackoff)
+	}
+	return append(append(argv, "--no-python"), worker...)
+}

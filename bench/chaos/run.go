@@ -1,0 +1,310 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"maps"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/gorunhq/gorun/bench/internal/procs"
+)
+
+// Limits are how far an agent's resources may be above their first sample
+// at the end of a run (the invariants "back within a small constant").
+// Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys.
+type Limits struct {
+	FDs, Goroutines int
+	RSSKiB          int
+	Keys            int
+}
+
+func (l Limits) withDefaults() Limits {
+	if l.FDs == 0 {
+		l.FDs = 8
+	}
+	if l.Goroutines == 0 {
+		l.Goroutines = 30
+	}
+	if l.RSSKiB == 0 {
+		l.RSSKiB = 24 << 10
+	}
+	if l.Keys == 0 {
+		l.Keys = 32
+	}
+	return l
+}
+
+// Applied is a fault as it was brought: when (from the job's start), to
+// which rank and process; or why it was skipped.
+type Applied struct {
+	Fault
+	At      time.Duration
+	Rank    int
+	PID     int
+	Skipped string
+}
+
+// Sample is an agent's resources at a moment of the run. -1: unknown
+// (torchrun has no /metrics; a store that did not answer).
+type Sample struct {
+	At         time.Duration
+	FDs        int
+	Goroutines int
+	RSSKiB     int
+	Keys       int
+	Epochs     int    // distinct (attempt, epoch) pairs seen so far
+	Store      string // the workers' store whose keys were counted
+}
+
+// RowResult is one row's run.
+type RowResult struct {
+	Row     Row
+	Wall    time.Duration
+	Report  Report
+	Faults  []Applied
+	Samples []Sample
+	Epochs  int     // distinct (attempt, epoch) pairs the workers ran
+	Sum     float64 // the final sum every rank reported
+	Exact   bool    // every rank done with the expected sum, all steps
+	// Left counts the job's processes found after its agent exited.
+	Left int
+	// Violations are the invariants the run broke; none for a good run.
+	Violations []string
+}
+
+// Brought counts the faults that were brought, not skipped.
+func (r RowResult) Brought() int {
+	n := 0
+	for _, a := range r.Faults {
+		if a.Skipped == "" {
+			n++
+		}
+	}
+	return n
+}
+
+// judge measures the run and checks the invariants, recording every
+// broken one in res.Violations.
+func judge(res *RowResult, j Job, out *output, waitErr error, stepTime time.Duration, lim Limits) {
+	bad := func(format string, a ...any) { res.Violations = append(res.Violations, fmt.Sprintf(format, a...)) }
+	if waitErr != nil {
+		bad("the job did not complete: agent %v", waitErr)
+	}
+	out.mu.Lock()
+	run := Run{Steps: j.Steps, World: j.World(), Wall: res.Wall}
+	run.Progress = out.progress()
+	done := slices.Clone(out.done)
+	res.Epochs = len(out.epochs)
+	out.mu.Unlock()
+	for _, a := range res.Faults {
+		if a.Skipped == "" {
+			run.Faults = append(run.Faults, a.At)
+		}
+	}
+	rep, err := Measure(run, stepTime)
+	res.Report = rep
+	if err != nil {
+		bad("%v", err)
+	}
+
+	// Launch rank r contributes r+1: the sum must be over exactly the
+	// ranks of the final group. Its size is the last done line's world,
+	// and its members the ranks of the last that many lines (a group that
+	// finished before a late restart printed done lines too).
+	res.Exact = len(done) > 0
+	if res.Exact {
+		final := done[max(len(done)-done[len(done)-1].world, 0):]
+		want := 0.0
+		ranks := map[int]bool{}
+		for _, d := range final {
+			if !ranks[d.launch] {
+				want += float64(d.launch + 1)
+			}
+			ranks[d.launch] = true
+		}
+		if len(ranks) != len(final) {
+			res.Exact = false
+			bad("the last %d done lines are not %d ranks'", len(final), len(final))
+		}
+		for _, d := range final {
+			res.Sum = d.sum
+			if d.steps != j.Steps || d.sum != want {
+				res.Exact = false
+				bad("launch rank %d done after %d of %d steps with sum %g, want %g (the final group's ranks %v)", d.launch, d.steps, j.Steps, d.sum, want, slices.Sorted(maps.Keys(ranks)))
+			}
+		}
+	} else {
+		bad("no rank reported done")
+	}
+	if res.Left > 0 {
+		bad("%d processes of the job left after its agent exited", res.Left)
+	}
+	checkSamples(res, res.Row, lim, bad)
+}
+
+// checkSamples checks the agent's resources at the end against its first
+// sample: fds, goroutines and RSS back within lim; store keys against the
+// first sample after 2 epochs.
+func checkSamples(res *RowResult, r Row, lim Limits, bad func(string, ...any)) {
+	if len(res.Samples) < 2 {
+		return
+	}
+	first, last := res.Samples[0], res.Samples[len(res.Samples)-1]
+	grew := func(what string, a, b, limit int) {
+		if a >= 0 && b >= 0 && b-a > limit {
+			bad("agent %s grew from %d to %d by epoch %d (limit +%d)", what, a, b, last.Epochs, limit)
+		}
+	}
+	// The end is the least of the last three samples: one taken while a
+	// restart or respawn holds a new worker's pipes and goroutines is a
+	// moment, not a leak; a leak is in all three.
+	tail := res.Samples[max(len(res.Samples)-3, 0):]
+	least := func(v func(Sample) int) int {
+		m := v(tail[0])
+		for _, s := range tail[1:] {
+			m = min(m, v(s))
+		}
+		return m
+	}
+	grew("open fds", first.FDs, least(func(s Sample) int { return s.FDs }), lim.FDs)
+	grew("goroutines", first.Goroutines, least(func(s Sample) int { return s.Goroutines }), lim.Goroutines)
+	grew("RSS KiB", first.RSSKiB, least(func(s Sample) int { return s.RSSKiB }), lim.RSSKiB)
+	// Keys against the store after 2 epochs (the issue's measure): a
+	// job's first epochs add its bookkeeping once.
+	base := first
+	for _, s := range res.Samples {
+		if s.Epochs >= 3 { // the initial (attempt, epoch) and 2 more
+			base = s
+			break
+		}
+	}
+	grew("store keys", base.Keys, last.Keys, lim.Keys)
+	if !r.Torchrun && first.Goroutines < 0 {
+		bad("the agent's /metrics had no go_goroutines")
+	}
+}
+
+// liveWorkers maps the launch rank of every worker under agent that is
+// running (not stopped, not a zombie) to its PID.
+func liveWorkers(agent int) map[int]int {
+	out := map[int]int{}
+	for _, pid := range procs.Descendants(agent) {
+		v, ok := procs.Env(pid, "RANK")
+		if !ok || !running(pid) {
+			continue
+		}
+		if rank, err := strconv.Atoi(v); err == nil {
+			out[rank] = pid
+		}
+	}
+	return out
+}
+
+// running reports whether pid is neither stopped nor a zombie.
+func running(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return false
+	}
+	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	return len(f) > 0 && f[0] != "T" && f[0] != "t" && f[0] != "Z"
+}
+
+// sample reads the agent's resources: fds and RSS from /proc, goroutines
+// from its /metrics (gorun), store keys by `gorun store num-keys` on the
+// workers' store (GORUN_STORE, gorun).
+func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, at time.Duration, epochs int) Sample {
+	s := Sample{At: at, FDs: -1, Goroutines: -1, RSSKiB: -1, Keys: -1, Epochs: epochs}
+	if fds, err := os.ReadDir("/proc/" + strconv.Itoa(agent) + "/fd"); err == nil {
+		s.FDs = len(fds)
+	}
+	if b, err := os.ReadFile("/proc/" + strconv.Itoa(agent) + "/status"); err == nil {
+		for line := range strings.SplitSeq(string(b), "\n") {
+			if v, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+				s.RSSKiB, _ = strconv.Atoi(strings.TrimSuffix(strings.TrimSpace(v), " kB"))
+			}
+		}
+	}
+	if r.Torchrun {
+		return s
+	}
+	s.Goroutines = metric(ctx, healthAddr, "go_goroutines")
+	for _, pid := range procs.Children(agent) {
+		if store, ok := procs.Env(pid, "GORUN_STORE"); ok {
+			s.Store = store
+			s.Keys = numKeys(ctx, j.Gorun, store)
+			break
+		}
+	}
+	return s
+}
+
+// metric reads one gauge from a Prometheus text endpoint; -1 when absent.
+func metric(ctx context.Context, addr, name string) int {
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+addr+"/metrics", nil)
+	// No connection is kept: the agent's fd count is what is measured.
+	req.Close = true
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return -1
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), name+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err == nil {
+				return int(f)
+			}
+		}
+	}
+	return -1
+}
+
+// numKeys counts the keys of a store with the store toolbox; -1 when it
+// does not answer.
+func numKeys(ctx context.Context, gorun, store string) int {
+	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(ctx, gorun, "store", "num-keys", "--store", store).Output()
+	if err != nil {
+		return -1
+	}
+	n, err := strconv.Atoi(strings.TrimSpace(string(out)))
+	if err != nil {
+		return -1
+	}
+	return n
+}
+
+// freeAddr is a loopback address with a port that was free a moment ago.
+func freeAddr() (string, error) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer ln.Close()
+	return ln.Addr().String(), nil
+}
+
+// consolePath names a row's console log under dir.
+func consolePath(dir string, i int, r Row) string {
+	name := strings.Map(func(c rune) rune {
+		if c >= 'a' && c <= 'z' || c >= '0' && c <= '9' {
+			return c
+		}
+		return '-'
+	}, strings.ToLower(r.Name))
+	return filepath.Join(dir, fmt.Sprintf("row%d-%s.log", i+1, name))
+}

@@ -1,0 +1,45 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+)
+
+// TestCheckSamples: the agent's resources are judged at the least of the
+// last three samples against the first, store keys against the store
+// after 2 epochs.
+func TestCheckSamples(t *testing.T) {
+	s := func(fds, gor, keys, epochs int) Sample {
+		return Sample{FDs: fds, Goroutines: gor, RSSKiB: 1000, Keys: keys, Epochs: epochs}
+	}
+	lim := Limits{}.withDefaults()
+	tests := []struct {
+		name    string
+		samples []Sample
+		want    []string // substrings, one per violation
+	}{
+		{"steady", []Sample{s(40, 30, 4, 1), s(41, 31, 4, 2), s(40, 30, 4, 3)}, nil},
+		{"a restart's moment at the end", []Sample{s(40, 30, 4, 1), s(40, 30, 4, 2), s(40, 30, 4, 3), s(60, 70, 4, 3)}, nil},
+		{"fds leak", []Sample{s(40, 30, 4, 1), s(60, 30, 4, 2), s(61, 30, 4, 3), s(62, 30, 4, 4)}, []string{"open fds grew from 40 to 60"}},
+		{"goroutine leak", []Sample{s(40, 30, 4, 1), s(40, 90, 4, 2), s(40, 90, 4, 3), s(40, 91, 4, 4)}, []string{"goroutines grew from 30 to 90"}},
+		{"keys after 2 epochs are the base", []Sample{s(40, 30, 0, 1), s(40, 30, 20, 3), s(40, 30, 40, 9)}, nil},
+		{"keys grow with epochs", []Sample{s(40, 30, 0, 1), s(40, 30, 10, 3), s(40, 30, 80, 40)}, []string{"store keys grew from 10 to 80 by epoch 40"}},
+		{"no go_goroutines", []Sample{s(40, -1, 4, 1), s(40, -1, 4, 2)}, []string{"no go_goroutines"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			res := RowResult{Samples: tt.samples}
+			var got []string
+			checkSamples(&res, rows[1], lim, func(f string, a ...any) { got = append(got, fmt.Sprintf(f, a...)) })
+			if len(got) != len(tt.want) {
+				t.Fatalf("violations %q, want %d: %q", got, len(tt.want), tt.want)
+			}
+			for i, w := range tt.want {
+				if !strings.Contains(got[i], w) {
+					t.Errorf("violation %q lacks %q", got[i], w)
+				}
+			}
+		})
+	}
+}

@@ -1,0 +1,106 @@
+package main
+
+import (
+	"errors"
+	"reflect"
+	"testing"
+	"time"
+)
+
+func TestScheduleDeterministic(t *testing.T) {
+	c := ScheduleConfig{Seed: 7, MTBF: 10 * time.Second, Horizon: 10 * time.Minute, World: 4, Hosts: 2,
+		Kinds: []Kind{RankKill, RankExit, RankHang, AgentKill}}
+	a, err := NewSchedule(c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, _ := NewSchedule(c)
+	if !reflect.DeepEqual(a, b) {
+		t.Fatalf("the same seed gave two schedules:\n%v\n%v", a, b)
+	}
+	c.Seed = 8
+	other, _ := NewSchedule(c)
+	if reflect.DeepEqual(a, other) {
+		t.Errorf("seeds 7 and 8 gave the same schedule")
+	}
+}
+
+// TestScheduleShape checks what every schedule promises, over many seeds:
+// faults in time order, within the horizon, MinGap apart and from the
+// start, targets in range (host faults never host 0), every kind drawn,
+// and the mean gap near MTBF.
+func TestScheduleShape(t *testing.T) {
+	tests := []struct {
+		name string
+		c    ScheduleConfig
+	}{
+		{"rank kinds, one host", ScheduleConfig{MTBF: 30 * time.Second, Horizon: time.Hour, World: 8}},
+		{"every kind, 2 hosts", ScheduleConfig{MTBF: 5 * time.Second, MinGap: 2 * time.Second, Horizon: time.Hour, World: 4, Hosts: 2, Kinds: allKinds}},
+		{"no min gap", ScheduleConfig{MTBF: time.Second, MinGap: -0, Horizon: 10 * time.Minute, World: 2}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			c := tt.c.withDefaults()
+			var gaps, n float64
+			kinds := map[Kind]int{}
+			for seed := range uint64(20) {
+				tt.c.Seed = seed
+				fs, err := NewSchedule(tt.c)
+				if err != nil {
+					t.Fatal(err)
+				}
+				prev := time.Duration(0)
+				for _, f := range fs {
+					if f.At-prev < c.MinGap || f.At >= c.Horizon {
+						t.Fatalf("seed %d: %v after %v: want ≥ %v later and before %v", seed, f, prev, c.MinGap, c.Horizon)
+					}
+					if f.Kind.hostFault() && (f.Target < 1 || f.Target >= c.Hosts) || !f.Kind.hostFault() && (f.Target < 0 || f.Target >= c.World) {
+						t.Fatalf("seed %d: %v: target out of range", seed, f)
+					}
+					kinds[f.Kind]++
+					prev = f.At
+				}
+				gaps += float64(prev)
+				n += float64(len(fs))
+			}
+			if mean := time.Duration(gaps / n); mean < c.MTBF*8/10 || mean > c.MTBF*12/10 {
+				t.Errorf("mean gap %v, want about %v", mean, c.MTBF)
+			}
+			for _, k := range c.Kinds {
+				if kinds[k] == 0 {
+					t.Errorf("kind %s never drawn", k)
+				}
+			}
+		})
+	}
+}
+
+func TestScheduleErrors(t *testing.T) {
+	tests := []struct {
+		name string
+		c    ScheduleConfig
+	}{
+		{"no horizon", ScheduleConfig{World: 2}},
+		{"no world", ScheduleConfig{Horizon: time.Minute}},
+		{"gap beyond mtbf", ScheduleConfig{Horizon: time.Minute, World: 2, MTBF: time.Second, MinGap: 2 * time.Second}},
+		{"host fault on one host", ScheduleConfig{Horizon: time.Minute, World: 2, Kinds: []Kind{AgentKill}}},
+		{"unknown kind", ScheduleConfig{Horizon: time.Minute, World: 2, Kinds: []Kind{"meteor"}}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if _, err := NewSchedule(tt.c); !errors.Is(err, ErrSchedule) {
+				t.Errorf("NewSchedule = %v, want ErrSchedule", err)
+			}
+		})
+	}
+}
+
+func TestParseKinds(t *testing.T) {
+	got, err := ParseKinds([]string{"rank-kill", "agent-kill"})
+	if err != nil || !reflect.DeepEqual(got, []Kind{RankKill, AgentKill}) {
+		t.Errorf("ParseKinds = %v, %v", got, err)
+	}
+	if _, err := ParseKinds([]string{"rank-kill", "flood"}); !errors.Is(err, ErrSchedule) {
+		t.Errorf("ParseKinds(flood) = %v, want ErrSchedule", err)
+	}
+}
