@@ -258,11 +258,17 @@ func (g *group) record(x workerExit) {
 	}
 }
 
-// signal sends sig to the process group of every worker still running.
+// signal sends sig to the process group of every worker still running,
+// and then SIGCONT: a stopped worker (SIGSTOP, a debugger's) acts on sig
+// only once continued, and would otherwise hold the group for the whole
+// grace period.
 func (g *group) signal(sig syscall.Signal) {
 	for _, w := range g.workers {
 		if !w.exited {
 			syscall.Kill(-w.proc.Pid, sig)
+			if sig != syscall.SIGKILL && sig != syscall.SIGCONT {
+				syscall.Kill(-w.proc.Pid, syscall.SIGCONT)
+			}
 		}
 	}
 }

@@ -190,6 +190,16 @@ func TestLaunchSignalForwardingAndExitCode(t *testing.T) {
 			wantCode: 128 + 15, minTime: 600 * time.Millisecond, maxTime: 5 * time.Second,
 		},
 		{
+			// A stopped worker (SIGSTOP: a debugger's, or a chaos test's
+			// hang) gets SIGCONT after the SIGTERM, so it need not wait
+			// out the grace period to act on it.
+			name:     "a stopped worker acts on SIGTERM at once",
+			worker:   `trap 'echo got-TERM; exit 0' TERM; echo pid=$$; kill -STOP $$; while :; do sleep 0.05; done`,
+			extra:    []string{"--shutdown-timeout", "30"},
+			send:     []syscall.Signal{syscall.SIGTERM},
+			wantCode: 128 + 15, maxTime: 5 * time.Second,
+		},
+		{
 			name:     "a second SIGINT kills at once",
 			worker:   `trap '' INT; echo pid=$$; while :; do sleep 0.05; done`,
 			extra:    []string{"--shutdown-timeout", "30"},
