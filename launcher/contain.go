@@ -70,6 +70,9 @@ func (a *agent) openContainment() error {
 		if removed, err := cgroup.SweepStale(parent, prefix, cgroupRemoveTimeout); len(removed) > 0 || err != nil {
 			a.log.Info("removed the cgroups of agents that died with their guard", zap.Strings("jails", removed), zap.Error(err))
 		}
+		if removed, err := cgroup.SweepDeadNamespaces(parent, jailFamily, cgroupRemoveTimeout); len(removed) > 0 || err != nil {
+			a.log.Info("removed the cgroups of agents that were PID 1 of a namespace now gone", zap.Strings("jails", removed), zap.Error(err))
+		}
 	}
 	j, err := cgroup.Open(parent, fmt.Sprintf("%s%d-%s", prefix, os.Getpid(), randomID()[:8]))
 	if err != nil {
@@ -197,14 +200,17 @@ func (c *containment) remove(w *worker) {
 	w.slot = nil
 }
 
+// jailFamily starts every agent's jail name.
+const jailFamily = "gorun-"
+
 // jailPrefix starts the names of this PID namespace's agents' jails:
-// "gorun-<pid namespace inode>-"; known is false when the namespace
-// cannot be read, and then no jail is taken for another's.
+// jailFamily, the PID namespace's inode, "-"; known is false when the
+// namespace cannot be read, and then no jail is taken for another's.
 func jailPrefix() (prefix string, known bool) {
 	l, err := os.Readlink("/proc/self/ns/pid") // "pid:[4026531836]"
 	_, v, ok := strings.Cut(l, "[")
 	if err != nil || !ok {
-		return "gorun-", false
+		return jailFamily, false
 	}
-	return "gorun-" + strings.TrimSuffix(v, "]") + "-", true
+	return jailFamily + strings.TrimSuffix(v, "]") + "-", true
 }

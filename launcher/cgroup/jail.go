@@ -237,6 +237,17 @@ func parseCounter(b []byte, key string) (int64, error) {
 // process lives is left alone, even if its PID was reused. It returns the
 // jails it removed.
 func SweepStale(parent, prefix string, within time.Duration) ([]string, error) {
+	return sweep(parent, within, func(name string) bool {
+		rest, ok := strings.CutPrefix(name, prefix)
+		pidText, _, _ := strings.Cut(rest, "-")
+		pid, err := strconv.Atoi(pidText)
+		return ok && err == nil && pid > 0 && !processExists(pid)
+	})
+}
+
+// sweep removes the cgroups directly under parent whose names stale
+// accepts, and returns them.
+func sweep(parent string, within time.Duration, stale func(name string) bool) ([]string, error) {
 	entries, err := os.ReadDir(parent)
 	if err != nil {
 		return nil, err
@@ -244,13 +255,7 @@ func SweepStale(parent, prefix string, within time.Duration) ([]string, error) {
 	var removed []string
 	var first error
 	for _, e := range entries {
-		rest, ok := strings.CutPrefix(e.Name(), prefix)
-		if !e.IsDir() || !ok {
-			continue
-		}
-		pidText, _, _ := strings.Cut(rest, "-")
-		pid, err := strconv.Atoi(pidText)
-		if err != nil || pid <= 0 || processExists(pid) {
+		if !e.IsDir() || !stale(e.Name()) {
 			continue
 		}
 		dir := filepath.Join(parent, e.Name())
@@ -269,4 +274,60 @@ func SweepStale(parent, prefix string, within time.Duration) ([]string, error) {
 func processExists(pid int) bool {
 	_, err := os.Stat("/proc/" + strconv.Itoa(pid))
 	return err == nil
+}
+
+// initialPIDNamespace is the inode of the first PID namespace, fixed by
+// Linux (PROC_PID_INIT_INO): a process in it sees every process there is.
+const initialPIDNamespace = "4026531836"
+
+// SweepDeadNamespaces removes the jails under parent named family, then
+// the inode of a PID namespace other than this process's, then "-", when
+// no process is left in that namespace: those of agents that were PID 1
+// of a namespace of their own (`unshare --pid`), which need no guard and
+// leave an empty jail behind. Only a process in the initial PID namespace
+// can tell that a namespace is empty (it sees every process); anywhere
+// else SweepDeadNamespaces does nothing. It returns the jails it removed.
+func SweepDeadNamespaces(parent, family string, within time.Duration) ([]string, error) {
+	if pidNamespace(os.Getpid()) != initialPIDNamespace {
+		return nil, nil
+	}
+	var live map[string]bool // the namespaces with a process, read once
+	return sweep(parent, within, func(name string) bool {
+		rest, ok := strings.CutPrefix(name, family)
+		ns, _, ok2 := strings.Cut(rest, "-")
+		if !ok || !ok2 || ns == "" || ns == initialPIDNamespace || strings.Trim(ns, "0123456789") != "" {
+			return false
+		}
+		if live == nil {
+			live = livePIDNamespaces()
+		}
+		return !live[ns]
+	})
+}
+
+// pidNamespace is the inode of process pid's PID namespace, "" if unknown.
+func pidNamespace(pid int) string {
+	l, err := os.Readlink("/proc/" + strconv.Itoa(pid) + "/ns/pid") // "pid:[4026531836]"
+	if err != nil {
+		return ""
+	}
+	_, v, ok := strings.Cut(l, "[")
+	if !ok {
+		return ""
+	}
+	return strings.TrimSuffix(v, "]")
+}
+
+// livePIDNamespaces lists the PID namespaces that hold a process.
+func livePIDNamespaces() map[string]bool {
+	live := map[string]bool{}
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		if pid, err := strconv.Atoi(e.Name()); err == nil {
+			if ns := pidNamespace(pid); ns != "" {
+				live[ns] = true
+			}
+		}
+	}
+	return live
 }

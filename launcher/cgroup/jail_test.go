@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -298,5 +299,58 @@ func TestSweepStale(t *testing.T) {
 		if _, err := os.Stat(j.Dir()); err != nil {
 			t.Errorf("%s was swept: %v", j.Dir(), err)
 		}
+	}
+}
+
+// TestSweepDeadNamespaces: from the initial PID namespace, a jail named
+// for a PID namespace with no process left is removed; one named for a
+// namespace that still has a process stays.
+func TestSweepDeadNamespaces(t *testing.T) {
+	parent := cgrouptest.V2(t)
+	self, _ := os.Readlink("/proc/self/ns/pid")
+	if self != "pid:[4026531836]" {
+		t.Skip("not in the initial PID namespace: it cannot see every namespace's processes")
+	}
+	unshare, err := exec.LookPath("unshare")
+	if err != nil {
+		t.Skip("no unshare")
+	}
+	// A namespace with a process in it for the test's length.
+	cmd := exec.Command(unshare, "--pid", "--fork", "sleep", "60")
+	if err := cmd.Start(); err != nil {
+		t.Skipf("unshare --pid: %v", err)
+	}
+	t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	var liveNS string
+	for deadline := time.Now().Add(5 * time.Second); liveNS == ""; time.Sleep(10 * time.Millisecond) {
+		// unshare's child, sleep, is in the new namespace.
+		kids, _ := os.ReadFile(fmt.Sprintf("/proc/%d/task/%d/children", cmd.Process.Pid, cmd.Process.Pid))
+		for _, k := range strings.Fields(string(kids)) {
+			if l, err := os.Readlink("/proc/" + k + "/ns/pid"); err == nil && l != self {
+				liveNS = strings.TrimSuffix(strings.TrimPrefix(l, "pid:["), "]")
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the unshared namespace never showed")
+		}
+	}
+	family := fmt.Sprintf("gorun-nstest%d-", os.Getpid())
+	dead, err := cgroup.Open(parent, family+"123-1-a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	live, err := cgroup.Open(parent, family+liveNS+"-1-b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, j := range []*cgroup.Jail{dead, live} {
+		t.Cleanup(func() { j.Close(5 * time.Second) })
+	}
+	removed, err := cgroup.SweepDeadNamespaces(parent, family, 5*time.Second)
+	if err != nil || len(removed) != 1 || removed[0] != dead.Dir() {
+		t.Fatalf("SweepDeadNamespaces = %v, %v; want only %s", removed, err, dead.Dir())
+	}
+	if _, err := os.Stat(live.Dir()); err != nil {
+		t.Fatalf("the live namespace's jail was swept: %v", err)
 	}
 }
