@@ -86,9 +86,10 @@ type NodeConfig struct {
 	// OnRefused, if set, is called for each gossip packet or stream the
 	// member refused: another cluster's label, or, with SecretKey, one it
 	// could not decrypt (sent without the key, under another key, or
-	// altered). memberlist reports these only in its log, where they are
-	// found. Default: none.
-	OnRefused func(why string)
+	// altered). from is the sender's address ("" when memberlist does not
+	// say) and why memberlist's message. memberlist reports these only in
+	// its log, where they are found. Default: none.
+	OnRefused func(from, why string)
 
 	// BindAddr and BindPort are where the member listens, UDP and TCP on the
 	// same port. BindPort 0 picks a free port. Default: 0.0.0.0, port 0.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -391,7 +392,7 @@ func (d delegate) NotifyPingComplete(node *memberlist.Node, rtt time.Duration, _
 // It also finds the refusals among them for onRefused.
 type memberlistLog struct {
 	log       *zap.Logger
-	onRefused func(why string)
+	onRefused func(from, why string)
 }
 
 func (w memberlistLog) Write(p []byte) (int, error) {
@@ -401,7 +402,7 @@ func (w memberlistLog) Write(p []byte) (int, error) {
 	}
 	level, msg := parseMemberlistLog(string(p))
 	if w.onRefused != nil && refusal(msg) {
-		w.onRefused(msg)
+		w.onRefused(refusedFrom(msg), msg)
 	}
 	if ce != nil {
 		ce.Message = msg
@@ -418,6 +419,20 @@ var refusalMarks = []string{
 	"No installed keys could decrypt",
 	"remote state is not encrypted",
 	"remote state is encrypted and encryption is not configured",
+}
+
+// refusedFrom is the host a memberlist message names its sender by
+// ("… from=10.0.0.9:7946"), "" when it names none.
+func refusedFrom(msg string) string {
+	i := strings.LastIndex(msg, "from=")
+	if i < 0 {
+		return ""
+	}
+	from := strings.TrimSpace(msg[i+len("from="):])
+	if host, _, err := net.SplitHostPort(from); err == nil {
+		return host
+	}
+	return from
 }
 
 // refusal reports whether a memberlist log message says it refused a

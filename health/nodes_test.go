@@ -632,7 +632,7 @@ func TestNodesSecretKey(t *testing.T) {
 	var refused atomic.Int64
 	ms := startMembersConfig(t, 3, func(c *NodeConfig) {
 		c.SecretKey = key
-		c.OnRefused = func(string) { refused.Add(1) }
+		c.OnRefused = func(string, string) { refused.Add(1) }
 	})
 	converge(t, ms, 3)
 	for _, outsider := range []struct {
@@ -677,16 +677,20 @@ func TestRefusal(t *testing.T) {
 	for _, tc := range []struct {
 		msg  string
 		want bool
+		from string
 	}{
-		{"Decrypt packet failed: Unsupported encryption version 5 from=10.0.0.9:7946", true},
-		{`discarding packet with unacceptable label "other": from=10.0.0.9:7946`, true},
-		{"failed to receive: encryption is configured but remote state is not encrypted from=10.0.0.9:5501", true},
-		{"failed to receive: No installed keys could decrypt the message from=10.0.0.9:5501", true},
-		{"Failed to send ping: write udp: connection refused", false},
-		{"Suspect node-1 has failed, no acks received", false},
+		{"Decrypt packet failed: Unsupported encryption version 5 from=10.0.0.9:7946", true, "10.0.0.9"},
+		{`discarding packet with unacceptable label "other": from=10.0.0.9:7946`, true, "10.0.0.9"},
+		{"failed to receive: encryption is configured but remote state is not encrypted from=[::1]:5501", true, "::1"},
+		{"failed to receive: No installed keys could decrypt the message from=<unknown address>", true, "<unknown address>"},
+		{"Failed to send ping: write udp: connection refused", false, ""},
+		{"Suspect node-1 has failed, no acks received", false, ""},
 	} {
 		if got := refusal(tc.msg); got != tc.want {
 			t.Errorf("refusal(%q) = %v, want %v", tc.msg, got, tc.want)
+		}
+		if got := refusedFrom(tc.msg); got != tc.from {
+			t.Errorf("refusedFrom(%q) = %q, want %q", tc.msg, got, tc.from)
 		}
 	}
 }

@@ -176,6 +176,13 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 		srv.Close()
 		return err
 	}
+	if err := d.job.refuseMixedSecrets(ctx, infos, ids, groupRank); err != nil {
+		srv.Close()
+		if d.storeHost != nil {
+			d.waitOthersSawClose(ctx, len(infos))
+		}
+		return err
+	}
 	if groupRank == 0 {
 		p.store = srv
 	} else {

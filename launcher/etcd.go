@@ -259,6 +259,9 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := e.job.refuseMixedSecrets(ctx, infos, ids, groupRank); err != nil {
+		return nil, err
+	}
 	// Between the round's completion and the workers' start every etcd
 	// request counts, each node making them at once: one here (the
 	// counter exists: start created it), and the rest after the workers

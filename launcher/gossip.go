@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"strings"
 	"sync"
 	"time"
 
@@ -153,18 +152,11 @@ func (g *gossip) eventsOrNil() <-chan health.Event {
 // refusedGossip counts each gossip packet or stream the member refused and
 // logs the first from each source: a rogue or misconfigured host sends
 // many.
-func refusedGossip(log *zap.Logger, refused func(kind string)) func(why string) {
+func refusedGossip(log *zap.Logger, refused func(kind string)) func(from, why string) {
 	var mu sync.Mutex
 	seen := map[string]bool{}
-	return func(why string) {
+	return func(from, why string) {
 		refused("gossip")
-		from := "an unknown address"
-		if i := strings.LastIndex(why, "from="); i >= 0 {
-			from = strings.TrimSpace(why[i+len("from="):])
-		}
-		if host, _, err := net.SplitHostPort(from); err == nil {
-			from = host
-		}
 		mu.Lock()
 		first := !seen[from] && len(seen) < maxRefusedSources
 		if first {

@@ -162,10 +162,23 @@ func (j *jobNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, rend
 	if me < 0 {
 		return nil, nil, 0, rendezvous.NodeDesc{}, fmt.Errorf("rendezvous: round %d does not include this node %s", round.Number, j.me)
 	}
-	if err := sameSecret(infos, ids, me); err != nil {
-		return nil, nil, 0, rendezvous.NodeDesc{}, err
-	}
 	return infos, ids, me, ms[0].node, nil
+}
+
+// refuseMixedSecrets fails when the round's nodes do not all hold this
+// node's job secret (sameSecret). Every node of the round finds that in
+// the round itself and stops with its own clear error; each says it needs
+// the rendezvous store no more (seenClosed), so that the store's host
+// waits for the others to have read the round before it takes the store
+// away with it.
+func (j *jobNode) refuseMixedSecrets(ctx context.Context, infos []nodeInfo, ids []string, me int) error {
+	err := sameSecret(infos, ids, me)
+	if err != nil {
+		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeWritesTimeout)
+		defer cancel()
+		j.seenClosed(wctx)
+	}
+	return err
 }
 
 // sameSecret checks that every node of a round holds the job secret node

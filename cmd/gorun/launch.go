@@ -260,7 +260,7 @@ func runLaunch(c *cli.Context) error {
 	}
 	noteIgnoredFlags(c, log)
 	// The guard that empties the workers' cgroups if gorun is SIGKILLed
-	// is gorun itself (main calls cgroup.RunGuardIfAsked first).
+	// is gorun itself (launcher/cgroup's init turns it guard before anything else runs).
 	if exe, err := os.Executable(); err == nil && cfg.Cgroup != launcher.CgroupOff {
 		cfg.CgroupGuard = exe
 	}

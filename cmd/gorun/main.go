@@ -17,14 +17,12 @@ import (
 	"go.uber.org/zap/zapcore"
 
 	"github.com/gorunhq/gorun/launcher"
-	"github.com/gorunhq/gorun/launcher/cgroup"
 )
 
 // version is set at build time with -ldflags "-X main.version=…".
 var version = "dev"
 
 func main() {
-	cgroup.RunGuardIfAsked() // a guard of a gorun agent's cgroups runs nothing else
 	if launcher.EtcdBackendLinked {
 		os.Unsetenv(handOverEnv) // for the workers: see handOverToEtcdBuild
 	}

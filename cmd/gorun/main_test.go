@@ -10,15 +10,12 @@ import (
 
 	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/hashicorp/memberlist"
-
-	"github.com/gorunhq/gorun/launcher/cgroup"
 )
 
-// TestMain lets the test binary serve as the cgroup guard of the agents
-// the tests run in-process (the CLI names its own executable), and as a
-// rogue host's gossip sender (rogueDeadEnv).
+// TestMain lets the test binary serve as a rogue host's gossip sender
+// (rogueDeadEnv). (It serves as the cgroup guard of the agents the tests
+// run in-process through launcher/cgroup's init.)
 func TestMain(m *testing.M) {
-	cgroup.RunGuardIfAsked()
 	if spec := os.Getenv(rogueDeadEnv); spec != "" {
 		if err := sendRogueDead(spec); err != nil {
 			fmt.Fprintln(os.Stderr, "rogue:", err)

@@ -10,7 +10,7 @@ import (
 )
 
 // guardEnv, in a process's environment, makes it the guard of the jail
-// whose directory it names (RunGuardIfAsked).
+// whose directory it names (runGuardIfAsked).
 const guardEnv = "GORUN_CGROUP_GUARD"
 
 // guardDrainTimeout bounds how long a guard waits for the jail's killed
@@ -31,9 +31,9 @@ type Guard struct {
 	ready    *os.File // the guard writes a byte once it ignores stop signals
 }
 
-// guardShell is the guard where /bin/sh exists: a POSIX shell starts in
-// under a millisecond, a Go program in several, on the CPUs the agent and
-// its workers are starting on. It does what RunGuardIfAsked does, for a
+// guardShell is the guard where /bin/sh exists: a POSIX shell starts much
+// faster than a Go program (see BENCHMARKS, launcher), on the CPUs the
+// agent and its workers are starting on. It does what runGuardIfAsked does, for a
 // jail of slots one level deep (what Jail makes): $1 is the jail.
 const guardShell = `trap '' INT TERM HUP QUIT PIPE
 printf r; exec 1>&-
@@ -117,14 +117,14 @@ func (g *Guard) Release() {
 // the packages initialised after this one (by import path: most of a
 // program's, zap's, urfave/cli's and Prometheus's among them) spend its
 // start-up: a guard starts beside every agent, on its CPUs. Any program
-// that links this package can so serve as its own guard.
-func init() { RunGuardIfAsked() }
+// that links this package, a test binary included, so serves as its own
+// guard; nothing else needs calling.
+func init() { runGuardIfAsked() }
 
-// RunGuardIfAsked returns at once unless this process was started as a
+// runGuardIfAsked returns at once unless this process was started as a
 // guard (StartGuard); a guard waits for its agent to be gone, empties and
-// removes the jail, and exits. This package's init calls it; a program
-// may call it again first thing in main, to say so.
-func RunGuardIfAsked() {
+// removes the jail, and exits.
+func runGuardIfAsked() {
 	dir, ok := os.LookupEnv(guardEnv)
 	if !ok {
 		return

@@ -16,13 +16,6 @@ import (
 	"github.com/gorunhq/gorun/launcher/cgroup"
 )
 
-// TestMain lets the test binary serve as the guard (StartGuard re-runs
-// it).
-func TestMain(m *testing.M) {
-	cgroup.RunGuardIfAsked()
-	os.Exit(m.Run())
-}
-
 // startInSlot starts sh -c script in slot s and returns it.
 func startInSlot(t *testing.T, s *cgroup.Slot, script string) *os.Process {
 	t.Helper()
