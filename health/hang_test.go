@@ -10,7 +10,8 @@ func TestHangDetector(t *testing.T) {
 	t0 := time.Unix(100, 0)
 	at := func(ms int) time.Time { return t0.Add(time.Duration(ms) * time.Millisecond) }
 	type op struct {
-		kind   string // "beat", "forget", "expire"
+		kind   string // "beat", "wait", "forget", "expect", "expire"
+		ranks  []int  // expect
 		ms     int
 		rank   int
 		want   []int // expire: ranks reported
@@ -52,6 +53,79 @@ func TestHangDetector(t *testing.T) {
 			{kind: "beat", ms: 100, rank: 0},
 			{kind: "expire", ms: 1200, want: nil, nextMs: 1800},
 		}},
+		// A rank hangs after its step; its peers, blocked on it in their
+		// next collective, say so: only the silent one is reported.
+		{"a hung rank among peers blocked on it", []op{
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "beat", ms: 5, rank: 1},
+			{kind: "beat", ms: 10, rank: 2},
+			{kind: "wait", ms: 20, rank: 0},
+			{kind: "wait", ms: 25, rank: 2},
+			{kind: "wait", ms: 270, rank: 0},
+			{kind: "wait", ms: 275, rank: 2},
+			{kind: "wait", ms: 520, rank: 0},
+			{kind: "wait", ms: 525, rank: 2},
+			{kind: "wait", ms: 770, rank: 0},
+			{kind: "wait", ms: 775, rank: 2},
+			{kind: "expire", ms: 1005, want: []int{1}, nextMs: 1770},
+		}},
+		{"wait beats end: the rank is hung from its last one", []op{
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "wait", ms: 100, rank: 0},
+			{kind: "wait", ms: 600, rank: 0},
+			{kind: "expire", ms: 1000, want: nil, nextMs: 1600},
+			{kind: "expire", ms: 1600, want: []int{0}, nextMs: -1},
+		}},
+		{"blocked for BlockedFactor timeouts without progress", []op{
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "wait", ms: 9500, rank: 0},
+			{kind: "expire", ms: 9999, want: nil, nextMs: 10000},
+			{kind: "wait", ms: 9999, rank: 0},
+			{kind: "expire", ms: 10000, want: []int{0}, nextMs: -1},
+		}},
+		{"a progress beat ends the wait", []op{
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "wait", ms: 500, rank: 0},
+			{kind: "beat", ms: 700, rank: 0},
+			{kind: "wait", ms: 650, rank: 0}, // late: before the progress
+			{kind: "expire", ms: 1600, want: nil, nextMs: 1700},
+			{kind: "expire", ms: 1700, want: []int{0}, nextMs: -1},
+		}},
+		// Rank 1 hangs before its first beat; ranks 0 and 2 block on it
+		// in their first collective.
+		{"a rank started with others that never beats", []op{
+			{kind: "expect", ranks: []int{0, 1, 2}},
+			{kind: "wait", ms: 100, rank: 0},
+			{kind: "wait", ms: 150, rank: 2},
+			{kind: "wait", ms: 600, rank: 0},
+			{kind: "wait", ms: 650, rank: 2},
+			{kind: "wait", ms: 1100, rank: 0},
+			{kind: "wait", ms: 1150, rank: 2},
+			{kind: "wait", ms: 1600, rank: 0},
+			{kind: "wait", ms: 1650, rank: 2},
+			{kind: "expire", ms: 2099, want: nil, nextMs: 2100},
+			{kind: "expire", ms: 2100, want: []int{1}, nextMs: 2600},
+		}},
+		{"a rank started with others that beats late, within two timeouts", []op{
+			{kind: "expect", ranks: []int{0, 1}},
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "beat", ms: 900, rank: 0},
+			{kind: "beat", ms: 1800, rank: 0},
+			{kind: "beat", ms: 1900, rank: 1},
+			{kind: "expire", ms: 2000, want: nil, nextMs: 2800},
+			{kind: "expire", ms: 2800, want: []int{0}, nextMs: 2900},
+		}},
+		{"a respawn, not expected, is watched from its own first beat", []op{
+			{kind: "expect", ranks: []int{0}},
+			{kind: "beat", ms: 0, rank: 0},
+			{kind: "beat", ms: 900, rank: 0},
+			{kind: "expire", ms: 1899, want: nil, nextMs: 1900},
+		}},
+		{"a first wait beat starts the watch", []op{
+			{kind: "wait", ms: 100, rank: 3},
+			{kind: "expire", ms: 1099, want: nil, nextMs: 1100},
+			{kind: "expire", ms: 1100, want: []int{3}, nextMs: -1},
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -60,6 +134,10 @@ func TestHangDetector(t *testing.T) {
 				switch o.kind {
 				case "beat":
 					d.Beat(o.rank, at(o.ms))
+				case "wait":
+					d.Wait(o.rank, at(o.ms))
+				case "expect":
+					d.Expect(o.ranks)
 				case "forget":
 					d.Forget(o.rank)
 				case "expire":
@@ -87,13 +165,18 @@ func TestHangDetector(t *testing.T) {
 }
 
 func TestParseBeat(t *testing.T) {
-	for in, want := range map[string]int{"0": 0, "7": 7, "3 pid=42": 3, " 12\n": 12} {
-		if got, err := parseBeat([]byte(in)); err != nil || got != want {
-			t.Errorf("parseBeat(%q) = %d, %v; want %d", in, got, err, want)
+	type beat struct {
+		rank int
+		wait bool
+	}
+	for in, want := range map[string]beat{"0": {0, false}, "7": {7, false}, "3 pid=42": {3, false}, " 12\n": {12, false},
+		"2 wait": {2, true}, "5 wait step=9\n": {5, true}, "4 waiting": {4, false}} {
+		if rank, wait, err := parseBeat([]byte(in)); err != nil || (beat{rank, wait}) != want {
+			t.Errorf("parseBeat(%q) = %d %v, %v; want %+v", in, rank, wait, err, want)
 		}
 	}
-	for _, in := range []string{"", "x", "-1", "1.5"} {
-		if _, err := parseBeat([]byte(in)); err == nil {
+	for _, in := range []string{"", "x", "-1", "1.5", "wait"} {
+		if _, _, err := parseBeat([]byte(in)); err == nil {
 			t.Errorf("parseBeat(%q) accepted", in)
 		}
 	}

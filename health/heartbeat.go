@@ -16,18 +16,26 @@ import (
 // heartbeats: the path of the agent's unix datagram socket.
 const HeartbeatEnv = "GORUN_HEARTBEAT"
 
+// HeartbeatTimeoutEnv names the variable that tells a worker the agent's
+// heartbeat timeout, in seconds: how often it must beat while blocked.
+const HeartbeatTimeoutEnv = "GORUN_HEARTBEAT_TIMEOUT"
+
 // A heartbeat is one datagram whose payload starts with the worker's local
-// rank in decimal; anything after the first space is ignored. In Python:
+// rank in decimal: a progress beat. A second word "wait" makes it a wait
+// beat (the worker is alive and blocked on its peers); anything else
+// after the first space is ignored. In Python:
 //
 //	s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-//	s.sendto(os.environ["LOCAL_RANK"].encode(), os.environ["GORUN_HEARTBEAT"])
-func parseBeat(b []byte) (int, error) {
-	s, _, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
-	rank, err := strconv.Atoi(s)
+//	s.sendto(os.environ["LOCAL_RANK"].encode(), os.environ["GORUN_HEARTBEAT"])          # a step done
+//	s.sendto((os.environ["LOCAL_RANK"] + " wait").encode(), os.environ["GORUN_HEARTBEAT"]) # blocked, alive
+func parseBeat(b []byte) (rank int, wait bool, err error) {
+	s, rest, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
+	rank, err = strconv.Atoi(s)
 	if err != nil || rank < 0 {
-		return 0, fmt.Errorf("heartbeat %q: want a local rank", b)
+		return 0, false, fmt.Errorf("heartbeat %q: want a local rank", b)
 	}
-	return rank, nil
+	word, _, _ := strings.Cut(strings.TrimSpace(rest), " ")
+	return rank, word == "wait", nil
 }
 
 // Monitor receives heartbeats on a unix datagram socket and reports workers
@@ -37,6 +45,8 @@ type Monitor struct {
 	path    string
 	det     *HangDetector
 	forget  chan int
+	expect  chan []int
+	ended   chan struct{} // closed when Run returns: Forget and Expect no longer wait for it
 	closing chan struct{}
 	once    sync.Once
 }
@@ -57,7 +67,7 @@ func ListenHeartbeats(path string, timeout time.Duration) (*Monitor, error) {
 	}
 	return &Monitor{
 		conn: conn, path: path, det: NewHangDetector(timeout),
-		forget: make(chan int), closing: make(chan struct{}),
+		forget: make(chan int), expect: make(chan []int), ended: make(chan struct{}), closing: make(chan struct{}),
 	}, nil
 }
 
@@ -66,6 +76,7 @@ func (m *Monitor) Path() string { return m.path }
 
 type beat struct {
 	rank int
+	wait bool
 	at   time.Time
 }
 
@@ -73,6 +84,7 @@ type beat struct {
 // stops beating, until ctx is done or the Monitor is closed. Malformed
 // datagrams are ignored.
 func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
+	defer close(m.ended)
 	beats := make(chan beat, 64)
 	readErr := make(chan error, 1)
 	go func() { readErr <- m.read(beats) }()
@@ -98,11 +110,17 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 		case err := <-readErr:
 			return err
 		case b := <-beats:
-			m.det.Beat(b.rank, b.at)
+			if b.wait {
+				m.det.Wait(b.rank, b.at)
+			} else {
+				m.det.Beat(b.rank, b.at)
+			}
 			rearm()
 		case rank := <-m.forget:
 			m.det.Forget(rank)
 			rearm()
+		case ranks := <-m.expect:
+			m.det.Expect(ranks)
 		case now := <-timer.C:
 			for _, ev := range m.det.Expired(now) {
 				select {
@@ -129,12 +147,12 @@ func (m *Monitor) read(beats chan<- beat) error {
 				return fmt.Errorf("heartbeat socket: %w", err)
 			}
 		}
-		rank, err := parseBeat(buf[:n])
+		rank, wait, err := parseBeat(buf[:n])
 		if err != nil {
 			continue
 		}
 		select {
-		case beats <- beat{rank, time.Now()}:
+		case beats <- beat{rank, wait, time.Now()}:
 		case <-m.closing:
 			return nil
 		}
@@ -142,10 +160,22 @@ func (m *Monitor) read(beats chan<- beat) error {
 }
 
 // Forget stops watching a worker (it exited, or its group is being
-// replaced). It must be called while Run runs.
+// replaced). Once Run has returned it does nothing.
 func (m *Monitor) Forget(rank int) {
 	select {
 	case m.forget <- rank:
+	case <-m.ended:
+	case <-m.closing:
+	}
+}
+
+// Expect says that the workers of local ranks were started together: the
+// first beat of any of them starts watching the others (HangDetector.Expect).
+// Once Run has returned it does nothing.
+func (m *Monitor) Expect(ranks []int) {
+	select {
+	case m.expect <- ranks:
+	case <-m.ended:
 	case <-m.closing:
 	}
 }
@@ -166,9 +196,23 @@ func (m *Monitor) Close() error {
 // (heartbeats are off) it does nothing. Call it from the training loop —
 // once a step — so that a step stuck in a collective stops the beats.
 func Beat() error {
+	conn, rank, err := dialBeats()
+	if conn == nil {
+		return err
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte(rank)); err != nil {
+		return fmt.Errorf("heartbeat: %w", err)
+	}
+	return nil
+}
+
+// dialBeats connects to the agent's heartbeat socket: nil, nil without
+// GORUN_HEARTBEAT. It also returns this worker's LOCAL_RANK.
+func dialBeats() (*net.UnixConn, string, error) {
 	path := os.Getenv(HeartbeatEnv)
 	if path == "" {
-		return nil
+		return nil, "", nil
 	}
 	rank := os.Getenv("LOCAL_RANK")
 	if rank == "" {
@@ -176,11 +220,54 @@ func Beat() error {
 	}
 	conn, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: path, Net: "unixgram"})
 	if err != nil {
-		return fmt.Errorf("heartbeat: %w", err)
+		return nil, "", fmt.Errorf("heartbeat: %w", err)
 	}
-	defer conn.Close()
-	if _, err := conn.Write([]byte(rank)); err != nil {
-		return fmt.Errorf("heartbeat: %w", err)
+	return conn, rank, nil
+}
+
+// waitInterval is how often Blocked beats: four beats a heartbeat timeout
+// (GORUN_HEARTBEAT_TIMEOUT), within [10 ms, 1 s]; 250 ms when unset.
+func waitInterval() time.Duration {
+	s, err := strconv.ParseFloat(os.Getenv(HeartbeatTimeoutEnv), 64)
+	if err != nil || s <= 0 {
+		return 250 * time.Millisecond
 	}
-	return nil
+	return min(max(time.Duration(s*float64(time.Second))/4, 10*time.Millisecond), time.Second)
+}
+
+// Blocked tells the agent, until done is called, that this worker is alive
+// and blocked on its peers: call it around a collective and around the
+// wait for the agents' next epoch. The agent then does not take a peer's
+// hang for this worker's (a rank that hangs stops every peer at its next
+// collective); a worker blocked for BlockedFactor heartbeat timeouts is
+// declared hung all the same. It beats from a goroutine of its own until
+// done; without GORUN_HEARTBEAT it does nothing.
+func Blocked() (done func()) {
+	conn, rank, _ := dialBeats()
+	if conn == nil {
+		return func() {}
+	}
+	msg := []byte(rank + " wait")
+	stop, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		defer conn.Close()
+		t := time.NewTicker(waitInterval())
+		defer t.Stop()
+		for {
+			conn.Write(msg) // a beat lost is the agent's to judge
+			select {
+			case <-stop:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			close(stop)
+			<-finished
+		})
+	}
 }

@@ -6,6 +6,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -13,18 +15,99 @@ import (
 	"go.uber.org/goleak"
 )
 
-// The test binary doubles as a worker that beats every 20 ms: it is what
-// TestMonitorStoppedWorker SIGSTOPs.
+// The test binary doubles as a worker: with HEALTH_TEST_WORKER=1 it beats
+// every 20 ms (what TestMonitorStoppedWorker SIGSTOPs); with =blocked it
+// beats once and then blocks, as a peer of a hung rank blocks in its next
+// collective, saying so (Blocked).
 func TestMain(m *testing.M) {
-	if os.Getenv("HEALTH_TEST_WORKER") == "1" {
+	switch os.Getenv("HEALTH_TEST_WORKER") {
+	case "1":
 		for {
 			if err := Beat(); err != nil {
 				os.Exit(3)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
+	case "blocked":
+		if err := Beat(); err != nil {
+			os.Exit(3)
+		}
+		defer Blocked()()
+		select {}
 	}
 	goleak.VerifyTestMain(m)
+}
+
+// startWorker starts the test binary as worker kind of local rank rank,
+// beating to m; the test's end kills it.
+func startWorker(t *testing.T, m *Monitor, kind string, rank int, extra ...string) *exec.Cmd {
+	t.Helper()
+	self, err := os.Executable()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(self, "-test.run=^$")
+	cmd.Env = append(append(os.Environ(), "HEALTH_TEST_WORKER="+kind, HeartbeatEnv+"="+m.Path(), "LOCAL_RANK="+strconv.Itoa(rank)), extra...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Process.Signal(syscall.SIGCONT)
+		cmd.Wait()
+	})
+	return cmd
+}
+
+// TestMonitorHungAmongBlockedPeers: real worker processes. Rank 5 hangs
+// (SIGSTOP) while ranks 1 and 2 are blocked on it and say so (Blocked, at
+// the pace GORUN_HEARTBEAT_TIMEOUT sets): only rank 5 is reported, one
+// timeout after its last beat; a blocked rank is reported only once it has
+// been blocked for BlockedFactor timeouts without progress.
+func TestMonitorHungAmongBlockedPeers(t *testing.T) {
+	const timeout = 300 * time.Millisecond
+	m, events := startMonitor(t, timeout)
+	pace := HeartbeatTimeoutEnv + "=0.3"
+	started := time.Now()
+	hung := startWorker(t, m, "1", 5, pace)
+	for _, r := range []int{1, 2} {
+		startWorker(t, m, "blocked", r, pace)
+	}
+	time.Sleep(3 * timeout)
+	select {
+	case ev := <-events:
+		t.Fatalf("reported while every rank beats or waits: %v", ev)
+	default:
+	}
+	if err := hung.Process.Signal(syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	stopped := time.Now()
+	select {
+	case ev := <-events:
+		if ev.Rank != 5 {
+			t.Fatalf("%v reported first, want the SIGSTOPped rank 5", ev)
+		}
+		if took := time.Since(stopped); took > timeout+500*time.Millisecond {
+			t.Errorf("rank 5 reported %v after its stop, want about %v", took, timeout)
+		}
+	case <-time.After(10 * timeout):
+		t.Fatal("the SIGSTOPped worker was never reported hung")
+	}
+	for range 2 {
+		select {
+		case ev := <-events:
+			if ev.Rank != 1 && ev.Rank != 2 || !strings.Contains(ev.Reason, "blocked on its peers") {
+				t.Fatalf("event %v, want a blocked rank, blocked too long", ev)
+			}
+			if since := time.Since(started); since < BlockedFactor*timeout-100*time.Millisecond {
+				t.Errorf("blocked rank %d reported %v after it started, want no sooner than %v", ev.Rank, since, BlockedFactor*timeout)
+			}
+		case <-time.After(2 * BlockedFactor * timeout):
+			t.Fatal("a rank blocked for ever was never reported")
+		}
+	}
 }
 
 func startMonitor(t *testing.T, timeout time.Duration) (*Monitor, <-chan Event) {

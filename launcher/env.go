@@ -52,8 +52,11 @@ type WorkerEnv struct {
 	// agents'.
 	GrowTimeout time.Duration
 	// Heartbeat is the socket workers send heartbeats to (GORUN_HEARTBEAT),
-	// "" when heartbeats are off.
-	Heartbeat string
+	// "" when heartbeats are off; HeartbeatTimeout the agent's timeout
+	// (GORUN_HEARTBEAT_TIMEOUT, in seconds), which paces a blocked
+	// worker's wait beats (health.Blocked).
+	Heartbeat        string
+	HeartbeatTimeout time.Duration
 	// OMPThreads is set when torchrun would set OMP_NUM_THREADS ("1" when
 	// more than one worker runs per node and the user set none).
 	OMPThreads string
@@ -150,6 +153,9 @@ func (w WorkerEnv) vars(inherited map[string]string, a Assignment, errorFile str
 	}
 	if w.Heartbeat != "" {
 		set[health.HeartbeatEnv] = w.Heartbeat
+		if w.HeartbeatTimeout > 0 {
+			set[health.HeartbeatTimeoutEnv] = strconv.FormatFloat(w.HeartbeatTimeout.Seconds(), 'g', -1, 64)
+		}
 	}
 	if w.JobSecret != nil {
 		set[JobSecretEnv] = string(w.JobSecret)

@@ -34,7 +34,7 @@ func (a *agent) prestart() (*parked, error) {
 	}
 	env := workerEnv(&a.cfg, a.runID, "", 0, 0, 0)
 	if a.heartbeats != nil {
-		env.Heartbeat = a.heartbeats.Path()
+		env.Heartbeat, env.HeartbeatTimeout = a.heartbeats.Path(), a.cfg.HeartbeatTimeout
 	}
 	spec := spawnSpec{path: a.path, argv: a.argv, contain: &a.containment, env: env, base: environ(), dir: at.dir, prefix: a.linePrefix,
 		filtered: at.filtered, parked: true}

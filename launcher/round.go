@@ -247,7 +247,7 @@ func (w *roundWatch) finish() { w.g.wait(nil, 0, nil) }
 func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv *survivors, pk *parked) (outcome, error) {
 	dir := a.attemptDir(p.env.RestartCount)
 	if a.heartbeats != nil {
-		p.env.Heartbeat = a.heartbeats.Path()
+		p.env.Heartbeat, p.env.HeartbeatTimeout = a.heartbeats.Path(), a.cfg.HeartbeatTimeout
 	}
 	var at *attempt
 	var err error
@@ -287,6 +287,15 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 		w.newcomer = p.env.NewcomerAfter > 0 // a node admitted late
 	}
 	g.onExit = a.reportExit
+	if a.heartbeats != nil {
+		// Started together: one that hangs before its first beat is
+		// found from its peers' first.
+		local := make([]int, len(g.workers))
+		for i, w := range g.workers {
+			local[i] = w.a.LocalRank
+		}
+		a.heartbeats.Expect(local)
+	}
 	a.log.Debug("workers started", zap.Ints("pids", g.pids()))
 	a.endpoint.WorkersStarted(len(p.assignments))
 	a.endpoint.SetPhase(PhaseRunning)

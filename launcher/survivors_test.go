@@ -133,26 +133,45 @@ func TestShrinkModeBelowFloorRestarts(t *testing.T) {
 // heartbeatOnce is shell that sends this worker's heartbeat once.
 const heartbeatOnce = `python3 -c 'import os, socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto(os.environ["LOCAL_RANK"].encode(), os.environ["GORUN_HEARTBEAT"])'`
 
+// waitBeats is shell that sends this worker's wait beats (blocked on its
+// peers, alive) five times a second until killed.
+const waitBeats = `python3 -c 'import os, socket, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+while True:
+    s.sendto((os.environ["LOCAL_RANK"] + " wait").encode(), os.environ["GORUN_HEARTBEAT"]); time.sleep(0.2)'`
+
 // TestHungWorker: a worker that beats once and then stops itself
-// (SIGSTOP) is declared hung after --heartbeat-timeout and killed: in
-// shrink mode the survivors carry on without it; in restart mode the job
-// fails with the hang named.
+// (SIGSTOP) is declared hung after --heartbeat-timeout and killed, its
+// peers, blocked, sending wait beats: in shrink mode the survivors carry
+// on without it; in restart mode the job fails with the hang named.
 func TestHungWorker(t *testing.T) {
 	gorun := testutil.BuildGorun(t)
-	t.Run("shrink", func(t *testing.T) {
-		cfg := shConfig(t, 3, `[ "$RANK" = 1 ] && { `+heartbeatOnce+` || exit 8; kill -STOP $$; exit 0; }
-			`+awaitEpochScript(gorun))
-		cfg.OnFailure = OnFailureShrink
-		cfg.HeartbeatTimeout = time.Second
-		err, out, errs, logs := runAgentLogged(t, cfg, 60*time.Second)
-		if err != nil {
-			t.Fatalf("run: %v\nstdout:\n%s\nstderr:\n%s\nlog:\n%s", err, out, errs, logText(logs))
-		}
-		es := epochsPrinted(t, out)
-		if len(es) != 2 || !slices.Equal(es[0].Excluded, []int{1}) || !strings.Contains(es[0].Reasons[1], "hung (no heartbeat for") {
-			t.Fatalf("epochs %+v\n%s", es, out)
-		}
-	})
+	for _, tt := range []struct {
+		name, rank1, why string
+	}{
+		{"shrink", heartbeatOnce + ` || exit 8; kill -STOP $$; exit 0`, "hung (no heartbeat for"},
+		// Rank 1 hangs before its first beat; its peers, blocked on it,
+		// send only wait beats: rank 1 is found from their first beat.
+		{"shrink, hung before its first beat", `kill -STOP $$; exit 0`, "no heartbeat at all"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg := shConfig(t, 3, `[ "$RANK" = 1 ] && { `+tt.rank1+`; }
+				`+waitBeats+` &
+				beats=$!
+				`+awaitEpochScript(gorun)+`
+				kill $beats`)
+			cfg.OnFailure = OnFailureShrink
+			cfg.HeartbeatTimeout = time.Second
+			err, out, errs, logs := runAgentLogged(t, cfg, 60*time.Second)
+			if err != nil {
+				t.Fatalf("run: %v\nstdout:\n%s\nstderr:\n%s\nlog:\n%s", err, out, errs, logText(logs))
+			}
+			es := epochsPrinted(t, out)
+			if len(es) != 2 || !slices.Equal(es[0].Excluded, []int{1}) || !strings.Contains(es[0].Reasons[1], tt.why) {
+				t.Fatalf("epochs %+v\n%s\n%s", es, out, logText(logs))
+			}
+		})
+	}
 	t.Run("restart", func(t *testing.T) {
 		cfg := shConfig(t, 2, `[ "$RANK" = 0 ] && { `+heartbeatOnce+` || exit 8; kill -STOP $$; exit 0; }
 			sleep 30`)

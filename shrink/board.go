@@ -27,6 +27,8 @@ const DefaultPrefix = "gorun/shrink"
 //	              (newcomers ready for lost slots), a Joined (a newcomer
 //	              finished joining a grow epoch's group) or a Complete
 //	              (every rank of a grow epoch acknowledged it)
+//	floor         the JSON Floor: where the history kept starts; the
+//	              records a generation below it are collected
 //
 // Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
 // on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
@@ -39,8 +41,9 @@ const DefaultPrefix = "gorun/shrink"
 // the Auth's onForged. The counters (acks, report/next, respawns) carry no
 // MAC: a store's Add cannot.
 type Board struct {
-	store rendezvous.Store
-	auth  *Auth // nil: records are neither sealed nor verified
+	store rendezvous.Store // under the prefix
+	raw   rendezvous.Store // the whole store: epochs' formation keys (Raise)
+	auth  *Auth            // nil: records are neither sealed nor verified
 }
 
 // NewBoard returns a Board on s under prefix (DefaultPrefix when empty).
@@ -49,7 +52,7 @@ func NewBoard(s rendezvous.Store, prefix string) *Board {
 	if prefix == "" {
 		prefix = DefaultPrefix
 	}
-	return &Board{store: rendezvous.NewPrefixStore(prefix, s)}
+	return &Board{store: rendezvous.NewPrefixStore(prefix, s), raw: s}
 }
 
 // Authenticated returns a Board on b's store and prefix that seals what it
@@ -59,7 +62,7 @@ func (b *Board) Authenticated(a *Auth) *Board {
 	if a == nil {
 		return b
 	}
-	return &Board{store: b.store, auth: a}
+	return &Board{store: b.store, raw: b.raw, auth: a}
 }
 
 // forgedPoll is how often a reader looks again at a key that holds a forged
@@ -168,13 +171,14 @@ func (b *Board) Publish(ctx context.Context, e Epoch) (Epoch, bool, error) {
 
 // Await blocks until epoch n is on the board and returns it. It waits
 // through the store (a Wait on the key), not by polling; a store whose own
-// timeout ends a wait is asked again until ctx is done. On an
+// timeout ends a wait is asked again until ctx is done. An epoch collected
+// below the Floor gives ErrCollected. On an
 // authenticated Board a forged record under the key is not returned: Await
 // waits on, looking again every forgedPoll, until the genuine epoch
 // replaces it.
 func (b *Board) Await(ctx context.Context, n int) (Epoch, error) {
 	key := epochKey(n)
-	if err := b.wait(ctx, key); err != nil {
+	if err := b.waitKept(ctx, key, func(f Floor) bool { return f.collected(n) }); err != nil {
 		return Epoch{}, fmt.Errorf("shrink: await epoch %d: %w", n, err)
 	}
 	for {
@@ -192,11 +196,25 @@ func (b *Board) Await(ctx context.Context, n int) (Epoch, error) {
 	}
 }
 
-// wait waits until key exists; a store whose own timeout ends a wait is
-// asked again until ctx is done.
-func (b *Board) wait(ctx context.Context, key string) error {
+// waitKept waits until key exists; a store whose own timeout ends a wait
+// is asked again until ctx is done. A key the Floor says was collected
+// (gone) gives ErrCollected instead: the Floor is looked at when the key is
+// not there at first, and again each time the store's timeout ends a wait,
+// so a reader that fell behind is told within that timeout.
+func (b *Board) waitKept(ctx context.Context, key string, gone func(Floor) bool) error {
+	ok, err := b.store.Check(ctx, key)
+	if err != nil || ok {
+		return err
+	}
 	for {
-		err := b.store.Wait(ctx, key)
+		f, err := b.Floor(ctx)
+		if err != nil {
+			return err
+		}
+		if gone(f) {
+			return fmt.Errorf("%s: %w (floor at epoch %d, notice %d)", key, ErrCollected, f.Epoch, f.Notice)
+		}
+		err = b.store.Wait(ctx, key)
 		if err == nil {
 			return nil
 		}
@@ -207,11 +225,15 @@ func (b *Board) wait(ctx context.Context, key string) error {
 }
 
 // Latest returns the number of the latest epoch on the board, 0 when there
-// is none: one check per epoch, for a worker or agent that comes late. On
-// an authenticated Board each epoch is read and verified, and the first
-// one that is not genuine ends the count.
+// is none: one check per epoch from the Floor's, for a worker or agent that
+// comes late. On an authenticated Board each epoch is read and verified,
+// and the first one that is not genuine ends the count.
 func (b *Board) Latest(ctx context.Context) (int, error) {
-	for n := 1; ; n++ {
+	f, err := b.Floor(ctx)
+	if err != nil {
+		return 0, err
+	}
+	for n := max(f.Epoch, 1); ; n++ {
 		_, ok, err := b.lookup(ctx, n, b.auth != nil)
 		if err != nil {
 			return 0, fmt.Errorf("shrink: look for epoch %d: %w", n, err)
@@ -346,14 +368,19 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 // next time. On an authenticated Board forged notices are skipped, at once:
 // a genuine notice whose filer has taken its index but not yet replaced a
 // forgery written ahead of it is missed, so a reader that must see every
-// notice follows the log with AwaitNotice, which waits for it.
+// notice follows the log with AwaitNotice, which waits for it. Notices
+// collected below the Floor are not returned.
 func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 	n, err := b.store.Add(ctx, reportNext, 0)
 	if err != nil {
 		return nil, after, fmt.Errorf("shrink: read notices: %w", err)
 	}
+	f, err := b.Floor(ctx)
+	if err != nil {
+		return nil, after, err
+	}
 	var out []Notice
-	for i := after + 1; i <= int(n); i++ {
+	for i := max(after, f.SweptNotice) + 1; i <= int(n); i++ {
 		ok, err := b.store.Check(ctx, reportKey(i))
 		if err != nil {
 			return out, i - 1, fmt.Errorf("shrink: read notice %d: %w", i, err)
@@ -374,13 +401,14 @@ func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 }
 
 // AwaitNotice blocks until notice i is filed and returns it: a store wait
-// on its key, like Await. On an authenticated Board a forged record under
+// on its key, like Await, and ErrCollected for a notice collected below
+// the Floor. On an authenticated Board a forged record under
 // the key is waited past while index i is not taken yet (a forgery written
 // ahead of the genuine notice, which replaces it) and for noticeGrace once
 // it is; if still forged then, AwaitNotice returns its Forgery (wrapping
 // ErrForged) and the caller moves on to i+1.
 func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
-	if err := b.wait(ctx, reportKey(i)); err != nil {
+	if err := b.waitKept(ctx, reportKey(i), func(f Floor) bool { return f.noticeCollected(i) }); err != nil {
 		return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
 	}
 	var giveUp time.Time

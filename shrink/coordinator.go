@@ -51,8 +51,9 @@ type Coordinator struct {
 	log *zap.Logger
 
 	lead    chan bool
-	notices chan Notice
+	notices chan indexedNotice
 	epochs  chan Epoch // from the epoch watcher to the loop
+	floors  chan Floor // from the loop to the collector: the latest to raise
 	adopted chan Epoch // from the loop to the launcher
 	grown   chan Complete
 	errs    chan error
@@ -61,11 +62,18 @@ type Coordinator struct {
 	wg     sync.WaitGroup
 }
 
+// indexedNotice is notice i of the Board's log.
+type indexedNotice struct {
+	i int
+	n Notice
+}
+
 // NewCoordinator starts an agent's Coordinator. ops, reportWatch and
 // epochWatch must be Boards on three different connections to the same
 // store: the two watchers (of the notice log and of the epochs) each hold
-// a blocking wait on theirs. Close stops it; the Boards' stores stay the
-// caller's.
+// a blocking wait on theirs. It starts from the Board's Floor: the launch
+// when none was raised, else the floor's epoch, which it yields first on
+// Epochs. Close stops it; the Boards' stores stay the caller's.
 func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) *Coordinator {
 	if cfg.AgreementTimeout <= 0 {
 		cfg.AgreementTimeout = DefaultAgreementTimeout
@@ -77,8 +85,9 @@ func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) 
 	c := &Coordinator{
 		cfg: cfg, ops: ops, log: cfg.Logger,
 		lead:    make(chan bool),
-		notices: make(chan Notice),
+		notices: make(chan indexedNotice),
 		epochs:  make(chan Epoch),
+		floors:  make(chan Floor, 1),
 		// Room for a burst; the loop also stops waiting on a reader
 		// when closed.
 		adopted: make(chan Epoch, max(cfg.World, 1)),
@@ -86,11 +95,57 @@ func NewCoordinator(cfg CoordinatorConfig, ops, reportWatch, epochWatch *Board) 
 		errs:    make(chan error, 1),
 		cancel:  cancel,
 	}
-	c.wg.Add(3)
-	go c.watchNotices(ctx, reportWatch)
-	go c.watchEpochs(ctx, epochWatch)
-	go c.loop(ctx)
+	c.wg.Go(func() { c.run(ctx, reportWatch, epochWatch) })
 	return c
+}
+
+// run finds where the Board's history starts and follows it from there:
+// the two watchers feed the loop, and the collector raises the floors the
+// loop finds.
+func (c *Coordinator) run(ctx context.Context, reportWatch, epochWatch *Board) {
+	dec, notice, err := c.resume(ctx)
+	if err != nil {
+		c.fail(ctx, err)
+		return
+	}
+	from := dec.Current()
+	if from.Number > 0 {
+		c.log.Info("following the agreement from the board's floor", zap.Stringer("epoch", from))
+		select {
+		case c.adopted <- from:
+		case <-ctx.Done():
+			return
+		}
+	}
+	c.wg.Go(func() { c.watchNotices(ctx, reportWatch, notice+1) })
+	c.wg.Go(func() { c.watchEpochs(ctx, epochWatch, from.Number+1) })
+	c.wg.Go(func() { c.collect(ctx) })
+	c.loop(ctx, dec)
+}
+
+// resume returns the Decider to start with, and the last notice it need
+// not read: at the launch, or at the Board's Floor.
+func (c *Coordinator) resume(ctx context.Context) (*Decider, int, error) {
+	for {
+		f, err := c.ops.Floor(ctx)
+		if err != nil {
+			return nil, 0, err
+		}
+		if f.Epoch < 1 {
+			return NewDecider(c.cfg.Name, c.cfg.Config, Initial(c.cfg.World)), 0, nil
+		}
+		e, ok, err := c.ops.Lookup(ctx, f.Epoch)
+		if err != nil {
+			return nil, 0, err
+		}
+		if ok {
+			return ResumeDecider(c.cfg.Name, c.cfg.Config, e, f), f.Notice, nil
+		}
+		// Raised again and swept between the two reads: look again.
+		if err := pause(ctx, forgedPoll); err != nil {
+			return nil, 0, err
+		}
+	}
 }
 
 // File adds a failure report to the Board, for every agent's Decider.
@@ -154,31 +209,55 @@ func (c *Coordinator) fail(ctx context.Context, err error) {
 	}
 }
 
-// watchNotices feeds the notice log, in order, to the loop.
-func (c *Coordinator) watchNotices(ctx context.Context, b *Board) {
-	defer c.wg.Done()
-	for i := 1; ; i++ {
+// watchNotices feeds the notice log, in order from notice i, to the loop.
+// Notices collected before it read them (it fell a heal cycle behind) are
+// skipped to the Floor's: the epoch watcher, behind as well, moves to the
+// floor's epoch, which settled them.
+func (c *Coordinator) watchNotices(ctx context.Context, b *Board, i int) {
+	for ; ; i++ {
 		n, err := b.AwaitNotice(ctx, i)
 		if errors.Is(err, ErrForged) {
 			continue // never acted on; the Auth reported it
+		}
+		if errors.Is(err, ErrCollected) {
+			f, ferr := b.Floor(ctx)
+			if ferr == nil {
+				c.log.Warn("notices collected before they were read: following on from the board's floor",
+					zap.Int("from", i), zap.Int("to", f.Notice+1))
+				i = f.Notice // the loop's i++ makes it the next
+				continue
+			}
+			err = ferr
 		}
 		if err != nil {
 			c.fail(ctx, err)
 			return
 		}
 		select {
-		case c.notices <- n:
+		case c.notices <- indexedNotice{i, n}:
 		case <-ctx.Done():
 			return
 		}
 	}
 }
 
-// watchEpochs feeds the epochs, in order, to the loop.
-func (c *Coordinator) watchEpochs(ctx context.Context, b *Board) {
-	defer c.wg.Done()
-	for n := 1; ; n++ {
+// watchEpochs feeds the epochs, in order from epoch n, to the loop. One
+// collected before it read it moves it on to the Floor's epoch.
+func (c *Coordinator) watchEpochs(ctx context.Context, b *Board, n int) {
+	for ; ; n++ {
 		e, err := b.Await(ctx, n)
+		if errors.Is(err, ErrCollected) {
+			f, ferr := b.Floor(ctx)
+			if ferr == nil && f.Epoch > n {
+				c.log.Warn("epochs collected before they were read: following on from the board's floor",
+					zap.Int("from", n), zap.Int("to", f.Epoch))
+				n = f.Epoch - 1
+				continue
+			}
+			if ferr != nil {
+				err = ferr
+			}
+		}
 		if err != nil {
 			c.fail(ctx, err)
 			return
@@ -192,10 +271,9 @@ func (c *Coordinator) watchEpochs(ctx context.Context, b *Board) {
 }
 
 // loop owns the Decider: reports and epochs in, and, while leading, a
-// decision published when the settle window ends.
-func (c *Coordinator) loop(ctx context.Context) {
-	defer c.wg.Done()
-	dec := NewDecider(c.cfg.Name, c.cfg.Config, Initial(c.cfg.World))
+// decision published when the settle window ends, and the Floor raised
+// when a grow completes with nothing pending.
+func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 	settle := c.cfg.Config.withDefaults().SettleWindow
 	leading := false
 	var decide, giveUp *time.Timer
@@ -236,7 +314,8 @@ func (c *Coordinator) loop(ctx context.Context) {
 				c.log.Debug("agreement leadership", zap.Bool("leading", on))
 				arm()
 			}
-		case n := <-c.notices:
+		case in := <-c.notices:
+			n := in.n
 			before := dec.Due()
 			switch {
 			case n.Failure != nil:
@@ -247,6 +326,9 @@ func (c *Coordinator) loop(ctx context.Context) {
 				dec.Joined(n.Joined.Epoch, n.Joined.Slot)
 			case n.Complete != nil:
 				dec.Complete(n.Complete.Epoch)
+				if f, ok := dec.Floor(in.i); ok && leading && n.Complete.Epoch == f.Epoch {
+					c.raise(f)
+				}
 				select {
 				case c.grown <- *n.Complete:
 				default: // the launcher is behind; a newer one replaces it
@@ -282,6 +364,44 @@ func (c *Coordinator) loop(ctx context.Context) {
 			c.fail(ctx, fmt.Errorf("shrink: failed ranks %v (newcomers %v awaited) pending for %v past their due time (settle window %v): %w",
 				dec.Pending(), dec.Awaiting(), c.cfg.AgreementTimeout, settle, ErrAgreementTimeout))
 			return
+		}
+	}
+}
+
+// raise hands f to the collector; a floor it has not taken yet is
+// replaced by f, which is higher.
+func (c *Coordinator) raise(f Floor) {
+	for {
+		select {
+		case c.floors <- f:
+			return
+		default:
+		}
+		select {
+		case <-c.floors:
+		default:
+		}
+	}
+}
+
+// collect raises the floors the loop found, one at a time, apart from the
+// loop: collecting a cycle's records is a few store round trips, which
+// must not hold up a decision. A floor that cannot be raised is logged
+// and left: the next complete grow raises one again.
+func (c *Coordinator) collect(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case f := <-c.floors:
+			if err := c.ops.Raise(ctx, f); err != nil {
+				if ctx.Err() != nil {
+					return
+				}
+				c.log.Warn("cannot raise the board's floor; its old records stay for now", zap.Int("epoch", f.Epoch), zap.Error(err))
+				continue
+			}
+			c.log.Debug("raised the board's floor", zap.Int("epoch", f.Epoch), zap.Int("notice", f.Notice))
 		}
 	}
 }

@@ -131,6 +131,19 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 	}
 	for next := n.After + 1; ; next++ {
 		e, err := n.Board.Await(ctx, next)
+		if errors.Is(err, ErrCollected) {
+			// It fell a heal cycle behind: the epochs collected did not
+			// grow its slot back for good (it is still out). Offer the
+			// slot again, in case one took its Join and it missed it.
+			f, ferr := n.Board.Floor(ctx)
+			if ferr == nil && f.Epoch > next {
+				if err := join(); err != nil {
+					return nil, nil, Epoch{}, err
+				}
+				next = f.Epoch - 1
+				continue
+			}
+		}
 		if err != nil {
 			return nil, nil, Epoch{}, fmt.Errorf("shrink: slot %d waiting for its grow: %w", n.Slot, err)
 		}

@@ -2,95 +2,217 @@ package shrink
 
 import (
 	"context"
-	"os"
+	"errors"
+	"fmt"
+	"slices"
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
-// TestBoardKeysBoundedOverEpochs is issue 16's store invariant on the
-// Board alone: a job that loses a rank and grows it back, over and over,
-// must not hold more keys after 50 such cycles (100 epochs) than after 2,
-// plus a constant. It drives the Board as a heal cycle does — a failure
-// report, the shrink epoch and its acks, the newcomer's join, the grow
-// epoch and its acks, the joined notice — on gorun's TCPStore.
-//
-// It fails today: every epoch leaves epoch/<n> and ack/<n>, and every
-// notice report/<i>, for ever (about 7 keys a cycle); Latest finds the
-// newest epoch by probing epoch/1, 2, … so old epochs cannot simply be
-// deleted. Collecting them needs a floor (the oldest epoch kept) that
-// Latest and newcomers start from. It is a known leak, reported in
-// bench/chaos's findings; GORUN_KNOWN_LEAKS=1 runs it.
-func TestBoardKeysBoundedOverEpochs(t *testing.T) {
-	if os.Getenv("GORUN_KNOWN_LEAKS") == "" {
-		t.Skip("known leak (issue 16): the shrink Board keeps every epoch's and notice's keys; GORUN_KNOWN_LEAKS=1 runs this")
+// healCycle drives one heal cycle through the Board as the agents and
+// workers of a world-rank job do, a Coordinator deciding: rank victim
+// fails, the shrink epoch is acknowledged by the survivors, a newcomer
+// joins, forms the grown group under the epoch's Namespace (a key per
+// rank, as a backend's formation leaves) and every rank arrives, the last
+// filing the Complete. It returns the grow epoch.
+func healCycle(ctx context.Context, t *testing.T, coord *Coordinator, b *Board, raw rendezvous.Store, world, victim int) Epoch {
+	t.Helper()
+	if err := coord.File(ctx, Report{Ranks: []int{victim}, Reason: "killed"}); err != nil {
+		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	shrunk := nextEpoch(t, coord, 10*time.Second)
+	if !slices.Equal(shrunk.Excluded, []int{victim}) {
+		t.Fatalf("epoch %v, want rank %d excluded", shrunk, victim)
+	}
+	for range shrunk.WorldSize {
+		if err := b.Arrive(ctx, shrunk); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := coord.FileJoin(ctx, Join{Slots: []int{victim}}); err != nil {
+		t.Fatal(err)
+	}
+	grown := nextEpoch(t, coord, 10*time.Second)
+	if grown.Action != ActionGrow || !slices.Equal(grown.Added, []int{victim}) {
+		t.Fatalf("epoch %v, want slot %d grown back", grown, victim)
+	}
+	for r := range grown.WorldSize {
+		if err := raw.Set(ctx, fmt.Sprintf("%s/addr/%d", Namespace(grown.Number), r), []byte("x")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := b.FileJoined(ctx, Joined{Epoch: grown.Number, Slot: victim}); err != nil {
+		t.Fatal(err)
+	}
+	for range grown.WorldSize {
+		if err := b.Arrive(ctx, grown); err != nil {
+			t.Fatal(err)
+		}
+	}
+	select {
+	case c := <-coord.Completions():
+		if c.Epoch != grown.Number {
+			t.Fatalf("complete %d, want %d", c.Epoch, grown.Number)
+		}
+	case err := <-coord.Err():
+		t.Fatal(err)
+	case <-ctx.Done():
+		t.Fatal("the grow never completed")
+	}
+	return grown
+}
+
+// TestBoardKeysBoundedOverEpochs is issue 16's store invariant on the
+// agreement alone: a job that loses a rank and grows it back, over and
+// over, holds no more keys after 40 such cycles (80 epochs) than after 3,
+// give or take a cycle's worth — the leader raises the Board's Floor on
+// each complete grow and collects what is a generation older (epochs,
+// counters, notices, the groups' formation keys). A Coordinator started
+// afterwards, as an agent admitted late starts one, resumes from the
+// Floor (its first epoch is the floor's, not epoch 1) and follows the
+// next epoch; a worker that fell a cycle behind is told ErrCollected.
+func TestBoardKeysBoundedOverEpochs(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
 	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer srv.Close()
-	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
-	if err != nil {
+	dial := func() *tcpstore.Client {
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 2 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	raw := dial()
+	b := NewBoard(raw, "")
+	const world = 4
+	cfg := CoordinatorConfig{Config: Config{SettleWindow: time.Millisecond, RejoinWait: -1}, World: world, Name: "a"}
+	lead := agentSide(t, dial, cfg)
+	lead.Lead(ctx, true)
+	keys := func() []string {
+		t.Helper()
+		ks, err := raw.ListKeys(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slices.Sort(ks)
+		return ks
+	}
+	// The collector raises the floor apart from the loop: wait for it.
+	floorAt := func(epoch int) Floor {
+		t.Helper()
+		for giveUp := time.Now().Add(10 * time.Second); ; {
+			f, err := b.Floor(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f.Epoch >= epoch {
+				return f
+			}
+			if time.Now().After(giveUp) {
+				t.Fatalf("the floor stays at epoch %d, want %d", f.Epoch, epoch)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+	var e Epoch
+	for range 3 {
+		e = healCycle(ctx, t, lead, b, raw, world, 2)
+	}
+	floorAt(e.Number)
+	after3 := len(keys())
+	for i := range 37 {
+		e = healCycle(ctx, t, lead, b, raw, world, i%world)
+	}
+	f := floorAt(e.Number)
+	if got, limit := keys(), after3+2*world; len(got) > limit {
+		t.Errorf("after %d epochs the store holds %d keys; after 6 it held %d: want at most %d:\n%v", e.Number, len(got), after3, limit, got)
+	}
+	if f.SweptEpoch != e.Number-2 || f.Notice < f.SweptNotice {
+		t.Errorf("floor %+v after epoch %d: want the previous grow's epoch (%d) swept below", f, e.Number, e.Number-2)
+	}
+	if _, err := b.Await(ctx, 1); !errors.Is(err, ErrCollected) {
+		t.Errorf("await epoch 1 after %d epochs: %v, want ErrCollected", e.Number, err)
+	}
+	if _, err := b.AwaitNotice(ctx, 1); !errors.Is(err, ErrCollected) {
+		t.Errorf("await notice 1: %v, want ErrCollected", err)
+	}
+	if n, err := b.Latest(ctx); err != nil || n != e.Number {
+		t.Errorf("latest = %d, %v; want %d", n, err, e.Number)
+	}
+
+	// An agent admitted late: its Coordinator starts at the floor.
+	cfg.Name = "late"
+	late := agentSide(t, dial, cfg)
+	if first := nextEpoch(t, late, 10*time.Second); first.Number != f.Epoch {
+		t.Fatalf("the late coordinator starts at epoch %d, want the floor's %d", first.Number, f.Epoch)
+	}
+	if err := late.File(ctx, Report{Ranks: []int{1}, Reason: "killed"}); err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	b := NewBoard(c, "")
-	const world, victim = 4, 2
-	e := Initial(world)
-	cycle := func() {
+	for _, c := range []*Coordinator{lead, late} {
+		if next := nextEpoch(t, c, 10*time.Second); next.Number != e.Number+1 || !slices.Equal(next.Excluded, []int{1}) {
+			t.Errorf("after the floor: %v, want epoch %d excluding rank 1", next, e.Number+1)
+		}
+	}
+}
+
+// TestDeciderFloor: a floor is offered only when the current epoch is
+// complete and nothing is pending; a Decider resumed from it decides as
+// the one that followed the whole history.
+func TestDeciderFloor(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	cfg := Config{SettleWindow: time.Millisecond, RejoinWait: time.Second}
+	d := NewDecider("a", cfg, Initial(4))
+	if _, ok := d.Floor(0); ok {
+		t.Fatal("a floor at the launch")
+	}
+	decide := func(at time.Time) Epoch {
 		t.Helper()
-		if _, err := b.File(ctx, Report{Ranks: []int{victim}, Reason: "killed", From: "node0"}); err != nil {
-			t.Fatal(err)
+		e, ok, err := d.Decide(at)
+		if err != nil || !ok {
+			t.Fatalf("decide at %v: %v %v", at, ok, err)
 		}
-		shrunk, err := e.next(map[int]string{victim: "killed"}, 1, e.Number, "node0", time.Now())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if e, _, err = b.Publish(ctx, shrunk); err != nil {
-			t.Fatal(err)
-		}
-		for range world - 1 {
-			if _, err := b.Ack(ctx, e.Number); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if _, err := b.FileJoin(ctx, Join{Slots: []int{victim}, From: "node0"}); err != nil {
-			t.Fatal(err)
-		}
-		grown, err := e.grow([]int{victim}, "node0", time.Now())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if e, _, err = b.Publish(ctx, grown); err != nil {
-			t.Fatal(err)
-		}
-		for range world {
-			if _, err := b.Ack(ctx, e.Number); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if _, err := b.FileJoined(ctx, Joined{Epoch: e.Number, Slot: victim}); err != nil {
-			t.Fatal(err)
-		}
+		d.Adopt(e)
+		return e
 	}
-	keys := func() int {
-		t.Helper()
-		ks, err := c.ListKeys(ctx)
-		if err != nil {
-			t.Fatal(err)
+	d.Report(t0, Report{Ranks: []int{2, 3}, SeenAt: t0})
+	decide(t0.Add(time.Millisecond)) // epoch 1: 2 and 3 lost together
+	d.Join(t0, Join{Slots: []int{2, 3}, SeenAt: t0})
+	g := decide(t0.Add(2 * time.Second)) // epoch 2: both back
+	if _, ok := d.Floor(5); ok {
+		t.Fatal("a floor while the grow is not complete")
+	}
+	d.Report(t0, Report{Ranks: []int{1}, SeenAt: t0})
+	d.Complete(g.Number)
+	if _, ok := d.Floor(7); ok {
+		t.Fatal("a floor while a failure is pending")
+	}
+	d.Report(t0, Report{Ranks: []int{0}, SeenAt: t0})
+	decide(t0.Add(3 * time.Second)) // epoch 3: ranks 0 and 1 out together
+	f, ok := d.Floor(9)
+	if !ok || f.Epoch != 3 || f.Notice != 9 || f.LostIn[1] != 3 || f.LostIn[0] != 3 || len(f.LostIn) != 2 {
+		t.Fatalf("floor %+v %v, want epoch 3, notice 9, lost in {0:3, 1:3}", f, ok)
+	}
+	r := ResumeDecider("b", cfg, d.Current(), f)
+	// Rank 1 joins alone: lost together with 0, it waits RejoinWait for
+	// it, in the resumed Decider as in the one that saw epoch 3 decided.
+	at := t0.Add(5 * time.Second)
+	for _, x := range []*Decider{d, r} {
+		x.Join(at, Join{Slots: []int{1}, SeenAt: at})
+		if e, ok, err := x.Decide(at.Add(2 * time.Millisecond)); ok || err != nil {
+			t.Errorf("%s: %v %v %v, want a wait for slot 0", x.name, e, ok, err)
 		}
-		return len(ks)
-	}
-	cycle()
-	after2 := keys() // epochs 1 and 2
-	for range 49 {
-		cycle()
-	}
-	if got, limit := keys(), after2+8; got > limit {
-		t.Errorf("after %d epochs the store holds %d keys; after 2 it held %d: want at most %d", e.Number, got, after2, limit)
+		e, ok, err := x.Decide(at.Add(time.Second))
+		if err != nil || !ok || !slices.Equal(e.Added, []int{1}) {
+			t.Errorf("%s: %v %v %v, want slot 1 grown back after RejoinWait", x.name, e, ok, err)
+		}
 	}
 }

@@ -340,7 +340,7 @@ func (ru *runner) cleanUp() []int {
 // die with it: Pdeathsig) and reaps them; runRow starts a replacement on
 // that host replaceAfter later.
 func (ru *runner) bring(ctx context.Context, f Fault) Applied {
-	a := Applied{Fault: f, Rank: -1}
+	a := Applied{Fault: f, Rank: -1, Second: -1}
 	if f.Kind.hostFault() {
 		ag := ru.current(f.Target)
 		if ag == nil {
@@ -363,41 +363,77 @@ func (ru *runner) bring(ctx context.Context, f Fault) Applied {
 		procs.ReapOrphans(append(ru.pids(), ru.spares...)...)
 		return a
 	}
-	var workers map[int]int
-	// Between a failure and the next group there may be no worker: wait
-	// a while for one, as a fault would strike the next group.
+	workers := ru.workers(ctx)
+	world := ru.j.World()
+	struck := 1
+	if f.Kind == TwoRanks || f.Kind == GrowKill {
+		struck = 2
+	}
+	if ru.r.Mode == modeShrink && len(workers)-struck+1 <= world/2 {
+		a.Skipped = "the shrink row keeps half its ranks"
+		return a
+	}
+	a.Rank, a.PID = pickRank(workers, f.Target, world, -1)
+	if a.PID == 0 {
+		a.Skipped = "no rank running"
+		return a
+	}
+	sig := map[Kind]syscall.Signal{RankKill: syscall.SIGKILL, RankExit: syscall.SIGTERM, RankHang: syscall.SIGSTOP,
+		TwoRanks: syscall.SIGKILL, GrowKill: syscall.SIGKILL}[f.Kind]
+	newcomers := ru.out.nNewcomers()
+	a.At = time.Since(ru.t0)
+	if err := syscall.Kill(a.PID, sig); err != nil {
+		a.Skipped = fmt.Sprintf("signal %d: %v", a.PID, err)
+		return a
+	}
+	switch f.Kind {
+	case TwoRanks:
+		// The same moment: the next running rank after the first.
+	case GrowKill:
+		for deadline := time.Now().Add(growKillWait); ru.out.nNewcomers() == newcomers && time.Now().Before(deadline) && ctx.Err() == nil; {
+			time.Sleep(5 * time.Millisecond)
+		}
+		workers = ru.workers(ctx)
+	default:
+		return a
+	}
+	second, pid := pickRank(workers, a.Rank+1, world, a.Rank)
+	if pid == 0 {
+		return a // no other rank running: one fault, not two
+	}
+	a.SecondAt = time.Since(ru.t0)
+	if err := syscall.Kill(pid, syscall.SIGKILL); err == nil {
+		a.Second = second
+	}
+	return a
+}
+
+// workers returns the job's running workers, launch rank → PID. Between a
+// failure and the next group there may be none: it waits a while for
+// one, as a fault would strike the next group.
+func (ru *runner) workers(ctx context.Context) map[int]int {
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		workers = map[int]int{}
+		workers := map[int]int{}
 		for _, pid := range ru.pids() {
 			for rank, w := range liveWorkers(pid) {
 				workers[rank] = w
 			}
 		}
 		if len(workers) > 0 || time.Now().After(deadline) || ctx.Err() != nil {
-			break
+			return workers
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
-	world := ru.j.World()
-	if ru.r.Mode == modeShrink && len(workers) <= world/2 {
-		a.Skipped = "the shrink row keeps half its ranks"
-		return a
-	}
+}
+
+// pickRank returns the first running rank from target on (wrapping
+// around world), other than not, and its PID; 0 when none runs.
+func pickRank(workers map[int]int, target, world, not int) (int, int) {
 	for i := range world {
-		rank := (f.Target + i) % world
-		if pid, ok := workers[rank]; ok {
-			a.Rank, a.PID = rank, pid
-			break
+		rank := (target + i) % world
+		if pid, ok := workers[rank]; ok && rank != not {
+			return rank, pid
 		}
 	}
-	if a.PID == 0 {
-		a.Skipped = "no rank running"
-		return a
-	}
-	sig := map[Kind]syscall.Signal{RankKill: syscall.SIGKILL, RankExit: syscall.SIGTERM, RankHang: syscall.SIGSTOP}[f.Kind]
-	a.At = time.Since(ru.t0)
-	if err := syscall.Kill(a.PID, sig); err != nil {
-		a.Skipped = fmt.Sprintf("signal %d: %v", a.PID, err)
-	}
-	return a
+	return -1, 0
 }

@@ -47,15 +47,19 @@
 // that rank is not running: a pre-started spare's workers have none); an
 // agent fault never hits host 0, whose agent is the job's witness (its
 // exit code is the job's, its resources are sampled; with c10d it holds
-// the store).
+// the store). two-ranks SIGKILLs two ranks at the same moment (two faults
+// at once); grow-kill SIGKILLs a rank and, the moment its respawn says it
+// is a newcomer (a grow under way), a second one (a fault during a grow;
+// where no newcomer comes within 5 s, as in restart rows, the second kill
+// strikes the recovery all the same).
 //
 // With -hosts 1 the agent runs with --standalone; with -hosts H ≥ 2 (root,
 // iproute2) agent i runs in host i of a network-namespace bed
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
-// host's --local-addr. Still to come (issue 16): link cuts, two faults at
-// once by design, a fault during a grow, the coordinator's host lost,
-// torchrun 2.14, PyTorch gloo workers, etcd key and lease counts.
+// host's --local-addr. Still to come (issue 16): link cuts, the
+// coordinator's host lost, a spare lost, torchrun 2.14, PyTorch gloo
+// workers, etcd key and lease counts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
 //	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6

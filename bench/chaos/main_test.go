@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"net"
-	"os"
 	"slices"
 	"strings"
 	"testing"
@@ -136,13 +135,6 @@ func TestSeededSchedule(t *testing.T) {
 	kinds := map[Kind]int{}
 	for _, r := range results {
 		for _, v := range r.Violations {
-			// The shrink Board's keys grow with the epochs: a known
-			// leak (shrink.TestBoardKeysBoundedOverEpochs), reported,
-			// not this test's to fail on unless asked.
-			if strings.Contains(v, "store keys") && os.Getenv("GORUN_KNOWN_LEAKS") == "" {
-				t.Logf("%s: known leak: %s", r.Row.Name, v)
-				continue
-			}
 			t.Errorf("%s: %s", r.Row.Name, v)
 		}
 		if !r.Exact {

@@ -35,6 +35,9 @@ type output struct {
 	epochs map[[2]int]bool // (attempt, epoch) pairs seen
 	done   []doneLine
 	steps  int // progress lines read
+	// newcomers counts the workers that said they are newcomers: a grow
+	// is under way (GrowKill waits for one).
+	newcomers int
 }
 
 func newOutput() *output {
@@ -101,6 +104,10 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 			}
 			o.epochs[[2]int{int(v[0]), int(v[1])}] = true
 			o.mu.Unlock()
+		} else if strings.Contains(line, "]:newcomer slot=") {
+			o.mu.Lock()
+			o.newcomers++
+			o.mu.Unlock()
 		} else if m := doneRE.FindStringSubmatch(line); m != nil {
 			var d doneLine
 			d.launch, _ = strconv.Atoi(m[1])
@@ -129,6 +136,12 @@ func (o *output) lines() int {
 	o.mu.Lock()
 	defer o.mu.Unlock()
 	return o.steps
+}
+
+func (o *output) nNewcomers() int {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	return o.newcomers
 }
 
 func (o *output) nEpochs() int {

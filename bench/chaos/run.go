@@ -47,10 +47,14 @@ func (l Limits) withDefaults() Limits {
 // which rank and process; or why it was skipped.
 type Applied struct {
 	Fault
-	At      time.Duration
-	Rank    int
-	PID     int
-	Skipped string
+	At   time.Duration
+	Rank int
+	PID  int
+	// Second is the rank a two-rank fault (TwoRanks, GrowKill) struck
+	// second, -1 when none was; SecondAt when.
+	Second   int
+	SecondAt time.Duration
+	Skipped  string
 }
 
 // Sample is an agent's resources at a moment of the run. -1: unknown

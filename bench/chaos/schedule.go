@@ -27,13 +27,26 @@ const (
 	// AgentKill SIGKILLs a host's agent, its workers dying with it, and
 	// starts a replacement agent on that host.
 	AgentKill Kind = "agent-kill"
+	// TwoRanks SIGKILLs two ranks at the same moment: two faults at once,
+	// by design (the settle window must make them one epoch).
+	TwoRanks Kind = "two-ranks"
+	// GrowKill SIGKILLs a rank and then, the moment its respawn says it
+	// is a newcomer (a grow is under way), another rank: a fault during a
+	// grow. Where no newcomer comes within growKillWait (restart rows),
+	// the second kill strikes during the recovery all the same.
+	GrowKill Kind = "grow-kill"
 )
 
-// rankKinds are the kinds a one-host run can bring.
+// rankKinds are the default kinds: one rank each, which a one-host run can
+// bring.
 var rankKinds = []Kind{RankKill, RankExit, RankHang}
 
 // allKinds are the kinds the harness knows, in a fixed order.
-var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill}
+var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill}
+
+// growKillWait bounds how long a GrowKill waits for the newcomer before
+// its second kill.
+const growKillWait = 5 * time.Second
 
 // hostFault reports whether k takes a host's agent, not one rank.
 func (k Kind) hostFault() bool { return k == AgentKill }

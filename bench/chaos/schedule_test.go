@@ -104,3 +104,27 @@ func TestParseKinds(t *testing.T) {
 		t.Errorf("ParseKinds(flood) = %v, want ErrSchedule", err)
 	}
 }
+
+// TestPickRank: a rank fault strikes its target, or the next running rank
+// after it (wrapping around), never the one excluded (a two-rank fault's
+// first).
+func TestPickRank(t *testing.T) {
+	workers := map[int]int{0: 100, 2: 102, 3: 103}
+	for _, tt := range []struct {
+		target, not, rank, pid int
+	}{
+		{0, -1, 0, 100},
+		{1, -1, 2, 102},
+		{3, -1, 3, 103},
+		{3, 3, 0, 100},
+		{4, -1, 0, 100}, // the second of a two-rank fault on the last rank
+		{2, 2, 3, 103},
+	} {
+		if rank, pid := pickRank(workers, tt.target, 4, tt.not); rank != tt.rank || pid != tt.pid {
+			t.Errorf("pickRank(target %d, not %d) = %d, %d; want %d, %d", tt.target, tt.not, rank, pid, tt.rank, tt.pid)
+		}
+	}
+	if rank, pid := pickRank(map[int]int{1: 101}, 1, 4, 1); pid != 0 || rank != -1 {
+		t.Errorf("the only running rank excluded: got %d, %d; want none", rank, pid)
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/gorunhq/gorun/health"
 	"github.com/gorunhq/gorun/pg"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/shrink"
@@ -107,6 +108,8 @@ func (w *worker) recover(ctx context.Context, step int) (int, error) {
 	if w.opt.timestamps {
 		fmt.Fprintf(w.out, "stopped attempt=%d epoch=%d unix_ns=%d\n", w.attempt, w.epoch.Number, time.Now().UnixNano())
 	}
+	// Waiting on the agents' epoch and then on the peers: alive, blocked.
+	defer health.Blocked()()
 	for {
 		rctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
 		g, e, err := w.follower.Recover(rctx)
@@ -184,6 +187,7 @@ func (w *worker) finished(ctx context.Context) (bool, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, w.opt.timeout)
 	defer cancel()
+	defer health.Blocked()() // waiting on the peers
 	key, world := finishedKey(w.epoch.Number), int64(w.epoch.WorldSize)
 	n, err := w.store.Add(ctx, key, 1)
 	tick := time.NewTicker(finishPoll)

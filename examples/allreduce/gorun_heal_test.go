@@ -77,28 +77,36 @@ func (j *healJob) expectDone(t *testing.T, world int, sum int) {
 
 // TestUnderGorunHeal kills rank 2 early and in mid-run: either way it is
 // shrunk away, respawned and grown back in, and the survivors never
-// restart.
+// restart. It also stops rank 2 (SIGSTOP: a hang, not a death) with
+// --heartbeat-timeout: its peers block on it in their next collective and
+// say so (health.Blocked), so gorun declares rank 2 alone hung and kills
+// it. (Before wait beats every rank of the group went silent within a
+// step, all four were declared hung and shrink fell back to a restart.)
 func TestUnderGorunHeal(t *testing.T) {
 	for _, tt := range []struct {
 		name   string
+		sig    syscall.Signal
 		killAt time.Duration // after every rank started
 	}{
-		{"early", 200 * time.Millisecond},
-		{"mid-run", 1500 * time.Millisecond},
+		{"early", syscall.SIGKILL, 200 * time.Millisecond},
+		{"mid-run", syscall.SIGKILL, 1500 * time.Millisecond},
+		{"hung early", syscall.SIGSTOP, 300 * time.Millisecond},
+		{"hung mid-run", syscall.SIGSTOP, 2 * time.Second},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			j := startHealJob(ctx, t, 800) // 4 s of steps
+			j := startHealJob(ctx, t, 1000, "--heartbeat-timeout", "1") // 5 s of steps
 			time.Sleep(tt.killAt)
 			survivors := map[int]int{}
 			for _, r := range []int{0, 1, 3} {
 				survivors[r] = j.pid(t, r)
 			}
 			victim := j.pid(t, 2)
-			if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
+			if err := syscall.Kill(victim, tt.sig); err != nil {
 				t.Fatal(err)
 			}
+			defer syscall.Kill(victim, syscall.SIGCONT) // a test that fails early leaves no stopped process
 			j.g.AwaitLines(ctx, t, "]:grow epoch=2 world=4 added=[2]", 4)
 			for r, pid := range survivors {
 				if got := j.pid(t, r); got != pid {
@@ -109,7 +117,7 @@ func TestUnderGorunHeal(t *testing.T) {
 				t.Errorf("rank 2 is still pid %d", got)
 			}
 			j.g.Wait(ctx, t)
-			out := j.g.Stdout.String()
+			out, errs := j.g.Stdout.String(), j.g.Stderr.String()
 			if n := strings.Count(out, "]:shrink epoch=1 world=3 excluded=[2]"); n != 3 {
 				t.Errorf("%d survivors printed the shrink line, want 3\n%s", n, j.g.Output())
 			}
@@ -117,8 +125,15 @@ func TestUnderGorunHeal(t *testing.T) {
 				t.Errorf("%d newcomer lines, want 1\n%s", n, j.g.Output())
 			}
 			j.expectDone(t, 4, 10)
-			if errs := j.g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
+			if !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
 				t.Errorf("gorun's summary does not say rank 2 was grown back:\n%s", errs)
+			}
+			hung := 0
+			if tt.sig == syscall.SIGSTOP {
+				hung = 1
+			}
+			if n := strings.Count(errs, "worker hung; killing it"); n != hung || hung == 1 && !strings.Contains(errs, `"rank": 2, "why": "no heartbeat for`) {
+				t.Errorf("%d ranks declared hung, want %d (rank 2 if any):\n%s", n, hung, errs)
 			}
 		})
 	}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"time"
 
+	"github.com/gorunhq/gorun/health"
 	"github.com/gorunhq/gorun/pg"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/shrink"
@@ -233,7 +234,12 @@ func (w *worker) step(ctx context.Context) error {
 	}
 	stepCtx, cancel := context.WithTimeout(ctx, w.opt.timeout)
 	defer cancel()
-	if err := w.group.AllReduce(stepCtx, w.vec.Buffer(), pg.Sum); err != nil {
+	// Blocked on the peers from here: a peer that hangs stops us too, and
+	// the agent must not take that for a hang of ours.
+	unblocked := health.Blocked()
+	err := w.group.AllReduce(stepCtx, w.vec.Buffer(), pg.Sum)
+	unblocked()
+	if err != nil {
 		return fmt.Errorf("allreduce: %w", err)
 	}
 	if err := w.vec.Read(w.host); err != nil {

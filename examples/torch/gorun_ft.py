@@ -94,7 +94,11 @@ Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``added``, ``ranks``, ``world_size``, ``action``, ``base``, ``reasons``);
 ``ack/<n>`` counts the members that moved to epoch n; ``report/next``
 counts the notices and ``report/<i>`` holds notice i, JSON with one of
-``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own).
+``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own);
+``floor`` says where the history kept starts (``epoch``, ``notice``,
+``swept_epoch``, ``swept_notice``): the agents collect the epochs below
+``swept_epoch``, so a worker that waits for one of those (a newcomer that
+fell a heal cycle behind) follows on from the floor's ``epoch``.
 
 Authenticated board: when the job has a secret (GORUN_JOB_SECRET, which
 gorun puts in every worker's environment), every record on the board ends
@@ -136,6 +140,9 @@ FORGED_POLL = 0.05
 # How long the watcher's store wait lasts before it checks whether to stop;
 # also the slice of the waits that give up when the next epoch appears.
 WATCH_WAIT = datetime.timedelta(seconds=1)
+# How often (seconds) the epoch watcher, while it waits, looks whether the
+# epoch it waits for was collected below the board's floor.
+FLOOR_LOOK = 5.0
 # How long a survivor waits for the agents' next epoch, past the agreement
 # timeout gorun passes (GORUN_AGREEMENT_TIMEOUT, seconds), for the agents to
 # find the failure in the first place (a lost node takes about a second to
@@ -392,6 +399,17 @@ class _KeyWaiter:
         """key's value; call it only after wait([key]) returned True."""
         return self._store.get(key)
 
+    def peek(self, key):
+        """key's value, or None while it does not exist: without waiting
+        (1.13's store has no check(): a wait of a millisecond, then)."""
+        if self._store is None:
+            self._store = _connect_store(self._timeout)
+        if hasattr(self._store, "check"):
+            there = self._store.check([key])
+        else:
+            there = self.wait([key], 0.001)
+        return self._store.get(key) if there else None
+
     def close(self):
         self._store = None
 
@@ -562,11 +580,19 @@ class ElasticGroup:
         where the backend can, so a collective stuck on a dead peer returns
         to the training loop and, for a grow, every member stops at once."""
         waiter = _KeyWaiter(self.timeout)
+        floor_seen = time.monotonic()
         while not self._stop.is_set():
             key = _key("epoch", n)
             try:
                 # Short waits, so that close() can join this thread soon.
                 if not waiter.wait([key], WATCH_WAIT.total_seconds()):
+                    if time.monotonic() - floor_seen > FLOOR_LOOK:
+                        # A newcomer's watcher starts where it was started
+                        # from: the board may have collected that epoch.
+                        floor_seen = time.monotonic()
+                        floor = self._floor_epoch(n, waiter)
+                        if floor is not None:
+                            n = floor
                     continue  # ask again
                 e = self._epoch(n, waiter.get(key))
             except Forged:
@@ -788,10 +814,15 @@ class ElasticGroup:
             self._on_ready()
         while True:
             nxt = self._await(self.epoch.number + 1, grow=True)
+            behind = nxt.number != self.epoch.number + 1
             with self._lock:
                 self.epoch = nxt
             if nxt.action == "restart":
                 raise self._restart(nxt)
+            if behind:
+                # The epochs it missed did not bring its slot back for
+                # good: offer it again, in case one took its join.
+                self._file_join()
             if not nxt.newcomer(slot):
                 continue
             if self._grow(nxt) if self._grows_afresh(nxt) else self._form(nxt):
@@ -1026,12 +1057,36 @@ class ElasticGroup:
                 if grow:
                     why += ", plus the grow timeout"
                 raise RestartRequired("no epoch %d within %.0f s (%s): restart" % (n, bound, why))
-            if self._awaiter.wait([key], min(left, 5.0)):
+            if self._awaiter.wait([key], min(left, FLOOR_LOOK)):
                 try:
                     return self._epoch(n, self._awaiter.get(key))
                 except Forged:
                     # Not acted on: wait for the genuine epoch to replace it.
                     time.sleep(min(FORGED_POLL, max(left, 0)))
+                continue
+            floor = self._floor_epoch(n, self._awaiter)
+            if floor is not None:
+                # Epoch n was collected: this worker fell a heal cycle
+                # behind (a newcomer slow to start). The agents' floor says
+                # where the board's history now starts.
+                self._log("epoch %d was collected below the board's floor: following on from epoch %d" % (n, floor))
+                n, key = floor, _key("epoch", floor)
+
+    def _floor_epoch(self, n, waiter):
+        """The board floor's epoch if epoch n was collected below it (see
+        shrink.Floor: epochs below its swept_epoch are gone), else None,
+        read through waiter's connection. A floor that fails the job
+        secret's check counts as none."""
+        rec = waiter.peek(_key("floor"))
+        if rec is None:
+            return None
+        if self._auth is not None:
+            try:
+                rec = self._auth.open(_rel("floor"), rec)
+            except Forged:
+                return None
+        f = json.loads(rec)
+        return f["epoch"] if n < f.get("swept_epoch", 0) else None
 
     def resync(self, *tensors):
         """Copy the tensors of the lowest rank whose state is the job's to

@@ -562,3 +562,83 @@ print("bad", bad)
 		t.Errorf("members switched at different steps:\n%s", out)
 	}
 }
+
+// TestTorchGlooNewcomerBehindTheFloor: the board collects old epochs (its
+// floor rises on each complete grow), and a newcomer slow to start must
+// not wait for one of those. Slot 2 is lost and its newcomer is held back
+// while slot 3 is lost and healed twice; the second complete grow's floor
+// collects epochs 1 and 2. Slot 2's newcomer, started after epoch 1, finds
+// epoch 2 gone, follows on from the floor, offers its slot again and is
+// grown in: all four finish together, with the same model.
+func TestTorchGlooNewcomerBehindTheFloor(t *testing.T) {
+	py := torchtest.Python(t)
+	script := filepath.Join(thisDir(), "train_elastic.py")
+	// Long enough for three newcomers to start one after the other
+	// (torch's import takes seconds on a loaded machine).
+	const steps = 2500
+	h := startHealRun(t, py, script, shrink.Config{SettleWindow: 100 * time.Millisecond, GrowTimeout: 30 * time.Second}, steps)
+	ctx, ws := h.ctx, h.ws
+	expect := func(want string, ok func(shrink.Epoch) bool) shrink.Epoch {
+		t.Helper()
+		e := nextEpoch(ctx, t, h.coord)
+		if !ok(e) {
+			t.Fatalf("%v, want %s", e, want)
+		}
+		return e
+	}
+	var newcomers []*worker
+	floorAt := func(epoch int) shrink.Floor {
+		t.Helper()
+		for giveUp := time.Now().Add(time.Minute); ; {
+			f, err := h.board.Floor(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if f.Epoch >= epoch {
+				return f
+			}
+			if time.Now().After(giveUp) {
+				var b strings.Builder
+				for i, w := range append(ws[:2:2], newcomers...) {
+					fmt.Fprintf(&b, "--- process %d:\n%s\n", i, w.out)
+				}
+				t.Fatalf("the floor stays at epoch %d, want %d\n%s", f.Epoch, epoch, b.String())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	killAndReport(ctx, t, h.coord, ws, 2)
+	expect("slot 2 out", func(e shrink.Epoch) bool { return e.Number == 1 && slices.Equal(e.Excluded, []int{2}) })
+	killAndReport(ctx, t, h.coord, ws, 3)
+	expect("slot 3 out", func(e shrink.Epoch) bool { return e.Number == 2 && e.WorldSize == 2 })
+	first := h.j.start(t, 3, "GORUN_SHRINK_NEWCOMER=2")
+	newcomers = append(newcomers, first)
+	expect("slot 3 back", func(e shrink.Epoch) bool { return e.Number == 3 && slices.Equal(e.Added, []int{3}) })
+	floorAt(3)
+	killAndReport(ctx, t, h.coord, []*worker{3: first}, 3)
+	expect("slot 3 out again", func(e shrink.Epoch) bool { return e.Number == 4 && slices.Equal(e.Excluded, []int{3}) })
+	second := h.j.start(t, 3, "GORUN_SHRINK_NEWCOMER=4")
+	newcomers = append(newcomers, second)
+	expect("slot 3 back again", func(e shrink.Epoch) bool { return e.Number == 5 && slices.Equal(e.Added, []int{3}) })
+	if f := floorAt(5); f.SweptEpoch != 3 {
+		t.Fatalf("floor %+v, want epochs below 3 collected", f)
+	}
+	if _, ok, err := h.board.Lookup(ctx, 2); err != nil || ok {
+		t.Fatalf("epoch 2 is still on the board (%v): nothing was collected", err)
+	}
+	late := h.j.start(t, 2, "GORUN_SHRINK_NEWCOMER=1")
+	grow := expect("slot 2 back", func(e shrink.Epoch) bool {
+		return e.Number == 6 && slices.Equal(e.Added, []int{2}) && e.WorldSize == 4
+	})
+	ms := []member{{0, ws[0]}, {1, ws[1]}, {3, second}, {2, late}}
+	finish(ctx, t, grow, steps, ms, func(slot int) []string {
+		switch slot {
+		case 2:
+			return []string{"newcomer slot=2 after epoch=1", "epoch 2 was collected below the board's floor: following on from epoch 5",
+				"grow epoch=6 world=4 added=[2]"}
+		case 3:
+			return []string{"newcomer slot=3 after epoch=4", "grow epoch=6 world=4 added=[2]"}
+		}
+		return []string{"grow epoch=3 world=3 added=[3]", "grow epoch=5 world=3 added=[3]", "grow epoch=6 world=4 added=[2]"}
+	})
+}

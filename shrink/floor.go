@@ -1,0 +1,221 @@
+package shrink
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"maps"
+	"strings"
+
+	"github.com/gorunhq/gorun/rendezvous"
+)
+
+// ErrCollected: the record a reader waits for was collected (deleted below
+// the Board's Floor) before it read it: the reader fell a whole heal cycle
+// behind. It starts again from the Floor.
+var ErrCollected = errors.New("collected below the board's floor")
+
+// floorKey is the Floor's key under the Board's prefix.
+const floorKey = "floor"
+
+// Floor is where the Board's history starts: what a reader that comes late
+// (an agent admitted into a running round, a Coordinator started anew)
+// starts from instead of epoch 1 and notice 1, and how far the collection
+// of old records has gone. Without it the Board would keep every epoch,
+// acknowledgement counter and notice for ever: about seven keys a heal
+// cycle, and a job that heals all week fills its store.
+//
+// The leader raises it when a grow completes and its Decider has nothing
+// pending (Decider.Floor): the grown epoch then says all there is to know,
+// and no notice filed until then matters to a Decider that starts from it.
+// Raising it collects the records below the floor before (a generation
+// behind, so a reader that lags by up to a heal cycle still finds what it
+// waits for): epochs and their counters below that floor's epoch, notices
+// up to its notice, and the group-formation keys of those epochs
+// (Namespace) where the store can list its keys.
+type Floor struct {
+	// Epoch is the epoch to start from; 0 (no floor yet) is the launch.
+	Epoch int `json:"epoch"`
+	// Notice is the last notice a reader that starts from Epoch may skip:
+	// Epoch settled every one up to it.
+	Notice int `json:"notice"`
+	// LostIn names, for each slot lost in Epoch, the epoch that excluded
+	// it: what was lost together is grown back together
+	// (Config.RejoinWait), and a Decider that starts from Epoch has not
+	// seen those epochs.
+	LostIn map[int]int `json:"lost_in,omitempty"`
+	// SweptEpoch and SweptNotice say what is collected: every epoch below
+	// SweptEpoch and every notice up to SweptNotice (the floor before this
+	// one).
+	SweptEpoch  int `json:"swept_epoch"`
+	SweptNotice int `json:"swept_notice"`
+}
+
+// collected reports whether epoch n's records are gone.
+func (f Floor) collected(n int) bool { return n < f.SweptEpoch }
+
+// noticeCollected reports whether notice i is gone.
+func (f Floor) noticeCollected(i int) bool { return i <= f.SweptNotice }
+
+// Floor returns the Board's Floor: the zero Floor while none was raised. On
+// an authenticated Board a forged floor is refused (reported by the Auth)
+// and counts as none: readers then start from epoch 1, as before any
+// collection. (Whoever can write the store can delete its keys too, which
+// no MAC prevents; binding the store where it is used does.)
+func (b *Board) Floor(ctx context.Context) (Floor, error) {
+	f, _, err := b.readFloor(ctx)
+	return f, err
+}
+
+// readFloor returns the Floor and the bytes it was read from (nil when the
+// key is absent).
+func (b *Board) readFloor(ctx context.Context) (Floor, []byte, error) {
+	ok, err := b.store.Check(ctx, floorKey)
+	if err != nil || !ok {
+		return Floor{}, nil, wrapFloor(err)
+	}
+	raw, err := b.store.Get(ctx, floorKey)
+	if err != nil {
+		return Floor{}, nil, wrapFloor(err)
+	}
+	rec, err := b.open(floorKey, raw)
+	if errors.Is(err, ErrForged) {
+		return Floor{}, raw, nil
+	}
+	if err != nil {
+		return Floor{}, raw, err
+	}
+	var f Floor
+	if err := json.Unmarshal(rec, &f); err != nil {
+		return Floor{}, raw, fmt.Errorf("shrink: the board's floor: %w", err)
+	}
+	return f, raw, nil
+}
+
+func wrapFloor(err error) error {
+	if err == nil {
+		return nil
+	}
+	return fmt.Errorf("shrink: read the board's floor: %w", err)
+}
+
+// Raise makes next the Board's Floor, unless the floor is there already or
+// higher (another leader raised it), and collects what falls a generation
+// behind: the records below the floor it replaces. It fills in next's
+// Swept fields. A failure midway leaves some records uncollected, once;
+// the floor itself is written first, so no reader is sent to a record
+// that is gone.
+func (b *Board) Raise(ctx context.Context, next Floor) error {
+	for {
+		cur, raw, err := b.readFloor(ctx)
+		if err != nil {
+			return err
+		}
+		if cur.Epoch >= next.Epoch {
+			return nil
+		}
+		next.SweptEpoch, next.SweptNotice = cur.Epoch, cur.Notice
+		rec, err := json.Marshal(next)
+		if err == nil {
+			rec, err = b.seal(floorKey, rec)
+		}
+		if err != nil {
+			return fmt.Errorf("shrink: encode the floor: %w", err)
+		}
+		got, err := b.store.CompareSet(ctx, floorKey, raw, rec)
+		if err != nil {
+			return fmt.Errorf("shrink: raise the floor to epoch %d: %w", next.Epoch, err)
+		}
+		if !bytes.Equal(got, rec) {
+			continue // raced: look again
+		}
+		return b.sweep(ctx, cur)
+	}
+}
+
+// sweep deletes the records below floor f that the floor before it still
+// kept: epochs (with their counters and formation keys) from f.SweptEpoch
+// up to f.Epoch, and notices after f.SweptNotice up to f.Notice.
+func (b *Board) sweep(ctx context.Context, f Floor) error {
+	var gone []string
+	for n := max(f.SweptEpoch, 1); n < f.Epoch; n++ {
+		gone = append(gone, epochKey(n), ackKey(n))
+	}
+	for i := f.SweptNotice + 1; i <= f.Notice; i++ {
+		gone = append(gone, reportKey(i))
+	}
+	for _, k := range gone {
+		if _, err := b.store.Delete(ctx, k); err != nil {
+			return fmt.Errorf("shrink: collect %s below the floor: %w", k, err)
+		}
+	}
+	if b.raw == nil || f.Epoch <= max(f.SweptEpoch, 1) {
+		return nil
+	}
+	// The groups of those epochs formed under Namespace(n): their keys
+	// (gloo's, pg/cpu's, gorun_ft's) are done with too. Only a store
+	// that can list its keys (gorun's) gives them up.
+	keys, err := b.raw.ListKeys(ctx)
+	if errors.Is(err, rendezvous.ErrNotSupported) {
+		return nil // PyTorch's server cannot list: those keys stay
+	}
+	if err != nil {
+		return fmt.Errorf("shrink: list the formation keys below the floor: %w", err)
+	}
+	formed := map[string]bool{}
+	for n := max(f.SweptEpoch, 1); n < f.Epoch; n++ {
+		formed[Namespace(n)] = true
+	}
+	for _, k := range keys {
+		if ns, _, ok := cutNamespace(k); ok && formed[ns] {
+			if _, err := b.raw.Delete(ctx, k); err != nil {
+				return fmt.Errorf("shrink: collect %s below the floor: %w", k, err)
+			}
+		}
+	}
+	return nil
+}
+
+// cutNamespace splits key "gorun/epoch/<n>/rest" into its epoch's
+// Namespace and the rest.
+func cutNamespace(key string) (ns, rest string, ok bool) {
+	const pre = "gorun/epoch/"
+	if !strings.HasPrefix(key, pre) {
+		return "", "", false
+	}
+	n, rest, ok := strings.Cut(key[len(pre):], "/")
+	if !ok || n == "" {
+		return "", "", false
+	}
+	return pre + n, rest, true
+}
+
+// Floor returns the Floor the leader may raise once the current epoch is
+// complete, whose notices up to notice (the last this Decider applied)
+// were all applied: ok only when nothing is pending (no failure reported,
+// no join offered, no news of a later epoch), so that a Decider started
+// from the current epoch, reading notices after notice, decides as this one
+// does.
+func (d *Decider) Floor(notice int) (Floor, bool) {
+	if !d.complete || len(d.pending) > 0 || len(d.joins) > 0 || len(d.early) > 0 || d.current.Number < 1 {
+		return Floor{}, false
+	}
+	return Floor{Epoch: d.current.Number, Notice: notice, LostIn: maps.Clone(d.lostIn)}, true
+}
+
+// ResumeDecider returns a decider for the coordinator called name that
+// starts from floor f's epoch e, as one that had followed the Board from
+// the launch would be at f's notice.
+func ResumeDecider(name string, cfg Config, e Epoch, f Floor) *Decider {
+	d := NewDecider(name, cfg, e)
+	d.complete = true // a floor's epoch is complete: Decider.Floor says so
+	clear(d.awaiting)
+	for g, n := range f.LostIn {
+		if !e.Alive(g) {
+			d.lostIn[g] = n
+		}
+	}
+	return d
+}
