@@ -60,6 +60,9 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				return fallBack(fmt.Sprintf("epoch %d would leave %d rank(s), below --min-world-size %d",
 					ev.epoch.Number, ev.epoch.WorldSize, a.cfg.MinWorldSize))
 			}
+			if err := a.newcomersGone(ctx, w.g, sv, ev.epoch, &out); err != nil {
+				return fallBack(err.Error())
+			}
 			for _, wk := range w.g.workers {
 				a.respawnLater(w, sv, wk)
 			}
@@ -160,6 +163,33 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 		}
 	}
 	return false
+}
+
+// newcomersGone reports the local slots that grow epoch e adds but whose
+// newcomer has exited: a Join it filed before it died (or before an epoch
+// excluded it and this agent stopped it) brought the grow, and nobody will
+// join in that slot. Reported now, the grow ends in a shrink at once,
+// not at its grow timeout, with every member blocked meanwhile, and the
+// slot is respawned; the agent does not respawn a slot the current epoch
+// has alive.
+func (a *agent) newcomersGone(ctx context.Context, g *group, sv *survivors, e shrink.Epoch, out *outcome) error {
+	if e.Action != shrink.ActionGrow {
+		return nil
+	}
+	for _, wk := range g.workers {
+		if !wk.exited || !e.Newcomer(wk.a.Rank) {
+			continue
+		}
+		f := newFailure(wk.a.LocalRank, wk.a.Rank, wk.exit, wk.errorFile, a.host)
+		f.Message = fmt.Sprintf("the grow of epoch %d adds slot %d, whose newcomer is gone (%s)", e.Number, wk.a.Rank, f.Message)
+		a.log.Warn("a grow adds a slot whose newcomer is gone; reporting it", zap.Int("rank", wk.a.Rank), zap.Int("epoch", e.Number))
+		out.failures = append(out.failures, f)
+		a.endpoint.FailureReported(ReportWorker, 1)
+		if err := sv.workerFailed(ctx, f); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // admitWaiting, on the node that leads the agreement with heal on, takes

@@ -25,6 +25,11 @@ var (
 	// epoch, which the agents decide within their grow timeout, settles
 	// it.
 	ErrGrowIncomplete = errors.New("the grow did not complete")
+	// ErrSuperseded: the next epoch came while this rank was shrinking its
+	// group to an epoch (a member of it hung, or died, before the shrink
+	// completed). The worker keeps the group it had, aborted, and calls
+	// Recover again: it moves from that group to the next epoch's members.
+	ErrSuperseded = errors.New("the shrink was superseded by the next epoch")
 )
 
 // JoinFunc forms a newcomer's side of a grow, with its backend (pg/cpu's
@@ -57,13 +62,16 @@ type Follower struct {
 	groups  map[int]epochGroup // by epoch number: current's and a held base
 	pending *Epoch             // the watcher saw the next epoch
 	moved   chan struct{}      // cap 1: Recover advanced the epoch
-	// stopGrow ends the grow to epoch growing that Recover is doing, when
+	// stopMove ends the move to epoch moving that Recover is doing, when
 	// the epoch after comes first.
-	stopGrow context.CancelFunc
-	growing  int
+	stopMove context.CancelFunc
+	moving   int
 	// seen is the latest epoch the watcher has seen: one it saw before
-	// Recover began a grow to an earlier epoch ends that grow at once.
+	// Recover began a move to an earlier epoch ends that move at once.
 	seen int
+	// superseded: the latest epoch's shrink was cut short by the next
+	// (ErrSuperseded), and the group in use is the one before it.
+	superseded bool
 
 	cancel context.CancelFunc
 	done   chan struct{}
@@ -242,8 +250,8 @@ func (f *Follower) run(ctx context.Context) {
 		}
 		f.mu.Lock()
 		f.seen = n
-		if f.stopGrow != nil && n > f.growing {
-			f.stopGrow() // epoch n supersedes the grow under way
+		if f.stopMove != nil && n > f.moving {
+			f.stopMove() // epoch n supersedes the move under way
 		}
 		f.mu.Unlock()
 		// Hand e over once Recover has moved to the epoch before.
@@ -277,7 +285,9 @@ func (f *Follower) run(ctx context.Context) {
 // later epoch can build on. An epoch that excludes this rank gives
 // ErrExcluded, a restart epoch ErrRestart; every group is closed in both
 // cases. A grow whose group cannot be formed gives ErrGrowIncomplete and
-// the group in use: call Recover again.
+// the group in use, and a shrink that the next epoch cuts short (a member
+// hung or died before it) ErrSuperseded and the group in use: call
+// Recover again.
 func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) {
 	f.mu.Lock()
 	prev, next := f.epoch, f.pending
@@ -300,32 +310,42 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 	}
 	f.mu.Lock()
 	base, ok := f.groups[e.Base]
+	if !ok && e.Action != ActionGrow && f.superseded {
+		// The shrink to e.Base was cut short by e: move from the group
+		// in use to e's members (ShrinkList counts from its epoch).
+		base, ok = f.groups[f.current]
+	}
 	f.mu.Unlock()
 	if !ok {
 		return nil, e, fmt.Errorf("shrink: epoch %d goes on from the group of epoch %d, which global rank %d does not have", e.Number, e.Base, f.globalRank)
 	}
 	mctx, stop := context.WithCancel(ctx)
 	defer stop()
-	if e.Action == ActionGrow {
-		// The watcher may see this very epoch after Recover did (a peer's
-		// abort ended our collective first): only a later one ends it.
-		f.mu.Lock()
-		f.stopGrow, f.growing = stop, e.Number
-		if f.seen > e.Number {
-			stop() // the epoch after came before the grow began: the grow cannot complete
-		}
-		f.mu.Unlock()
-		defer func() {
-			f.mu.Lock()
-			f.stopGrow = nil
-			f.mu.Unlock()
-		}()
+	// The watcher may see this very epoch after Recover did (a peer's
+	// abort ended our collective first): only a later one ends the move.
+	// A grow's ends when a newcomer does not come; a shrink's when a
+	// member hangs or dies before it joined the shrunk group.
+	f.mu.Lock()
+	f.stopMove, f.moving = stop, e.Number
+	if f.seen > e.Number {
+		stop() // the epoch after came before the move began: it cannot complete
 	}
+	f.mu.Unlock()
+	defer func() {
+		f.mu.Lock()
+		f.stopMove = nil
+		f.mu.Unlock()
+	}()
 	ng, err := move(mctx, base, e)
 	if err != nil {
-		if e.Action == ActionGrow && ctx.Err() == nil {
+		switch {
+		case ctx.Err() != nil:
+		case e.Action == ActionGrow:
 			f.advance(e, nil) // keep the base; the next epoch settles it
 			return base.g, e, fmt.Errorf("shrink: epoch %d: %w: %w", e.Number, ErrGrowIncomplete, err)
+		case mctx.Err() != nil:
+			f.supersede(e)
+			return base.g, e, fmt.Errorf("shrink: epoch %d: %w: %w", e.Number, ErrSuperseded, err)
 		}
 		return nil, e, fmt.Errorf("shrink: epoch %d: %w", e.Number, err)
 	}
@@ -351,6 +371,18 @@ func move(ctx context.Context, base epochGroup, e Epoch) (pg.ProcessGroup, error
 	return gr.Grow(ctx, pg.GrowSpec{Added: len(e.Added), Namespace: Namespace(e.Number)})
 }
 
+// supersede makes e, whose shrink the next epoch cut short, the latest
+// epoch, keeping every group: the next move starts from the group in use.
+func (f *Follower) supersede(e Epoch) {
+	f.mu.Lock()
+	f.epoch, f.pending, f.superseded = e, nil, true
+	f.mu.Unlock()
+	select {
+	case f.moved <- struct{}{}:
+	default:
+	}
+}
+
 // advance makes e the latest epoch. With a group g, g is e's group and
 // the groups no later epoch can build on are closed: all but e's, and,
 // when e is a grow, its base (the next epoch goes back to it if the grow
@@ -359,7 +391,7 @@ func move(ctx context.Context, base epochGroup, e Epoch) (pg.ProcessGroup, error
 // them all.
 func (f *Follower) advance(e Epoch, g pg.ProcessGroup) {
 	f.mu.Lock()
-	f.epoch, f.pending = e, nil
+	f.epoch, f.pending, f.superseded = e, nil, false
 	if g != nil {
 		f.groups[e.Number] = epochGroup{e, g}
 		f.current = e.Number

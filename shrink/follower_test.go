@@ -185,3 +185,115 @@ func storeDialer(ctx context.Context, t *testing.T) func() *tcpstore.Client {
 		return c
 	}
 }
+
+// TestFollowerShrinkSuperseded: rank 2 dies and epoch 1 shrinks it away;
+// rank 3 hangs the moment it sees epoch 1, so ranks 0 and 1 block in the
+// shrink, forming the group of three without it. Epoch 2, excluding rank
+// 3 (its agent found it hung), cuts that shrink short: ranks 0 and 1 move
+// from the group they had to epoch 2's (ErrSuperseded, then Recover again)
+// at once, not after the group's 20-s formation timeout, and finish with
+// the sum 1+2.
+func TestFollowerShrinkSuperseded(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	const world, steps = 4, 40
+	groups := formGroups(ctx, t, dial, world)
+	board := NewBoard(dial(), "")
+	d := NewDecider("test", Config{SettleWindow: time.Millisecond}, Initial(world))
+	publish := func(g int, why string) Epoch {
+		t.Helper()
+		d.Report(time.Now(), Report{Ranks: []int{g}, Reason: why})
+		time.Sleep(time.Until(d.Due()))
+		e, ok, err := d.Decide(time.Now())
+		if err != nil || !ok {
+			t.Fatalf("Decide: %v %v", ok, err)
+		}
+		if _, won, err := board.Publish(ctx, e); err != nil || !won {
+			t.Fatalf("Publish: %v %v", won, err)
+		}
+		d.Adopt(e)
+		return e
+	}
+	var wg, survivors sync.WaitGroup
+	survivors.Add(2)
+	results := make([]rankResult, 2)
+	superseded := make([]int, 2)
+	hung := make(chan struct{})
+	for g := range world {
+		f := NewFollower(NewBoard(dial(), ""), NewBoard(dial(), ""), g, world, groups[g])
+		wg.Go(func() {
+			defer f.Close()
+			switch g {
+			case 2: // dies at once
+				f.Group().Close()
+			case 3: // hangs once epoch 1 is out, its sockets open
+				for !f.Pending() && ctx.Err() == nil {
+					time.Sleep(5 * time.Millisecond)
+				}
+				close(hung)
+				<-ctx.Done()
+			default:
+				results[g], superseded[g] = survive(ctx, f, g, steps)
+				survivors.Done()
+			}
+		})
+	}
+	publish(2, "died")
+	<-hung
+	time.Sleep(300 * time.Millisecond) // ranks 0 and 1 are in the shrink, waiting for 3
+	start := time.Now()
+	publish(3, "hung")
+	done := make(chan struct{})
+	go func() {
+		survivors.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		t.Errorf("the survivors did not finish within 10 s of epoch 2: the superseded shrink held them")
+	}
+	t.Logf("epoch 2 → survivors done: %v", time.Since(start).Round(time.Millisecond))
+	cancel() // ends the hung rank, and survivors still held
+	wg.Wait()
+	for g, r := range results {
+		if r.err != nil || r.epoch != 2 || r.world != 2 || r.steps != steps || r.sum != 1+2 {
+			t.Errorf("global rank %d: %+v; want epoch 2, world 2, %d steps, sum 3", g, r, steps)
+		}
+		if superseded[g] != 1 {
+			t.Errorf("global rank %d saw ErrSuperseded %d times, want once", g, superseded[g])
+		}
+	}
+}
+
+// survive runs steps allreduce steps, following epochs through shrinks
+// cut short, and counts how often a shrink was superseded.
+func survive(ctx context.Context, f *Follower, g, steps int) (rankResult, int) {
+	buf := make([]float64, 64)
+	superseded := 0
+	var res rankResult
+	for step := 0; step < steps; {
+		for i := range buf {
+			buf[i] = float64(g + 1)
+		}
+		if err := f.Group().AllReduce(ctx, pg.Host(buf), pg.Sum); err != nil {
+			for {
+				_, _, err = f.Recover(ctx)
+				if !errors.Is(err, ErrSuperseded) {
+					break
+				}
+				superseded++
+			}
+			if err != nil {
+				return rankResult{err: fmt.Errorf("recover at step %d: %w", step, err)}, superseded
+			}
+			continue
+		}
+		e := f.Epoch()
+		res = rankResult{epoch: e.Number, world: f.Group().Size(), steps: step + 1, sum: buf[0]}
+		step++
+	}
+	f.Group().Close()
+	return res, superseded
+}

@@ -96,11 +96,11 @@ func TestAgentArgv(t *testing.T) {
 }
 
 // TestSeededSchedule is the CI soak: a seeded schedule of rank faults
-// (SIGKILL, exit 1, SIGSTOP) with a 4-s MTBF against the gorun rows — real
-// agents, real workers — and every
-// invariant checked: each job completes with the exact sum, no step lost,
-// no process left, the agent's fds, goroutines, RSS and store keys back
-// near their start. The schedule covers a minute; each row runs its
+// (SIGKILL, exit 1, SIGSTOP, two ranks at once, a kill during a grow) with
+// a 4-s MTBF against the gorun rows — real agents, real workers — and
+// every invariant checked: each job completes with the exact sum, no step
+// lost, no process left, the agent's fds, goroutines, RSS and store keys
+// back near their start. The schedule covers a minute; each row runs its
 // prefix until its 250 steps are done. Bounded at 3 minutes; about 80 s on
 // a 2-core box.
 func TestSeededSchedule(t *testing.T) {
@@ -114,8 +114,10 @@ func TestSeededSchedule(t *testing.T) {
 		// that long, not 30 s, for it to take SIGTERM (it cannot).
 		job: Job{Gorun: testutil.BuildGorun(t), Python: "/usr/bin/python3", Hosts: 1, Nproc: 4, Steps: 250, StepMs: 40, WorkerTimeout: "15s",
 			HeartbeatTimeout: "2", RespawnBackoff: "0.1", ShutdownTimeout: "2"},
-		sched:   ScheduleConfig{Seed: 63, MTBF: 4 * time.Second}, // its first three faults, within 6 s, are one of each kind: every row, however fast, meets them all
-		kinds:   "rank-kill,rank-exit,rank-hang",
+		// Its first five faults, within 9 s, are one of each kind: every
+		// row, however fast, meets them all (those a row can take).
+		sched:   ScheduleConfig{Seed: 591, MTBF: 4 * time.Second},
+		kinds:   "rank-kill,rank-exit,rank-hang,two-ranks,grow-kill",
 		horizon: time.Minute,
 		// The fault-free row measures the step rate: a short run does.
 		baselineSteps: 100,
@@ -149,7 +151,7 @@ func TestSeededSchedule(t *testing.T) {
 			t.Errorf("%s: %d faults brought, want at least 2: %v", r.Row.Name, r.Brought(), r.Faults)
 		}
 	}
-	for _, k := range rankKinds {
+	for _, k := range []Kind{RankKill, RankExit, RankHang, TwoRanks, GrowKill} {
 		if kinds[k] == 0 {
 			t.Errorf("no %s fault was brought in any row: %v", k, kinds)
 		}

@@ -118,6 +118,10 @@ func (w *worker) recover(ctx context.Context, step int) (int, error) {
 			fmt.Fprintf(w.out, "grow epoch=%d did not complete: %v\n", e.Number, err)
 			continue
 		}
+		if errors.Is(err, shrink.ErrSuperseded) {
+			fmt.Fprintf(w.out, "shrink epoch=%d superseded by the next epoch\n", e.Number)
+			continue
+		}
 		if g != nil {
 			if err := w.use(g); err != nil {
 				return step, err
