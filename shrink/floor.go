@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"strconv"
 	"strings"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -33,8 +34,9 @@ const floorKey = "floor"
 // Raising it collects the records below the floor before (a generation
 // behind, so a reader that lags by up to a heal cycle still finds what it
 // waits for): epochs and their counters below that floor's epoch, notices
-// up to its notice, and the group-formation keys of those epochs
-// (Namespace) where the store can list its keys.
+// up to its notice, and the group-formation keys of those epochs (Go's
+// under Namespace, gorun_ft.py's under gorun_ft/attempt_<k>/epoch_<n>/)
+// where the store can list its keys.
 type Floor struct {
 	// Epoch is the epoch to start from; 0 (no floor yet) is the launch.
 	Epoch int `json:"epoch"`
@@ -164,12 +166,8 @@ func (b *Board) sweep(ctx context.Context, f Floor) error {
 	if err != nil {
 		return fmt.Errorf("shrink: list the formation keys below the floor: %w", err)
 	}
-	formed := map[string]bool{}
-	for n := max(f.SweptEpoch, 1); n < f.Epoch; n++ {
-		formed[Namespace(n)] = true
-	}
 	for _, k := range keys {
-		if ns, _, ok := cutNamespace(k); ok && formed[ns] {
+		if n, ok := formedIn(k); ok && n >= max(f.SweptEpoch, 1) && n < f.Epoch {
 			if _, err := b.raw.Delete(ctx, k); err != nil {
 				return fmt.Errorf("shrink: collect %s below the floor: %w", k, err)
 			}
@@ -178,18 +176,34 @@ func (b *Board) sweep(ctx context.Context, f Floor) error {
 	return nil
 }
 
-// cutNamespace splits key "gorun/epoch/<n>/rest" into its epoch's
-// Namespace and the rest.
-func cutNamespace(key string) (ns, rest string, ok bool) {
-	const pre = "gorun/epoch/"
-	if !strings.HasPrefix(key, pre) {
-		return "", "", false
+// formedIn returns the epoch whose group formation wrote key: a key under
+// Namespace(n) ("gorun/epoch/<n>/…", Go's pg backends), or under
+// gorun_ft.py's "gorun_ft/attempt_<k>/epoch_<n>/…" (PyTorch's groups, n ≥ 1).
+func formedIn(key string) (int, bool) {
+	if rest, ok := strings.CutPrefix(key, "gorun/epoch/"); ok {
+		n, _, ok := strings.Cut(rest, "/")
+		return epochNumber(n, ok)
 	}
-	n, rest, ok := strings.Cut(key[len(pre):], "/")
-	if !ok || n == "" {
-		return "", "", false
+	rest, ok := strings.CutPrefix(key, "gorun_ft/attempt_")
+	if !ok {
+		return 0, false
 	}
-	return pre + n, rest, true
+	_, rest, ok = strings.Cut(rest, "/")
+	if rest, ok = strings.CutPrefix(rest, "epoch_"); !ok {
+		return 0, false
+	}
+	n, _, ok := strings.Cut(rest, "/")
+	return epochNumber(n, ok)
+}
+
+// epochNumber parses the decimal epoch number n, ok only when the key went
+// on past it.
+func epochNumber(n string, ok bool) (int, bool) {
+	v, err := strconv.Atoi(n)
+	if !ok || err != nil || v < 1 {
+		return 0, false
+	}
+	return v, true
 }
 
 // Floor returns the Floor the leader may raise once the current epoch is

@@ -97,8 +97,10 @@ counts the notices and ``report/<i>`` holds notice i, JSON with one of
 ``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own);
 ``floor`` says where the history kept starts (``epoch``, ``notice``,
 ``swept_epoch``, ``swept_notice``): the agents collect the epochs below
-``swept_epoch``, so a worker that waits for one of those (a newcomer that
-fell a heal cycle behind) follows on from the floor's ``epoch``.
+``swept_epoch``, with the keys their groups formed under
+``gorun_ft/attempt_<k>/epoch_<n>/``, so a worker that waits for one of those
+(a newcomer that fell a heal cycle behind) follows on from the floor's
+``epoch``.
 
 Authenticated board: when the job has a secret (GORUN_JOB_SECRET, which
 gorun puts in every worker's environment), every record on the board ends

@@ -626,6 +626,28 @@ func TestTorchGlooNewcomerBehindTheFloor(t *testing.T) {
 	if _, ok, err := h.board.Lookup(ctx, 2); err != nil || ok {
 		t.Fatalf("epoch 2 is still on the board (%v): nothing was collected", err)
 	}
+	// The groups of epochs 1 and 2 (gloo's keys under gorun_ft.py's
+	// prefix) are collected with them, after the floor is written.
+	raw := h.j.dial(ctx, t)
+	formed := regexp.MustCompile(`^gorun_ft/attempt_\d+/epoch_([12])/`)
+	for giveUp := time.Now().Add(10 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		keys, err := raw.ListKeys(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var left []string
+		for _, k := range keys {
+			if formed.MatchString(k) {
+				left = append(left, k)
+			}
+		}
+		if len(left) == 0 {
+			break
+		}
+		if time.Now().After(giveUp) {
+			t.Fatalf("the formation keys of epochs 1 and 2 are still there: %v", left)
+		}
+	}
 	late := h.j.start(t, 2, "GORUN_SHRINK_NEWCOMER=1")
 	grow := expect("slot 2 back", func(e shrink.Epoch) bool {
 		return e.Number == 6 && slices.Equal(e.Added, []int{2}) && e.WorldSize == 4
