@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -57,6 +58,9 @@ type etcdNode struct {
 	members []string
 	since   int64
 	synced  bool
+	// reported are the members whose loss watch has reported this round
+	// (see unreported).
+	reported []string
 	// dropBefore, when positive, is a round whose older worker stores
 	// this node (its group rank 0) is to delete.
 	dropBefore int
@@ -286,7 +290,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// The store serves this node's workers and agent only (etcd holds
 	// what they share with the other nodes): on loopback.
 	p.env = workerEnv(e.job.cfg, e.job.runID, "127.0.0.1", srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
-	e.members, e.since, e.synced = e.members[:0], since, false
+	e.members, e.since, e.synced, e.reported = e.members[:0], since, false, e.reported[:0]
 	for _, m := range round.Members {
 		e.members = append(e.members, m.Node.String())
 	}
@@ -366,7 +370,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 			e.synced = true
 		}
 	}
-	if lost := e.live.Lost(e.members, e.since, e.synced); len(lost) > 0 {
+	if lost := e.unreported(e.live.Lost(e.members, e.since, e.synced)); len(lost) > 0 {
 		return &change{lost: lost}, nil
 	}
 	if e.dropBefore > 0 {
@@ -398,6 +402,25 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 		return nil, fmt.Errorf("etcd has not answered for %v", time.Since(e.job.lastSeen).Round(time.Millisecond))
 	}
 	return c, err
+}
+
+// unreported returns those of lost that watch has not reported yet this
+// round, and counts them reported. A member's loss stays in the liveness
+// view for the rest of the round: reported on every watch, it would end
+// each one before the rendezvous state is read, and the survivors of a
+// shrink would never see a replacement that came after the loss waiting
+// to take the lost node's place (heal). Reported once, the loss is the
+// rendezvous state's to tell from then on (status: lost, waiting,
+// admitted).
+func (e *etcdNode) unreported(lost []string) []string {
+	fresh := lost[:0]
+	for _, n := range lost {
+		if !slices.Contains(e.reported, n) {
+			fresh = append(fresh, n)
+			e.reported = append(e.reported, n)
+		}
+	}
+	return fresh
 }
 
 func (e *etcdNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {

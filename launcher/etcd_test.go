@@ -24,13 +24,20 @@ import (
 // test's cleanup.
 func etcdNodes(t *testing.T, cluster *etcdtest.Cluster, addrs ...string) []*etcdNode {
 	t.Helper()
+	return etcdNodesOf(t, cluster, len(addrs), addrs...)
+}
+
+// etcdNodesOf is etcdNodes for a job of nnodes nodes: a node beyond them
+// waits to join.
+func etcdNodesOf(t *testing.T, cluster *etcdtest.Cluster, nnodes int, addrs ...string) []*etcdNode {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	var out []*etcdNode
 	for _, addr := range addrs {
 		cfg := DefaultConfig()
 		cfg.Entrypoint.Program = "true"
-		cfg.MinNodes, cfg.MaxNodes = len(addrs), len(addrs)
+		cfg.MinNodes, cfg.MaxNodes = nnodes, nnodes
 		cfg.Rendezvous = RendezvousConfig{
 			Backend: backendEtcd, Endpoint: strings.Join(cluster.HostPorts(), ","), RunID: "job", LocalAddr: addr,
 			Conf: map[string]string{"last_call_timeout": "1", "join_timeout": "20", "lease_ttl": "2"},
@@ -200,6 +207,85 @@ func TestEtcdMembership(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Logf("and out of the rendezvous state after %v", time.Since(start))
+}
+
+// TestEtcdWatchAfterLeaseLapse: once the liveness view has reported a
+// member lost (its lease lapsed), the survivor's watch still reads the
+// rendezvous state, where a replacement that came after the loss waits:
+// heal admits it in the lost node's place. (The watch used to report the
+// lost member on every call and never read the state again, so a
+// replacement that came after the lease lapsed waited for the end of the
+// job: TestMultiNodeHeal's etcd case failed about one run in two.)
+func TestEtcdWatchAfterLeaseLapse(t *testing.T) {
+	noLeaks(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	nodes := etcdNodes(t, cluster, "127.0.0.1", "localhost")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	nextAll(t, nodes)
+	var survivor, lost *etcdNode
+	for _, n := range nodes {
+		if n.job.round.Rank == 0 {
+			survivor = n
+		} else {
+			lost = n
+		}
+	}
+
+	// The workers run: the survivor watches (and reads the presence keys
+	// once). Then the lost node's lease goes; the watch reports it, and
+	// the survivor takes the node out of the rendezvous state.
+	if c, err := survivor.watch(ctx); c != nil || err != nil {
+		t.Fatalf("watch of a healthy round = %v, %v", c, err)
+	}
+	lost.closeLiveness()
+	lostID := lost.job.me.String()
+	within := func(what string, limit time.Duration, done func(*change) bool) {
+		t.Helper()
+		start := time.Now()
+		for {
+			c, err := survivor.watch(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c != nil && done(c) {
+				t.Logf("%s after %v", what, time.Since(start).Round(time.Millisecond))
+				return
+			}
+			if time.Since(start) > limit {
+				t.Fatalf("%s: not within %v (last change %v)", what, limit, c)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	within("lost node reported", 5*time.Second, func(c *change) bool { return slices.Contains(c.lost, lostID) })
+
+	// A replacement comes after the loss and waits for room.
+	replacement := etcdNodesOf(t, cluster, 2, "127.0.0.3")[0]
+	type result struct {
+		p   *plan
+		err error
+	}
+	joined := make(chan result, 1)
+	go func() {
+		p, err := replacement.next(ctx)
+		joined <- result{p, err}
+	}()
+	// The state is read every fifth of a keep-alive interval (1 s).
+	within("replacement seen waiting", 10*time.Second, func(c *change) bool { return c.waiting > 0 })
+	id, err := survivor.admit(ctx, lost.job.round.Rank)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := <-joined
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	defer r.p.release()
+	if id != replacement.job.me.String() || !r.p.late || r.p.round != 0 || r.p.assignments[0].GroupRank != lost.job.round.Rank {
+		t.Fatalf("admitted %s into round %d as group rank %d (late %v); want %s late into round 0 as group rank %d",
+			id, r.p.round, r.p.assignments[0].GroupRank, r.p.late, replacement.job.me, lost.job.round.Rank)
+	}
 }
 
 func TestParseNodeDesc(t *testing.T) {
