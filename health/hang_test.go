@@ -167,12 +167,13 @@ func TestHangDetector(t *testing.T) {
 func TestParseBeat(t *testing.T) {
 	type beat struct {
 		rank int
-		wait bool
+		kind beatKind
 	}
-	for in, want := range map[string]beat{"0": {0, false}, "7": {7, false}, "3 pid=42": {3, false}, " 12\n": {12, false},
-		"2 wait": {2, true}, "5 wait step=9\n": {5, true}, "4 waiting": {4, false}} {
-		if rank, wait, err := parseBeat([]byte(in)); err != nil || (beat{rank, wait}) != want {
-			t.Errorf("parseBeat(%q) = %d %v, %v; want %+v", in, rank, wait, err, want)
+	for in, want := range map[string]beat{"0": {0, beatProgress}, "7": {7, beatProgress}, "3 pid=42": {3, beatProgress},
+		" 12\n": {12, beatProgress}, "2 wait": {2, beatWait}, "5 wait step=9\n": {5, beatWait}, "4 waiting": {4, beatProgress},
+		"1 done": {1, beatDone}} {
+		if rank, kind, err := parseBeat([]byte(in)); err != nil || (beat{rank, kind}) != want {
+			t.Errorf("parseBeat(%q) = %d %v, %v; want %+v", in, rank, kind, err, want)
 		}
 	}
 	for _, in := range []string{"", "x", "-1", "1.5", "wait"} {

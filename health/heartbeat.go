@@ -20,22 +20,38 @@ const HeartbeatEnv = "GORUN_HEARTBEAT"
 // heartbeat timeout, in seconds: how often it must beat while blocked.
 const HeartbeatTimeoutEnv = "GORUN_HEARTBEAT_TIMEOUT"
 
+// beatKind is what a heartbeat says.
+type beatKind int
+
+const (
+	beatProgress beatKind = iota // a step done
+	beatWait                     // alive, blocked on its peers
+	beatDone                     // training over: no longer watched, however long it takes to exit
+)
+
 // A heartbeat is one datagram whose payload starts with the worker's local
 // rank in decimal: a progress beat. A second word "wait" makes it a wait
-// beat (the worker is alive and blocked on its peers); anything else
-// after the first space is ignored. In Python:
+// beat (the worker is alive and blocked on its peers), "done" a done beat
+// (its training is over; its teardown, however long, is no hang);
+// anything else after the first space is ignored. In Python:
 //
 //	s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
 //	s.sendto(os.environ["LOCAL_RANK"].encode(), os.environ["GORUN_HEARTBEAT"])          # a step done
 //	s.sendto((os.environ["LOCAL_RANK"] + " wait").encode(), os.environ["GORUN_HEARTBEAT"]) # blocked, alive
-func parseBeat(b []byte) (rank int, wait bool, err error) {
+//	s.sendto((os.environ["LOCAL_RANK"] + " done").encode(), os.environ["GORUN_HEARTBEAT"]) # finished
+func parseBeat(b []byte) (rank int, kind beatKind, err error) {
 	s, rest, _ := strings.Cut(strings.TrimSpace(string(b)), " ")
 	rank, err = strconv.Atoi(s)
 	if err != nil || rank < 0 {
-		return 0, false, fmt.Errorf("heartbeat %q: want a local rank", b)
+		return 0, 0, fmt.Errorf("heartbeat %q: want a local rank", b)
 	}
-	word, _, _ := strings.Cut(strings.TrimSpace(rest), " ")
-	return rank, word == "wait", nil
+	switch word, _, _ := strings.Cut(strings.TrimSpace(rest), " "); word {
+	case "wait":
+		return rank, beatWait, nil
+	case "done":
+		return rank, beatDone, nil
+	}
+	return rank, beatProgress, nil
 }
 
 // Monitor receives heartbeats on a unix datagram socket and reports workers
@@ -76,7 +92,7 @@ func (m *Monitor) Path() string { return m.path }
 
 type beat struct {
 	rank int
-	wait bool
+	kind beatKind
 	at   time.Time
 }
 
@@ -110,9 +126,12 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 		case err := <-readErr:
 			return err
 		case b := <-beats:
-			if b.wait {
+			switch b.kind {
+			case beatWait:
 				m.det.Wait(b.rank, b.at)
-			} else {
+			case beatDone:
+				m.det.Forget(b.rank)
+			default:
 				m.det.Beat(b.rank, b.at)
 			}
 			rearm()
@@ -147,12 +166,12 @@ func (m *Monitor) read(beats chan<- beat) error {
 				return fmt.Errorf("heartbeat socket: %w", err)
 			}
 		}
-		rank, wait, err := parseBeat(buf[:n])
+		rank, kind, err := parseBeat(buf[:n])
 		if err != nil {
 			continue
 		}
 		select {
-		case beats <- beat{rank, wait, time.Now()}:
+		case beats <- beat{rank, kind, time.Now()}:
 		case <-m.closing:
 			return nil
 		}
@@ -195,13 +214,22 @@ func (m *Monitor) Close() error {
 // GORUN_HEARTBEAT, as local rank LOCAL_RANK. Without GORUN_HEARTBEAT
 // (heartbeats are off) it does nothing. Call it from the training loop —
 // once a step — so that a step stuck in a collective stops the beats.
-func Beat() error {
+func Beat() error { return send("") }
+
+// Done tells the agent that this worker's training is over: it is no
+// longer watched, so that its teardown (closing its group, flushing,
+// exiting), however long, is not taken for a hang. Without
+// GORUN_HEARTBEAT it does nothing.
+func Done() error { return send(" done") }
+
+// send sends this worker's beat with suffix.
+func send(suffix string) error {
 	conn, rank, err := dialBeats()
 	if conn == nil {
 		return err
 	}
 	defer conn.Close()
-	if _, err := conn.Write([]byte(rank)); err != nil {
+	if _, err := conn.Write([]byte(rank + suffix)); err != nil {
 		return fmt.Errorf("heartbeat: %w", err)
 	}
 	return nil

@@ -34,6 +34,11 @@ func TestMain(m *testing.M) {
 		}
 		defer Blocked()()
 		select {}
+	case "done":
+		if Beat() != nil || Done() != nil {
+			os.Exit(3)
+		}
+		select {} // a teardown that takes for ever
 	}
 	goleak.VerifyTestMain(m)
 }
@@ -64,16 +69,18 @@ func startWorker(t *testing.T, m *Monitor, kind string, rank int, extra ...strin
 // (SIGSTOP) while ranks 1 and 2 are blocked on it and say so (Blocked, at
 // the pace GORUN_HEARTBEAT_TIMEOUT sets): only rank 5 is reported, one
 // timeout after its last beat; a blocked rank is reported only once it has
-// been blocked for BlockedFactor timeouts without progress.
+// been blocked for BlockedFactor timeouts without progress. Rank 7 said it
+// is done (Done) and then never exits: it is never reported.
 func TestMonitorHungAmongBlockedPeers(t *testing.T) {
-	const timeout = 300 * time.Millisecond
+	const timeout = 500 * time.Millisecond
 	m, events := startMonitor(t, timeout)
-	pace := HeartbeatTimeoutEnv + "=0.3"
+	pace := HeartbeatTimeoutEnv + "=0.5"
 	started := time.Now()
 	hung := startWorker(t, m, "1", 5, pace)
 	for _, r := range []int{1, 2} {
 		startWorker(t, m, "blocked", r, pace)
 	}
+	startWorker(t, m, "done", 7, pace) // finished: never reported
 	time.Sleep(3 * timeout)
 	select {
 	case ev := <-events:

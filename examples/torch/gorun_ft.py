@@ -113,6 +113,7 @@ it reads (one that fails, forged or replayed from another key or round, is
 logged once and ignored: it waits on for the genuine one) and seals every
 notice it files. Without a secret, records are neither sealed nor checked.
 """
+import contextlib
 import datetime
 import gc
 import hashlib
@@ -372,6 +373,74 @@ def _seconds(name, default):
     return float(v) if v else default
 
 
+class _Beats:
+    """Heartbeats to the agent, when it asks for them (GORUN_HEARTBEAT, with
+    --heartbeat-timeout): a progress beat once a step, and wait beats, a few
+    a heartbeat timeout (GORUN_HEARTBEAT_TIMEOUT), from a thread of their
+    own while the worker is blocked on its peers. A rank that hangs stops
+    its peers at their next collective; their wait beats tell the agent
+    they are alive, so that it declares the silent one alone hung."""
+
+    def __init__(self):
+        self._path = os.environ.get("GORUN_HEARTBEAT", "")
+        self._rank = os.environ.get("LOCAL_RANK", "0")
+        timeout = float(os.environ.get("GORUN_HEARTBEAT_TIMEOUT", "") or 0)
+        self._every = min(max(timeout / 4, 0.01), 1.0) if timeout > 0 else 0.25
+        self._sock = None
+        if self._path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._depth = 0
+        self._lock = threading.Lock()
+        self._on = threading.Event()
+        self._thread = None
+
+    def _send(self, msg):
+        try:
+            self._sock.sendto(msg, self._path)
+        except OSError:
+            pass  # a beat lost is the agent's to judge
+
+    def progress(self):
+        """A step is done."""
+        if self._sock is not None:
+            self._send(self._rank.encode())
+
+    def done(self):
+        """Training is over: the agent no longer watches this worker, so its
+        teardown, however long, is no hang."""
+        if self._sock is not None:
+            self._send((self._rank + " done").encode())
+
+    @contextlib.contextmanager
+    def blocked(self):
+        """Wait beats for as long as the block runs."""
+        if self._sock is None:
+            yield
+            return
+        with self._lock:
+            self._depth += 1
+            self._on.set()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gorun-ft-beats", daemon=True)
+                self._thread.start()
+        self._send((self._rank + " wait").encode())
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._on.clear()
+
+    def _run(self):
+        msg = (self._rank + " wait").encode()
+        while True:
+            self._on.wait()
+            time.sleep(self._every)
+            if self._on.is_set():
+                self._send(msg)
+
+
 class _KeyWaiter:
     """Waits for keys with a timeout on a store connection of its own, which
     it drops after a timeout unless the client withdraws the wait on the
@@ -512,6 +581,7 @@ class ElasticGroup:
         # formation can time out).
         self.store = _connect_store(timeout, serve=not _agent_store() and self.global_rank == 0 and not self.newcomer)
         self._awaiter = _KeyWaiter(timeout)
+        self._beats = _Beats()
         self._group = None  # the epoch whose group is the default group
         self._group_store = None
         self._group_sockets = set()  # inodes of the connections the group opened
@@ -713,6 +783,7 @@ class ElasticGroup:
         it once a step, before the step's collectives: a grow's group is
         built while the members step, and they switch to it together at the
         check of a step agreed by count."""
+        self._beats.progress()
         due = self._due()
         self._ticks += 1
         # check() is called after the first collective of a group switched
@@ -772,11 +843,23 @@ class ElasticGroup:
         self.store.add(ns + "/switch_set", 1)
         return v
 
+    def blocked(self):
+        """A context manager for a collective (or any wait on the peers): with
+        --heartbeat-timeout the agent then takes this worker for alive and
+        blocked, not hung, however long a hung peer holds it (up to ten
+        heartbeat timeouts). ``with group.blocked(): dist.all_reduce(t)``."""
+        return self._beats.blocked()
+
     def recover(self, err=None):
         """Wait for the next epoch and move the group to it. Raises Excluded if
         this rank is out, RestartRequired if the agents chose a restart. An
         epoch whose group cannot be formed (a grow that does not complete)
         is followed to the next one, which settles it."""
+        with self._beats.blocked():
+            return self._recover(err)
+
+    def _recover(self, err):
+        """recover(), the agent told meanwhile that this worker is blocked."""
         if err is not None:
             self._log("rank %d: collective failed, awaiting the agents' decision: %s"
                       % (self.global_rank, str(err).splitlines()[0]))
@@ -1107,6 +1190,9 @@ class ElasticGroup:
         self._synced = True
 
     def close(self):
+        # Training is over here: the teardown below (joins, the group's
+        # destruction) is no hang.
+        self._beats.done()
         self._stop.set()
         with self._lock:
             b = self._bg

@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -83,22 +84,35 @@ func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Durat
 // the survivors and is grown in, and all four finish at world 4 with the
 // same loss, the survivors in the processes they started in.
 func TestGorunHealsTorchGloo(t *testing.T) {
-	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"))
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), false)
 }
 
 // TestGorunHealsTorch214Gloo is the same with PyTorch 2.14 (the sid bed).
 func TestGorunHealsTorch214Gloo(t *testing.T) {
-	testGorunHealsTorchGloo(t, sidbed.Require(t).Python(), copyScripts(t))
+	testGorunHealsTorchGloo(t, sidbed.Require(t).Python(), copyScripts(t), false)
 }
 
-func testGorunHealsTorchGloo(t *testing.T, py, script string) {
+// TestGorunHealsTorchGlooHungRank is the same with rank 2 stopped
+// (SIGSTOP: a hang) under --heartbeat-timeout: gorun_ft.py beats once a
+// step and sends wait beats while blocked in a collective or a recovery,
+// so rank 2 alone is declared hung, shrunk away and healed — not the
+// whole group, whose peers stop stepping with it.
+func TestGorunHealsTorchGlooHungRank(t *testing.T) {
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), true)
+}
+
+func testGorunHealsTorchGloo(t *testing.T, py, script string, hang bool) {
 	gorun := testutil.BuildGorun(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	const steps = 2000 // 30 s at 15 ms: the newcomer's start-up fits, loaded
-	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py}, "--standalone", "--nproc-per-node", "4",
-		"--on-failure", "shrink", "--respawn-backoff", "0.1", "--log-dir", t.TempDir(),
-		script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	args := []string{"--standalone", "--nproc-per-node", "4", "--on-failure", "shrink", "--respawn-backoff", "0.1",
+		"--log-dir", t.TempDir()}
+	if hang {
+		args = append(args, "--heartbeat-timeout", "2")
+	}
+	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py},
+		append(args, script, "--steps", strconv.Itoa(steps), "--step-ms", "15")...)
 	g.AwaitLines(ctx, t, ": training, world 4", 4)
 	time.Sleep(300 * time.Millisecond)
 	survivors := map[string]bool{}
@@ -109,10 +123,24 @@ func testGorunHealsTorchGloo(t *testing.T, py, script string) {
 		}
 		survivors[strconv.Itoa(pid)] = true
 	}
-	g.KillRank(t, 2)
+	if hang {
+		pid, err := testutil.ChildWithEnv(g.Cmd.Process.Pid, "RANK", "2")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := syscall.Kill(pid, syscall.SIGSTOP); err != nil {
+			t.Fatal(err)
+		}
+		defer syscall.Kill(pid, syscall.SIGCONT) // a test that fails early leaves no stopped process
+	} else {
+		g.KillRank(t, 2)
+	}
 	g.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2]", 4)
 	g.Wait(ctx, t)
 	out := expectTrained(t, g, 4, steps)
+	if n, errs := strings.Count(g.Stderr.String(), "worker hung; killing it"), g.Stderr.String(); hang && (n != 1 || !strings.Contains(errs, `"rank": 2, "why": "no heartbeat for`)) {
+		t.Errorf("%d ranks declared hung, want rank 2 alone:\n%s", n, errs)
+	}
 	kept := 0
 	for _, m := range donePID.FindAllStringSubmatch(out, -1) {
 		if survivors[m[1]] {

@@ -118,7 +118,8 @@ def main():
                 # has nothing: every member takes the lowest survivor's
                 # model and step count, as its first collective in the new
                 # group.
-                group.resync(w, step)
+                with group.blocked():
+                    group.resync(w, step)
                 collective_done()
                 resync = False
             if group.pending():
@@ -128,7 +129,8 @@ def main():
                 continue
             x, y = batch(me, int(step.item()))
             grad = 2 * x.t() @ (x @ w - y) / len(x)
-            dist.all_reduce(grad)
+            with group.blocked():  # a hung peer holds us here: say we are alive
+                dist.all_reduce(grad)
             collective_done()
             w -= args.lr * grad / group.world_size
             step += 1
