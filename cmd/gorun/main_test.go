@@ -10,9 +10,12 @@ import (
 
 	"github.com/hashicorp/go-msgpack/v2/codec"
 	"github.com/hashicorp/memberlist"
+
+	"github.com/gorunhq/gorun/internal/testutil"
 )
 
-// TestMain lets the test binary serve as a rogue host's gossip sender
+// TestMain runs the tests with one build of each binary they start
+// (testutil.Shared), and lets the test binary serve as a rogue host's gossip sender
 // (rogueDeadEnv). (It serves as the cgroup guard of the agents the tests
 // run in-process through launcher/cgroup's init.)
 func TestMain(m *testing.M) {
@@ -23,7 +26,7 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
-	os.Exit(m.Run())
+	os.Exit(testutil.Shared(m).Run())
 }
 
 // rogueDeadEnv makes the test binary send one forged memberlist "dead"
