@@ -157,7 +157,8 @@ func TestMultiNodeLoseAndGrow(t *testing.T) {
 }
 
 // TestMultiNodeRestartCountedForTheJob: a worker on one node fails once;
-// both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1.
+// both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1; no worker
+// of round 0 sees a restart counted in round 0 itself.
 func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
@@ -170,16 +171,34 @@ func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
 		agents = append(agents, startAgent(t, bin, c10dArgs(port, "2", "--max-restarts", "1", "--log-dir", t.TempDir(),
 			"--no-python", "sh", "-c", worker)...))
 	}
-	for _, p := range agents {
-		p.expectRound(t, 0)
-	}
+	// Rank 1 fails as soon as it starts: the other node may not have
+	// started its round-0 worker by then (it must still see the count of
+	// round 0: 0), or not even seen round 0 complete, and go straight to
+	// round 1. Every worker must see its round's count: 0 in round 0, 1
+	// after it.
+	round0 := 0
 	for _, p := range agents {
 		for {
 			l := p.expectLine(t, "round=")
-			if m := roundLine.FindStringSubmatch(l); m != nil && m[6] == "1" {
+			m := roundLine.FindStringSubmatch(l)
+			if m == nil {
+				t.Fatalf("bad line %q", l)
+			}
+			want := "1"
+			if m[1] == "0" {
+				want = "0"
+				round0++
+			}
+			if m[6] != want {
+				t.Fatalf("worker line %q: TORCHELASTIC_RESTART_COUNT=%s in round %s, want %s; stderr:\n%s", l, m[6], m[1], want, p.stderr)
+			}
+			if m[6] == "1" {
 				break
 			}
 		}
+	}
+	if round0 == 0 {
+		t.Fatal("no worker ran in round 0")
 	}
 	for _, p := range agents {
 		if code := p.exitCode(t, 30*time.Second); code != 0 {
