@@ -2,9 +2,11 @@ package main
 
 import (
 	"bytes"
+	"flag"
 	"fmt"
 	"net"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -15,9 +17,10 @@ import (
 )
 
 // TestMain runs the tests with one build of each binary they start
-// (testutil.Shared), and lets the test binary serve as a rogue host's gossip sender
-// (rogueDeadEnv). (It serves as the cgroup guard of the agents the tests
-// run in-process through launcher/cgroup's init.)
+// (testutil.Shared), testParallel of them at once, and lets the test binary
+// serve as a rogue host's gossip sender (rogueDeadEnv). (It serves as the
+// cgroup guard of the agents the tests run in-process through
+// launcher/cgroup's init.)
 func TestMain(m *testing.M) {
 	if spec := os.Getenv(rogueDeadEnv); spec != "" {
 		if err := sendRogueDead(spec); err != nil {
@@ -26,7 +29,30 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	flag.Parse()
+	raiseParallel()
 	os.Exit(testutil.Shared(m).Run())
+}
+
+// testParallel is how many of this package's parallel tests run at once
+// unless -test.parallel says otherwise. They spend most of their time
+// waiting (for agents to meet, for a keep-alive to lapse, for a signal to
+// be answered) rather than computing, so more of them than the machine's
+// cores (go test's default, 2 on CI's machine) run at once with profit.
+// Not parallel, so run before the others: the tests that set the
+// process's environment (t.Setenv); those that run the CLI in this process
+// (urfave/cli's help and version flags are shared globals); those whose
+// agents bind a fixed port (a single-node static job's worker store is on
+// 29500 by default, torchrun 1.13's --standalone store on 29400).
+const testParallel = 4
+
+func raiseParallel() {
+	given := false
+	flag.Visit(func(f *flag.Flag) { given = given || f.Name == "test.parallel" })
+	p := flag.Lookup("test.parallel")
+	if n, err := strconv.Atoi(p.Value.String()); !given && err == nil && n < testParallel {
+		p.Value.Set(strconv.Itoa(testParallel))
+	}
 }
 
 // rogueDeadEnv makes the test binary send one forged memberlist "dead"

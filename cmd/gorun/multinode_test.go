@@ -41,6 +41,7 @@ func c10dArgsAt(host, localAddr string, port int, nnodes string, extra ...string
 // TestMultiNodeTorchGloo: two agents, two PyTorch workers each; the four
 // workers all_reduce through group rank 0's worker store.
 func TestMultiNodeTorchGloo(t *testing.T) {
+	t.Parallel()
 	py := torchtest.Python(t)
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
@@ -117,6 +118,7 @@ func (p *agentProc) expectRound(t *testing.T, r int) (world, restarts int) {
 // restart and re-rendezvous on two nodes; a fourth agent arrives and the
 // job scales up to three again without counting a restart.
 func TestMultiNodeLoseAndGrow(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(2)
@@ -160,6 +162,7 @@ func TestMultiNodeLoseAndGrow(t *testing.T) {
 // both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1; no worker
 // of round 0 sees a restart counted in round 0 itself.
 func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
@@ -211,6 +214,7 @@ func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
 // prints the failure table and closes the job; the other node ends too,
 // both with exit code 1.
 func TestMultiNodeRestartsExhausted(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
@@ -238,6 +242,7 @@ func TestMultiNodeRestartsExhausted(t *testing.T) {
 // TestMultiNodeStatic: torchrun's static backend over several nodes:
 // --node-rank decides the group rank.
 func TestMultiNodeStatic(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(0)
@@ -264,6 +269,7 @@ func TestMultiNodeStatic(t *testing.T) {
 // TestMultiNodeRendezvousTimeout: one node of two never comes: after
 // join_timeout the agent gives up with exit code 6.
 func TestMultiNodeRendezvousTimeout(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
 		"--rdzv-conf", "join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
@@ -288,6 +294,7 @@ func waitStderr(t *testing.T, p *agentProc, s string) {
 // SIGKILLed; the other cannot re-rendezvous without the store, so it stops
 // its workers and fails within the keep-alive window instead of hanging.
 func TestMultiNodeStoreHostLost(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(99)
@@ -310,6 +317,7 @@ func TestMultiNodeStoreHostLost(t *testing.T) {
 // TestMultiNodeFileStore: --rdzv-conf store_type=file, torchrun's FileStore
 // rendezvous: the agents meet in a shared file instead of a TCPStore.
 func TestMultiNodeFileStore(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	file := filepath.Join(t.TempDir(), "rdzv")
 	worker := worldWorker(0)
@@ -335,6 +343,7 @@ func TestMultiNodeFileStore(t *testing.T) {
 // agent may not host it: one clear line and the rendezvous-timeout code
 // after join_timeout, nothing left running.
 func TestMultiNodeUnreachableEndpoint(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
 		"--rdzv-conf", "is_host=false,join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
@@ -349,6 +358,7 @@ func TestMultiNodeUnreachableEndpoint(t *testing.T) {
 // TestMultiNodeUnevenNodes: nodes may run different numbers of workers;
 // global ranks are laid out node after node in group-rank order.
 func TestMultiNodeUnevenNodes(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(0)
@@ -393,6 +403,7 @@ func TestMultiNodeUnevenNodes(t *testing.T) {
 // without brackets, is read as torchrun reads it (the last group is the
 // port), and a two-node job meets there.
 func TestMultiNodeIPv6Endpoint(t *testing.T) {
+	t.Parallel()
 	if ln, err := net.Listen("tcp6", "[::1]:0"); err != nil {
 		t.Skipf("no IPv6 loopback: %v", err)
 	} else {

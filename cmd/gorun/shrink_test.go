@@ -221,6 +221,7 @@ func (j *shrinkJob) expectExit0(t *testing.T, live []*agentProc) {
 // (within a few ms, on different nodes) they make one epoch: both agents
 // report, the leader gathers both within its settle window.
 func TestMultiNodeShrink(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 500
 	for _, tt := range []struct {
 		name   string
@@ -243,6 +244,7 @@ func TestMultiNodeShrink(t *testing.T) {
 // rendezvous keep-alive lapses, reports the node's four ranks, and the
 // first node's workers finish as a group of four.
 func TestMultiNodeShrinkLostNode(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 600
 	j := startShrinkJob(t, nodes, nproc, steps)
 	time.Sleep(300 * time.Millisecond)
