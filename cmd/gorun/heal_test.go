@@ -18,7 +18,6 @@ import (
 // node's place, its workers are grown in, and everyone finishes at world 4
 // with the sum 1+2+3+4.
 func TestMultiNodeHeal(t *testing.T) {
-	t.Parallel()
 	t.Run("c10d", func(t *testing.T) { testMultiNodeHeal(t, loopback(t)) })
 	// etcd: no node holds the stores; the admission goes through etcd's
 	// rendezvous state, and the replacement serves the worker store too.
@@ -80,7 +79,6 @@ func (j *shrinkJob) await(t *testing.T, s string, n int, within time.Duration) {
 // parked: the spare's are running before the loss, and they are the ones
 // grown in, given their ranks by their agent.
 func TestMultiNodeHealSpare(t *testing.T) {
-	t.Parallel()
 	for _, tc := range []struct {
 		name     string
 		prestart bool
