@@ -192,9 +192,9 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	if err != nil {
 		return fmt.Errorf("reading the restart count and group rank 0's worker store: %w", err)
 	}
-	restarts, err := rendezvous.ParseCounter(vals[0])
+	restarts, err := restartsBefore(vals[0], round.Number)
 	if err != nil {
-		return fmt.Errorf("rendezvous store: restart count: %w", err)
+		return fmt.Errorf("rendezvous store: %w", err)
 	}
 	v := vals[1]
 	host, portS, err := net.SplitHostPort(string(v))

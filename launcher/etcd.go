@@ -277,9 +277,9 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, fmt.Errorf("reading the restart count: %w", err)
 	}
-	restarts, err := rendezvous.ParseCounter(v)
+	restarts, err := restartsBefore(v, round.Number)
 	if err != nil {
-		return nil, fmt.Errorf("rendezvous store: restart count: %w", err)
+		return nil, fmt.Errorf("rendezvous store: %w", err)
 	}
 	srv, err := e.serveWorkerStore(ctx, round.Number, since)
 	if err != nil {

@@ -1,12 +1,15 @@
 package launcher
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"os"
 	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"go.uber.org/zap"
@@ -282,16 +285,76 @@ func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, erro
 	if err != nil {
 		return false, fmt.Errorf("rendezvous store: %w", err)
 	}
-	delta := int64(0)
+	var n int64
 	if string(got) == string(me) {
-		delta = 1
 		j.log.Warn("round failed; counting a restart for the job", zap.Int("round", p.round), zap.String("cause", cause))
+		n, err = countRestart(ctx, j.store, j.restartsKey(), p.round)
+	} else {
+		var v []byte
+		if v, err = j.store.Get(ctx, j.restartsKey()); err == nil {
+			n, _, err = parseRestarts(v)
+		}
 	}
-	n, err := j.store.Add(ctx, j.restartsKey(), delta)
 	if err != nil {
 		return false, fmt.Errorf("rendezvous store: %w", err)
 	}
 	return n <= int64(j.cfg.MaxRestarts), nil
+}
+
+// The job's restart counter holds "COUNT ROUND": the restarts counted so
+// far and the round whose failure was counted last (plain "COUNT" before
+// the first). A node reads it once its round has completed, and a round's
+// failure can be counted before then: a faster node's workers started and
+// failed while this node's had not started yet. That restart is not one of
+// the round's own, so restartsBefore leaves it out; without ROUND the slow
+// node started its workers with TORCHELASTIC_RESTART_COUNT one too high
+// (TestMultiNodeRestartCountedForTheJob's flake: a worker that takes the
+// count for a restarted one exits at once, and its node leaves the job).
+
+// parseRestarts reads the restart counter: the count and the round of the
+// last failure counted (-1: none).
+func parseRestarts(v []byte) (n int64, round int, err error) {
+	count, last, found := strings.Cut(string(v), " ")
+	if n, err = rendezvous.ParseCounter([]byte(count)); err != nil {
+		return 0, 0, fmt.Errorf("restart count %q: %w", v, err)
+	}
+	round = -1
+	if found {
+		if round, err = strconv.Atoi(last); err != nil {
+			return 0, 0, fmt.Errorf("restart count %q: %w", v, err)
+		}
+	}
+	return n, round, nil
+}
+
+// restartsBefore is the restart count for a node's round: the counter
+// without a failure of that same round.
+func restartsBefore(v []byte, round int) (int64, error) {
+	n, last, err := parseRestarts(v)
+	if err == nil && last == round && n > 0 {
+		n--
+	}
+	return n, err
+}
+
+// countRestart adds the failure of round to the job's restart counter (a
+// compare-and-set, as the value is not a plain number) and returns the
+// new count.
+func countRestart(ctx context.Context, s rendezvous.Store, key string, round int) (int64, error) {
+	cur, err := s.Get(ctx, key)
+	for err == nil {
+		var n int64
+		if n, _, err = parseRestarts(cur); err != nil {
+			break
+		}
+		next := []byte(strconv.FormatInt(n+1, 10) + " " + strconv.Itoa(round))
+		var got []byte
+		if got, err = s.CompareSet(ctx, key, cur, next); err == nil && bytes.Equal(got, next) {
+			return n + 1, nil
+		}
+		cur = got // another round's count came between: again
+	}
+	return 0, err
 }
 
 // finish ends the job with this node's outcome: after a success it waits

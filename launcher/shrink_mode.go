@@ -24,6 +24,12 @@ import (
 func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivors) outcome {
 	var out outcome
 	fallBack := func(why string) outcome {
+		if ctx.Err() != nil {
+			// A store request cut short by a stop signal is not the
+			// agreement giving up: the agent stops as the signal says
+			// (exit 128+N), not as a failed job.
+			return w.stopped(ctx).stopped
+		}
 		a.log.Warn("shrink mode gives up: stopping workers to restart the group", zap.String("why", why))
 		w.stop(syscall.SIGTERM)
 		out.fallback = why

@@ -61,10 +61,12 @@ type launcher struct {
 	name    string // column label
 	kind    string // "gorun", "torchrun" (1.13) or "torchrun214"
 	monitor string // torchrun --monitor_interval; "" = its default
+	bin     string // gorun's binary when not -gorun's (-baseline's)
 }
 
 type config struct {
 	gorun, python   string
+	baseline        string // another gorun binary measured beside -gorun ("": none)
 	python214       string // Python with torch 2.14 ("": no torchrun 2.14 column)
 	reps, nproc     int
 	monitor         string
@@ -76,7 +78,7 @@ type config struct {
 }
 
 // torchrun214 is torchrun 2.14's column.
-var torchrun214 = launcher{"torchrun 2.14 (default: monitor 0.1)", "torchrun214", ""}
+var torchrun214 = launcher{"torchrun 2.14 (default: monitor 0.1)", "torchrun214", "", ""}
 
 // torchrunPort is where torchrun 1.13 --standalone always puts its
 // rendezvous store (run.py: "localhost:29400").
@@ -100,7 +102,8 @@ func main() {
 	}
 	var cfg config
 	flag.StringVar(&cfg.gorun, "gorun", "bin/gorun", "gorun binary")
-	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch 1.13 (torchrun is `PYTHON -m torch.distributed.run`)")
+	flag.StringVar(&cfg.baseline, "baseline", "", "another gorun binary (an earlier build) measured beside -gorun, interleaved, in a column of its own")
+	flag.StringVar(&cfg.python, "python", "/usr/bin/python3", "Python with torch 1.13 (torchrun is `PYTHON -m torch.distributed.run`; \"\": no torchrun columns)")
 	flag.IntVar(&cfg.reps, "reps", 5, "repetitions (medians are reported)")
 	flag.IntVar(&cfg.nproc, "nproc", 4, "workers per launch")
 	flag.StringVar(&cfg.monitor, "monitor", "0.1", "torchrun's --monitor_interval for its fast column")
@@ -108,10 +111,16 @@ func main() {
 	flag.StringVar(&cfg.out, "out", "bench/results/launch.jsonl", "raw results (JSON lines)")
 	flag.StringVar(&cfg.python214, "python214", "auto", `Python with torch 2.14 for torchrun 2.14's column ("auto": the sid bed's, when built; "": none)`)
 	flag.Parse()
-	cfg.launchers = []launcher{
-		{"gorun", "gorun", ""},
-		{"torchrun (monitor " + cfg.monitor + ")", "torchrun", cfg.monitor},
-		{"torchrun (default)", "torchrun", ""},
+	cfg.launchers = []launcher{{"gorun", "gorun", "", ""}}
+	if cfg.baseline != "" {
+		cfg.launchers = append(cfg.launchers, launcher{"gorun (baseline)", "gorun", "", cfg.baseline})
+	}
+	if cfg.python != "" {
+		cfg.launchers = append(cfg.launchers,
+			launcher{"torchrun (monitor " + cfg.monitor + ")", "torchrun", cfg.monitor, ""},
+			launcher{"torchrun (default)", "torchrun", "", ""})
+	} else {
+		cfg.python214 = ""
 	}
 	py214, err := sidbed.ResolvePython(cfg.python214)
 	if err != nil {
@@ -151,11 +160,18 @@ func runAll(cfg *config) error {
 	if _, err := os.Stat(cfg.gorun); err != nil {
 		return fmt.Errorf("gorun binary: %w (run `make build`)", err)
 	}
-	v, err := exec.Command(cfg.python, "-c", "import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
-	if err != nil {
-		return fmt.Errorf("%s cannot import torch: %w", cfg.python, err)
+	if cfg.baseline != "" {
+		if _, err := os.Stat(cfg.baseline); err != nil {
+			return fmt.Errorf("-baseline: %w", err)
+		}
 	}
-	cfg.torchrunVersion = strings.TrimSpace(string(v))
+	if cfg.python != "" {
+		v, err := exec.Command(cfg.python, "-c", "import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
+		if err != nil {
+			return fmt.Errorf("%s cannot import torch: %w", cfg.python, err)
+		}
+		cfg.torchrunVersion = strings.TrimSpace(string(v))
+	}
 	if cfg.python214 != "" {
 		v, err := exec.Command(cfg.python214, "-c", "import sys, torch; print('torch', torch.__version__, 'on Python', sys.version.split()[0])").Output()
 		if err != nil {
@@ -206,8 +222,8 @@ func runAll(cfg *config) error {
 		for _, m := range []struct {
 			l     launcher
 			bench string
-		}{{floor, "floor"}, {gorunStartup, "startup"}, {bedFloor, "bed floor"}} {
-			if m.l.kind == "bed" && cfg.python214 == "" {
+		}{{floor, "floor"}, {gorunStartup, "startup"}, {baselineStartup(cfg), "startup"}, {bedFloor, "bed floor"}} {
+			if m.l.kind == "bed" && cfg.python214 == "" || m.l.kind == "" {
 				continue
 			}
 			for i := 0; i <= startupRuns; i++ {
@@ -246,15 +262,23 @@ func runAll(cfg *config) error {
 const startupRuns = 5
 
 // floor is no launcher: the worker command alone.
-var floor = launcher{"exec floor", "none", ""}
+var floor = launcher{"exec floor", "none", "", ""}
 
 // bedFloor is /bin/true run in the sid bed (its enter script: a mount
 // namespace, a few mounts, chroot), what every torchrun 2.14 run pays on top.
-var bedFloor = launcher{"bed floor", "bed", ""}
+var bedFloor = launcher{"bed floor", "bed", "", ""}
 
 // gorunStartup is `gorun --version`: the binary's start-up (process
 // creation, runtime and package initialisation) and nothing else.
-var gorunStartup = launcher{"gorun start-up", "version", ""}
+var gorunStartup = launcher{"gorun start-up", "version", "", ""}
+
+// baselineStartup is -baseline's start-up, if there is one.
+func baselineStartup(cfg *config) launcher {
+	if cfg.baseline == "" {
+		return launcher{}
+	}
+	return launcher{"gorun start-up (baseline)", "version", "", cfg.baseline}
+}
 
 func trueWorker(string) []string { return []string{"/bin/true"} }
 
@@ -264,13 +288,21 @@ func shWorker(failRank string) func(string) []string {
 	}
 }
 
+// gorunBin is the gorun binary a gorun launcher runs.
+func (l launcher) gorunBin(cfg *config) string {
+	if l.bin != "" {
+		return l.bin
+	}
+	return cfg.gorun
+}
+
 // argv is the launcher's command line.
 func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []string) []string {
 	n := strconv.Itoa(cfg.nproc)
 	var a []string
 	switch l.kind {
 	case "gorun":
-		a = []string{cfg.gorun, "--standalone", "--nproc-per-node", n, "--redirects", "1", "--tee", "1", "--log-dir", logDir}
+		a = []string{l.gorunBin(cfg), "--standalone", "--nproc-per-node", n, "--redirects", "1", "--tee", "1", "--log-dir", logDir}
 		if maxRestarts > 0 {
 			a = append(a, "--max-restarts", strconv.Itoa(maxRestarts))
 		}
@@ -289,7 +321,7 @@ func (l launcher) argv(cfg *config, logDir string, maxRestarts int, worker []str
 		}
 		a = append(a, "--no_python")
 	case "version":
-		return []string{cfg.gorun, "--version"}
+		return []string{l.gorunBin(cfg), "--version"}
 	case "bed":
 		// The bed's python3 wrapper is bin/python3 next to its enter script.
 		a = []string{filepath.Join(filepath.Dir(filepath.Dir(cfg.python214)), "enter")}
@@ -549,13 +581,26 @@ func printTable(cfg *config, all []result) {
 		return v
 	}
 
-	g, t := cfg.launchers[0], cfg.launchers[1]
-	ratios := []launcher{t}
+	g := cfg.launchers[0]
+	var ratios []launcher
+	for _, l := range cfg.launchers {
+		if l.kind == "torchrun" {
+			ratios = append(ratios, l)
+			break
+		}
+	}
 	if cfg.python214 != "" {
 		ratios = append(ratios, torchrun214)
 	}
 	fmt.Printf("Command: `%s`\n\n", strings.Join(os.Args, " "))
-	fmt.Printf("gorun: %s. torchrun: `%s -m torch.distributed.run`, %s. %d CPUs.\n", cfg.gorun, cfg.python, cfg.torchrunVersion, runtime.NumCPU())
+	fmt.Printf("gorun: %s.", cfg.gorun)
+	if cfg.baseline != "" {
+		fmt.Printf(" gorun (baseline): %s.", cfg.baseline)
+	}
+	if cfg.python != "" {
+		fmt.Printf(" torchrun: `%s -m torch.distributed.run`, %s.", cfg.python, cfg.torchrunVersion)
+	}
+	fmt.Printf(" %d CPUs.\n", runtime.NumCPU())
 	if cfg.python214 != "" {
 		fmt.Printf("torchrun 2.14: `%s -m torch.distributed.run` (the sid bed), %s.\n", cfg.python214, cfg.torch214Version)
 	}
@@ -603,6 +648,10 @@ func printTable(cfg *config, all []result) {
 		stats.Median(values("floor", floor.name, wall)), blank)
 	fmt.Printf("| gorun start-up | `gorun --version` started and reaped: the binary's own start-up (ms) | %.1f |%s\n",
 		stats.Median(values("startup", gorunStartup.name, wall)), blank)
+	if b := baselineStartup(cfg); b.kind != "" {
+		fmt.Printf("| gorun (baseline) start-up | `gorun --version` of -baseline (ms) | %.1f |%s\n",
+			stats.Median(values("startup", b.name, wall)), blank)
+	}
 	if cfg.python214 != "" {
 		fmt.Printf("| bed floor | one /bin/true run in the sid bed (mount namespace, mounts, chroot), no launcher (ms) | %.1f |%s\n",
 			stats.Median(values("bed floor", bedFloor.name, wall)), blank)

@@ -16,6 +16,7 @@ import (
 // links neither etcd's client nor gRPC, which are what made every launch
 // slower and bigger.
 func TestLightBuildLinksNoEtcd(t *testing.T) {
+	t.Parallel()
 	out, err := exec.Command("go", "list", "-deps", "-tags", "gorun_noetcd", ".").CombinedOutput()
 	if err != nil {
 		t.Fatalf("go list: %v\n%s", err, out)
@@ -32,6 +33,7 @@ func TestLightBuildLinksNoEtcd(t *testing.T) {
 // the workers do not see the hand-over's marker. Without gorun-etcd, or
 // with a light build in its place, it is one clear usage error (exit 2).
 func TestEtcdHandOver(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	dir := t.TempDir()
 	light := testutil.BuildGorunAs(t, filepath.Join(dir, "gorun"), "gorun_noetcd")

@@ -54,6 +54,7 @@ var storeLine = regexp.MustCompile(`round=(\d+) rank=(\d+) world=(\d+) group=(\d
 // seen by the workers of the other node. After the job, its worker stores
 // and presence keys are gone from etcd.
 func TestEtcdTwoNodesOneStore(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	worker := storeWorker(bin)
@@ -108,6 +109,7 @@ func TestEtcdTwoNodesOneStore(t *testing.T) {
 // each; every worker bootstraps gloo from its own node's store (etcd
 // underneath) and the four all_reduce together.
 func TestEtcdTorchGloo(t *testing.T) {
+	t.Parallel()
 	py := torchtest.Python(t)
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
@@ -124,6 +126,7 @@ func TestEtcdTorchGloo(t *testing.T) {
 // the endpoints, then gives up after join_timeout with the rendezvous
 // timeout's exit code. No worker ever starts.
 func TestEtcdUnreachable(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	ports := etcdtest.FreePorts(t, 2)
 	endpoints := fmt.Sprintf("127.0.0.1:%d,127.0.0.1:%d", ports[0], ports[1])
@@ -153,6 +156,7 @@ func TestEtcdUnreachable(t *testing.T) {
 // while one agent has joined and the other has not: both complete the
 // round, each with its own group rank.
 func TestEtcdLeaderKilledMidRendezvous(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 3, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	worker := worldWorker(0)
@@ -192,6 +196,7 @@ func TestEtcdLeaderKilledMidRendezvous(t *testing.T) {
 // increments: every increment counts exactly once, and the job completes
 // without a restart.
 func TestEtcdLeaderKilledMidRun(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 3, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	const adds = 40
@@ -239,6 +244,7 @@ func TestEtcdLeaderKilledMidRun(t *testing.T) {
 // as torchrun would, re-rendezvouses and carries on alone once the last
 // call ends.
 func TestEtcdNodeLost(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	worker := worldWorker(1)
@@ -275,6 +281,7 @@ func TestEtcdNodeLost(t *testing.T) {
 // agent given another CA, or a client certificate etcd did not sign, fails
 // at once with one clear error and the usage exit code, and runs nothing.
 func TestEtcdTLS(t *testing.T) {
+	t.Parallel()
 	certs, other := etcdtest.NewCerts(t), etcdtest.NewCerts(t)
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{TLS: certs.ServerTLS(true)})
 	bin := testutil.BuildGorun(t)
@@ -323,6 +330,7 @@ func TestEtcdTLS(t *testing.T) {
 // TestEtcdBadConfig: etcd settings that cannot work are refused before
 // anything is reached, each with one line naming the culprit.
 func TestEtcdBadConfig(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	for _, tc := range []struct {
 		name string
@@ -354,6 +362,7 @@ func TestEtcdBadConfig(t *testing.T) {
 // agents meet and their workers share the store. An agent of another job
 // with that user is refused by etcd, with one clear error.
 func TestEtcdJobRole(t *testing.T) {
+	t.Parallel()
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	admin := cluster.Client(t, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -61,6 +61,7 @@ func onBedEtcd(t *testing.T, n int) (placement, *netns.Bed) {
 // shrink. A rank SIGKILLed mid-run, or two ranks on different hosts killed
 // together, leave survivors that finish with the right sum, in one epoch.
 func TestHostsShrink(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 500
 	for _, tt := range []struct {
 		name   string
@@ -87,6 +88,7 @@ const slowKeepAlive = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_
 // node lost, reports its ranks, and the survivors, stuck in a collective
 // with the lost ranks, are released by the epoch, shrink and finish.
 func TestHostsShrinkBlackhole(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 600
 	at, bed := onBed(t, nodes)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--rdzv-conf", slowKeepAlive)
@@ -118,6 +120,7 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 // in host 1's place, and its four workers are grown in: everyone finishes
 // at world 8 with the sum 1+…+8.
 func TestHostsHealBlackhole(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 1600
 	at, bed := onBed(t, 3)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--rdzv-conf", slowKeepAlive, "--regrow", "on", "--respawn-backoff", "0.1")
@@ -157,6 +160,7 @@ func TestHostsHealBlackhole(t *testing.T) {
 // long before the rendezvous keep-alive (5 s here; torchrun's default is
 // 15 s) would have noticed.
 func TestHostsRestartBlackhole(t *testing.T) {
+	t.Parallel()
 	at, bed := onBed(t, 2)
 	bin := testutil.BuildGorun(t)
 	var agents []*agentProc
@@ -205,6 +209,7 @@ func TestHostsRestartBlackhole(t *testing.T) {
 // host's agent finds it lost (node liveness), takes the lead, decides the
 // epoch on the reports and publishes it; its four ranks finish alone.
 func TestHostsShrinkLeaderLost(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 600
 	at, bed := onBedEtcd(t, nodes)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps)
@@ -226,6 +231,7 @@ func TestHostsShrinkLeaderLost(t *testing.T) {
 // (MASTER_ADDR is their host's loopback: nobody else uses it), served
 // from etcd, and all_reduce across the hosts.
 func TestHostsEtcdTorchGloo(t *testing.T) {
+	t.Parallel()
 	py := torchtest.Python(t)
 	at, _ := onBedEtcd(t, 2)
 	bin := testutil.BuildGorun(t)

@@ -101,7 +101,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 		ErrWriter:      stderr,
 		ExitErrHandler: func(*cli.Context, error) {},
 		OnUsageError:   onUsageError,
-		Flags: append([]cli.Flag{
+		Flags: namedOnce(append([]cli.Flag{
 			&cli.StringFlag{
 				Name:    "log-level",
 				Value:   "info",
@@ -114,7 +114,7 @@ func newApp(stdin io.Reader, stdout, stderr io.Writer) *cli.App {
 				Usage:   "log format: console or json",
 				EnvVars: []string{"GORUN_LOG_FORMAT"},
 			},
-		}, launchFlags()...),
+		}, launchFlags()...)),
 		// The root command is the launcher (launch.go).
 		Action:   action(runLaunch),
 		Commands: []*cli.Command{storeCommand()},

@@ -5,6 +5,7 @@ import (
 	"net"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -41,6 +42,7 @@ func c10dArgsAt(host, localAddr string, port int, nnodes string, extra ...string
 // TestMultiNodeTorchGloo: two agents, two PyTorch workers each; the four
 // workers all_reduce through group rank 0's worker store.
 func TestMultiNodeTorchGloo(t *testing.T) {
+	t.Parallel()
 	py := torchtest.Python(t)
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
@@ -117,12 +119,17 @@ func (p *agentProc) expectRound(t *testing.T, r int) (world, restarts int) {
 // restart and re-rendezvous on two nodes; a fourth agent arrives and the
 // job scales up to three again without counting a restart.
 func TestMultiNodeLoseAndGrow(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(2)
 	start := func() *agentProc {
-		return startAgent(t, bin, c10dArgs(port, "2:3", "--max-restarts", "3", "--log-dir", t.TempDir(),
-			"--no-python", "sh", "-c", worker)...)
+		args := c10dArgs(port, "2:3", "--max-restarts", "3", "--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)
+		// A last call of 3 s, not 1: round 0 must hold all three, and on
+		// a loaded machine the third agent has joined more than 1 s after
+		// the second (round 0 then completed with two).
+		args[slices.Index(args, fastRdzv)] = strings.Replace(fastRdzv, "last_call_timeout=1", "last_call_timeout=3", 1)
+		return startAgent(t, bin, args...)
 	}
 	host := start()
 	waitStderr(t, host, "hosting the rendezvous store")
@@ -157,8 +164,10 @@ func TestMultiNodeLoseAndGrow(t *testing.T) {
 }
 
 // TestMultiNodeRestartCountedForTheJob: a worker on one node fails once;
-// both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1.
+// both nodes restart, and both see TORCHELASTIC_RESTART_COUNT=1; no worker
+// of round 0 sees a restart counted in round 0 itself.
 func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
@@ -170,16 +179,34 @@ func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
 		agents = append(agents, startAgent(t, bin, c10dArgs(port, "2", "--max-restarts", "1", "--log-dir", t.TempDir(),
 			"--no-python", "sh", "-c", worker)...))
 	}
-	for _, p := range agents {
-		p.expectRound(t, 0)
-	}
+	// Rank 1 fails as soon as it starts: the other node may not have
+	// started its round-0 worker by then (it must still see the count of
+	// round 0: 0), or not even seen round 0 complete, and go straight to
+	// round 1. Every worker must see its round's count: 0 in round 0, 1
+	// after it.
+	round0 := 0
 	for _, p := range agents {
 		for {
 			l := p.expectLine(t, "round=")
-			if m := roundLine.FindStringSubmatch(l); m != nil && m[6] == "1" {
+			m := roundLine.FindStringSubmatch(l)
+			if m == nil {
+				t.Fatalf("bad line %q", l)
+			}
+			want := "1"
+			if m[1] == "0" {
+				want = "0"
+				round0++
+			}
+			if m[6] != want {
+				t.Fatalf("worker line %q: TORCHELASTIC_RESTART_COUNT=%s in round %s, want %s; stderr:\n%s", l, m[6], m[1], want, p.stderr)
+			}
+			if m[6] == "1" {
 				break
 			}
 		}
+	}
+	if round0 == 0 {
+		t.Fatal("no worker ran in round 0")
 	}
 	for _, p := range agents {
 		if code := p.exitCode(t, 30*time.Second); code != 0 {
@@ -192,6 +219,7 @@ func TestMultiNodeRestartCountedForTheJob(t *testing.T) {
 // prints the failure table and closes the job; the other node ends too,
 // both with exit code 1.
 func TestMultiNodeRestartsExhausted(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT pid=$$"
@@ -219,6 +247,7 @@ func TestMultiNodeRestartsExhausted(t *testing.T) {
 // TestMultiNodeStatic: torchrun's static backend over several nodes:
 // --node-rank decides the group rank.
 func TestMultiNodeStatic(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(0)
@@ -245,6 +274,7 @@ func TestMultiNodeStatic(t *testing.T) {
 // TestMultiNodeRendezvousTimeout: one node of two never comes: after
 // join_timeout the agent gives up with exit code 6.
 func TestMultiNodeRendezvousTimeout(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
 		"--rdzv-conf", "join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
@@ -269,6 +299,7 @@ func waitStderr(t *testing.T, p *agentProc, s string) {
 // SIGKILLed; the other cannot re-rendezvous without the store, so it stops
 // its workers and fails within the keep-alive window instead of hanging.
 func TestMultiNodeStoreHostLost(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(99)
@@ -291,6 +322,7 @@ func TestMultiNodeStoreHostLost(t *testing.T) {
 // TestMultiNodeFileStore: --rdzv-conf store_type=file, torchrun's FileStore
 // rendezvous: the agents meet in a shared file instead of a TCPStore.
 func TestMultiNodeFileStore(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	file := filepath.Join(t.TempDir(), "rdzv")
 	worker := worldWorker(0)
@@ -316,6 +348,7 @@ func TestMultiNodeFileStore(t *testing.T) {
 // agent may not host it: one clear line and the rendezvous-timeout code
 // after join_timeout, nothing left running.
 func TestMultiNodeUnreachableEndpoint(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(freePort(t)),
 		"--rdzv-conf", "is_host=false,join_timeout=1", "--local-addr", "127.0.0.1", "--log-dir", t.TempDir(), "--no-python", "true")
@@ -330,6 +363,7 @@ func TestMultiNodeUnreachableEndpoint(t *testing.T) {
 // TestMultiNodeUnevenNodes: nodes may run different numbers of workers;
 // global ranks are laid out node after node in group-rank order.
 func TestMultiNodeUnevenNodes(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	port := freePort(t)
 	worker := worldWorker(0)
@@ -374,6 +408,7 @@ func TestMultiNodeUnevenNodes(t *testing.T) {
 // without brackets, is read as torchrun reads it (the last group is the
 // port), and a two-node job meets there.
 func TestMultiNodeIPv6Endpoint(t *testing.T) {
+	t.Parallel()
 	if ln, err := net.Listen("tcp6", "[::1]:0"); err != nil {
 		t.Skipf("no IPv6 loopback: %v", err)
 	} else {

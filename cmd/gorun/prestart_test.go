@@ -14,6 +14,7 @@ import (
 // own environment holds — and reads them, as one JSON object, from the
 // descriptor GORUN_ASSIGNMENT_FD names. Any program can: here a shell.
 func TestSparePrestartAssignment(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	script := `echo "parked rank=${RANK-unset} world=${WORLD_SIZE-unset} local=$LOCAL_RANK fd=$GORUN_ASSIGNMENT_FD"; ` +
 		`eval "cat <&$GORUN_ASSIGNMENT_FD"; echo`
@@ -68,6 +69,7 @@ func TestSparePrestartAssignment(t *testing.T) {
 // the wait at once: exit 1, the failure table, the other pre-started
 // worker stopped, nothing left running.
 func TestSparePrestartWorkerExits(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	// Two nodes, one agent: the round never comes.
 	p := startAgent(t, bin, append(c10dArgs(freePort(t), "2", "--log-dir", t.TempDir(), "--nproc-per-node", "2",
@@ -90,6 +92,7 @@ func TestSparePrestartWorkerExits(t *testing.T) {
 // TestSparePrestartFlag: --spare-prestart parses as a boolean flag and
 // from GORUN_SPARE_PRESTART.
 func TestSparePrestartFlag(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	for _, tc := range []struct {
 		env  []string

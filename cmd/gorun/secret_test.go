@@ -20,6 +20,7 @@ import (
 // --standalone without one, one the agent made — and it is on no command
 // line and in no log line of the agent.
 func TestJobSecretReachesWorkersOnly(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	const given = "s3cr3t-given-0123456789"
 	script := `echo "pid=$$"; echo "secret=$GORUN_JOB_SECRET"; sleep 1`
@@ -98,6 +99,7 @@ func TestMultiNodeJobSecretGossip(t *testing.T) {
 // the usage exit code: such a node's gossip and records would be refused,
 // and the job would run half blind.
 func TestMultiNodeJobSecretMismatch(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	for _, tc := range []struct {
 		name   string
@@ -142,6 +144,7 @@ func TestMultiNodeJobSecretMismatch(t *testing.T) {
 // address for one node, on --local-addr's address on several nodes.
 // Another address of this machine is refused.
 func TestWorkerStoreBoundWhereUsed(t *testing.T) {
+	t.Parallel()
 	other := nonLoopbackIP(t)
 	bin := testutil.BuildGorun(t)
 	worker := []string{"--no-python", "sh", "-c", `echo "store=$MASTER_ADDR:$MASTER_PORT"; sleep 2`}
@@ -200,6 +203,7 @@ func nonLoopbackIP(t *testing.T) string {
 // excludes the healthy rank 2. The agent and the workers ignore it (the
 // agent says so): no rank is killed, and the job ends at world 4.
 func TestForgedEpochIgnored(t *testing.T) {
+	t.Parallel()
 	bin, worker := testutil.BuildGorun(t), buildAllreduce(t)
 	const steps = 600 // 3 s at 5 ms
 	p := startAgent(t, bin, "--standalone", "--nproc-per-node", "4", "--on-failure", "shrink", "--log-dir", t.TempDir(),

@@ -3,7 +3,6 @@ package main
 import (
 	"fmt"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -21,15 +20,10 @@ import (
 // shrink. Global rank r contributes r+1, so every survivor can check its
 // sum against the ranks that remain.
 
-// buildAllreduce builds examples/allreduce (the Go build cache makes a
-// second build cheap).
+// buildAllreduce builds examples/allreduce, once for the package's tests.
 func buildAllreduce(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "allreduce")
-	if out, err := exec.Command("go", "build", "-o", bin, "../../examples/allreduce").CombinedOutput(); err != nil {
-		t.Fatalf("go build examples/allreduce: %v\n%s", err, out)
-	}
-	return bin
+	return testutil.Build(t, "../../examples/allreduce", "allreduce", nil)
 }
 
 // shrinkJob is a two-node shrink-mode job of Go allreduce workers.
@@ -227,6 +221,7 @@ func (j *shrinkJob) expectExit0(t *testing.T, live []*agentProc) {
 // (within a few ms, on different nodes) they make one epoch: both agents
 // report, the leader gathers both within its settle window.
 func TestMultiNodeShrink(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 500
 	for _, tt := range []struct {
 		name   string
@@ -249,6 +244,7 @@ func TestMultiNodeShrink(t *testing.T) {
 // rendezvous keep-alive lapses, reports the node's four ranks, and the
 // first node's workers finish as a group of four.
 func TestMultiNodeShrinkLostNode(t *testing.T) {
+	t.Parallel()
 	const nodes, nproc, steps = 2, 4, 600
 	j := startShrinkJob(t, nodes, nproc, steps)
 	time.Sleep(300 * time.Millisecond)

@@ -17,6 +17,7 @@ import (
 // about 250 ms when SIGTERMed in a c10d join; gorun once ignored every
 // signal there until its 600 s join timeout.
 func TestStopSignalInEveryState(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	// A port nothing listens on: a store that never comes.

@@ -56,7 +56,7 @@ func storeCommand() *cli.Command {
 			Name:      name,
 			Usage:     usage,
 			ArgsUsage: args,
-			Flags:     clientFlags,
+			Flags:     namedOnce(clientFlags),
 			Action: action(func(c *cli.Context) error {
 				n := c.NArg()
 				if n < minArgs || (maxArgs >= 0 && n > maxArgs) {

@@ -363,6 +363,7 @@ import time; time.sleep(300)
 // SIGTERM or SIGINT exits 128+N, as the README's table says, not with the
 // timeout code.
 func TestStoreVerbStoppedBySignal(t *testing.T) {
+	t.Parallel()
 	bin := testutil.BuildGorun(t)
 	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
 	if err != nil {

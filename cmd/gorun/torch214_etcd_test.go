@@ -12,6 +12,7 @@ import (
 // workers each (the sid bed's python); every worker bootstraps gloo from
 // its own node's store (etcd underneath) and the four all_reduce together.
 func TestTorch214GlooEtcd(t *testing.T) {
+	t.Parallel()
 	bed := sidbed.Require(t)
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin, script := testutil.BuildGorun(t), bedScript(t, bed, "allreduce.py") // with the etcd backend

@@ -45,6 +45,7 @@ func lightGorun(t *testing.T) string {
 // TestTorch214GlooStandalone: one node, three PyTorch 2.14 workers join a
 // gloo group through gorun's embedded store and all_reduce.
 func TestTorch214GlooStandalone(t *testing.T) {
+	t.Parallel()
 	bed := sidbed.Require(t)
 	bin, script := lightGorun(t), bedScript(t, bed, "allreduce.py")
 	p := startAgentEnv(t, bin, []string{"PYTHON_EXEC=" + bed.Python()},
@@ -56,6 +57,7 @@ func TestTorch214GlooStandalone(t *testing.T) {
 // rendezvous; their two PyTorch 2.14 workers each all_reduce as one world
 // of four through group rank 0's worker store.
 func TestTorch214GlooTwoNodes(t *testing.T) {
+	t.Parallel()
 	bed := sidbed.Require(t)
 	bin, script := lightGorun(t), bedScript(t, bed, "allreduce.py")
 	port := freePort(t)

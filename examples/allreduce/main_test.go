@@ -7,7 +7,6 @@ import (
 	"net"
 	"os"
 	"os/exec"
-	"path/filepath"
 	"regexp"
 	"slices"
 	"strconv"
@@ -22,9 +21,10 @@ import (
 )
 
 // TestMain checks that the tests leave no goroutine behind: the in-process
-// store servers and clients, and the waits on worker processes.
+// store servers and clients, and the waits on worker processes. The
+// binaries the tests start are built once (testutil.Shared).
 func TestMain(m *testing.M) {
-	goleak.VerifyTestMain(m)
+	goleak.VerifyTestMain(testutil.Shared(m))
 }
 
 func TestReadEnv(t *testing.T) {
@@ -100,21 +100,16 @@ func TestReadEnv(t *testing.T) {
 	}
 }
 
-// buildExample builds this command into the test's temp dir, with the race
-// detector when the tests have it, so that a race in a worker process ends
-// it (exit 66) and fails the test.
+// buildExample builds this command, once for the package's tests
+// (testutil.Shared), with the race detector when the tests have it, so that
+// a race in a worker process ends it (exit 66) and fails the test.
 func buildExample(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "allreduce")
-	args := []string{"build", "-o", bin}
+	var args []string
 	if raceEnabled {
 		args = append(args, "-race")
 	}
-	cmd := exec.Command("go", append(args, ".")...)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	return bin
+	return testutil.Build(t, ".", "allreduce", nil, args...)
 }
 
 var doneRE = regexp.MustCompile(`done rank=(\d+) world=(\d+) steps=(\d+) sum=(\S+)`)

@@ -5,13 +5,10 @@ import (
 	"bytes"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"sync"
-	"testing"
 )
 
 // SyncBuffer is a bytes.Buffer that several goroutines (a process's output
@@ -31,27 +28,6 @@ func (s *SyncBuffer) String() string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.b.String()
-}
-
-// BuildGorun builds the static gorun binary (the full build, etcd
-// included) into the test's temporary directory and returns its path.
-func BuildGorun(t testing.TB) string {
-	t.Helper()
-	return BuildGorunAs(t, filepath.Join(t.TempDir(), "gorun"))
-}
-
-// BuildGorunAs builds the static gorun binary at path, with build tags
-// (e.g. gorun_noetcd, as `make build` builds bin/gorun), and returns path.
-func BuildGorunAs(t testing.TB, path string, tags ...string) string {
-	t.Helper()
-	_, self, _, _ := runtime.Caller(0)
-	pkg := filepath.Join(filepath.Dir(self), "..", "..", "cmd", "gorun")
-	cmd := exec.Command("go", "build", "-tags", strings.Join(tags, ","), "-o", path, pkg)
-	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("go build gorun (tags %v): %v\n%s", tags, err, out)
-	}
-	return path
 }
 
 // ChildWithEnv returns the PID of a child of parent whose environment holds

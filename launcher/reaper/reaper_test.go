@@ -5,6 +5,8 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -264,4 +266,65 @@ func (r *Reaper) lockedAdopted() []int {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.adopted()
+}
+
+// TestThreadChildren: the children files of the process's threads list
+// what a scan of every /proc/PID/stat finds, children started from
+// several threads included.
+func TestThreadChildren(t *testing.T) {
+	var cmds []*exec.Cmd
+	done := make(chan *exec.Cmd)
+	for range 4 {
+		go func() {
+			// Each on a thread of its own: the child hangs off it.
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			c := exec.Command("sleep", "30")
+			if err := c.Start(); err != nil {
+				done <- nil
+				return
+			}
+			done <- c
+		}()
+	}
+	for range 4 {
+		if c := <-done; c != nil {
+			cmds = append(cmds, c)
+		}
+	}
+	t.Cleanup(func() {
+		for _, c := range cmds {
+			c.Process.Kill()
+			c.Wait()
+		}
+	})
+	if len(cmds) != 4 {
+		t.Fatal("could not start the children")
+	}
+	self := os.Getpid()
+	got, ok := threadChildren(self)
+	if !ok {
+		t.Skip("no /proc/PID/task/TID/children on this kernel")
+	}
+	var want []int
+	entries, _ := os.ReadDir("/proc")
+	for _, e := range entries {
+		pid, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		if ppid, _, ok := procStat(pid); ok && ppid == self {
+			want = append(want, pid)
+		}
+	}
+	slices.Sort(got)
+	slices.Sort(want)
+	if !slices.Equal(got, want) {
+		t.Fatalf("thread children %v, /proc scan %v", got, want)
+	}
+	for _, c := range cmds {
+		if !slices.Contains(got, c.Process.Pid) {
+			t.Fatalf("child %d not listed in %v", c.Process.Pid, got)
+		}
+	}
 }

@@ -1,0 +1,75 @@
+package launcher
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// TestRestartCountOfARound: a round's own failure, counted by a faster node
+// before a slower one read the counter, is not in the slower node's count;
+// earlier rounds' failures are. Plain counts (the counter as created, or
+// as an older agent's ADD leaves it) read as they are.
+func TestRestartCountOfARound(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const key = "gorun.job.restarts"
+	if err := c.Set(ctx, key, []byte("0")); err != nil {
+		t.Fatal(err)
+	}
+	read := func(round int) int64 {
+		t.Helper()
+		v, err := c.Get(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := restartsBefore(v, round)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	if n := read(0); n != 0 {
+		t.Fatalf("round 0 before any failure: %d restarts", n)
+	}
+	// Round 0 fails on a fast node before the slow one has read.
+	if n, err := countRestart(ctx, c, key, 0); err != nil || n != 1 {
+		t.Fatalf("counting round 0's failure: %d, %v", n, err)
+	}
+	if n := read(0); n != 0 {
+		t.Fatalf("round 0 read after its own failure was counted: %d restarts, want 0", n)
+	}
+	if n := read(1); n != 1 {
+		t.Fatalf("round 1: %d restarts, want 1", n)
+	}
+	if n, err := countRestart(ctx, c, key, 3); err != nil || n != 2 {
+		t.Fatalf("counting round 3's failure: %d, %v", n, err)
+	}
+	for round, want := range map[int]int64{3: 1, 4: 2} {
+		if n := read(round); n != want {
+			t.Fatalf("round %d: %d restarts, want %d", round, n, want)
+		}
+	}
+	// An older agent's ADD turns the value back into a plain count.
+	if n, err := c.Add(ctx, key, 1); err != nil || n != 3 {
+		t.Fatalf("ADD on the counter: %d, %v", n, err)
+	}
+	if n := read(4); n != 3 {
+		t.Fatalf("round 4 after a plain ADD: %d restarts, want 3", n)
+	}
+	if _, _, err := parseRestarts([]byte("2 x")); err == nil {
+		t.Fatal(`"2 x" parsed`)
+	}
+}
