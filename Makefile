@@ -27,8 +27,10 @@ example: build test-deps
 	$(BIN)/gorun --standalone --nproc-per-node 4 examples/torch/allreduce.py
 
 # test installs what the tests need (as root, from Debian) and runs them all.
+# The bound is per package: examples/torch, real PyTorch jobs through faults,
+# takes about 10 minutes on a quiet 2-core machine and more under load.
 test: test-deps
-	CGO_ENABLED=1 $(GO) test $(GOFLAGS) -race -timeout 15m ./...
+	CGO_ENABLED=1 $(GO) test $(GOFLAGS) -race -timeout 25m ./...
 	# pg/nccl without cgo: New must say it needs cgo.
 	CGO_ENABLED=0 $(GO) test $(GOFLAGS) -timeout 2m ./pg/nccl/
 
