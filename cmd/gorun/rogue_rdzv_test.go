@@ -3,7 +3,9 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/base64"
 	"encoding/json"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -13,16 +15,19 @@ import (
 )
 
 // TestHostsRogueRendezvous: issue 18's attack on the rendezvous store,
-// from a third host of the network-namespace bed that reaches the c10d
-// store of a two-host shrink-mode job (2 × 4 Go allreduce ranks) but lacks
-// its secret. It reads the rendezvous state, writes it back without the
-// second node (that node "lost"), and later writes back the state it read
-// first, whose heartbeats have expired by then (every node "lost").
-// Without a job secret the first forgery works — the control, which shows
-// the test can fail: the first agent reports the second node's ranks lost.
-// With one, both are refused (a bad MAC, then a replay of a genuine but
-// older record): the job neither shrinks, restarts nor stalls, and an
-// agent logs and counts what it ignored.
+// from a host of the network-namespace bed that reaches the c10d store of
+// a two-host shrink-mode job (2 × 4 Go allreduce ranks, a third agent
+// standing by as a spare: the round is full, so it waits) but lacks its
+// secret. It reads the rendezvous state and writes it back with a spare
+// assignment: the second node gone and the spare admitted into the
+// running round in its place (what an agent writes when it admits a spare
+// for a lost node). Later it writes back the state it read first, whose
+// heartbeats have expired by then (every node "lost"). Without a job
+// secret the first forgery works — the control, which shows the test can
+// fail: the first agent reports the second node's ranks lost. With one,
+// both are refused (a bad MAC, then a replay of a genuine but older
+// record): the job neither shrinks, restarts, takes the spare in nor
+// stalls, and the agents log and count what they ignored.
 func TestHostsRogueRendezvous(t *testing.T) {
 	for _, secret := range []bool{false, true} {
 		name := map[bool]string{false: "without a job secret the forgery works", true: "with a job secret forgery and replay are ignored"}[secret]
@@ -31,10 +36,13 @@ func TestHostsRogueRendezvous(t *testing.T) {
 				t.Setenv("GORUN_JOB_SECRET", "s3cr3t-of-the-rogue-test-0123")
 			}
 			const nodes, nproc, steps, healthPort = 2, 4, 1400, "29991"
-			at, bed := onBed(t, nodes+1)
-			rogue := bed.Hosts[nodes]
+			at, bed := onBed(t, nodes+2)
+			rogue := bed.Hosts[nodes+1]
 			j := startShrinkJobAt(t, at, nodes, nproc, steps, "--health-addr", ":"+healthPort)
 			j.await(t, "start rank=", nodes*nproc, 60*time.Second)
+			// The spare: a third agent of the job; the bed's cleanup ends it.
+			spare := startAgentCmd(t, j.command(nodes))
+			waitStderr(t, spare, "rendezvous complete") // it has seen the running round
 			store := "tcp://" + rdzvEndpoint(t, at.rdzv(0, "2"))
 			bin := testutil.BuildGorun(t)
 			ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
@@ -52,13 +60,27 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			if err := json.Unmarshal(payload, &st); err != nil {
 				t.Fatalf("state %q: %v", payload, err)
 			}
+			// The spare assignment: node 1 gone, the spare in its place
+			// (rank 1, late), with node 1's record but the spare's
+			// identity and address.
 			var kept []any
 			for _, n := range st["nodes"].([]any) {
-				if n.(map[string]any)["addr"] != bed.Hosts[1].IP.String() {
-					kept = append(kept, n)
+				e := n.(map[string]any)
+				if e["addr"] != bed.Hosts[1].IP.String() {
+					kept = append(kept, e)
+					continue
 				}
+				data, err := base64.StdEncoding.DecodeString(e["data"].(string))
+				if err != nil {
+					t.Fatal(err)
+				}
+				spareIP := bed.Hosts[nodes].IP.String()
+				data = bytes.ReplaceAll(data, []byte(bed.Hosts[1].IP.String()), []byte(spareIP))
+				e["addr"], e["pid"], e["late"] = spareIP, spare.cmd.Process.Pid, true
+				e["data"] = base64.StdEncoding.EncodeToString(data)
+				kept = append(kept, e)
 			}
-			if len(kept) != 1 {
+			if len(kept) != 2 {
 				t.Fatalf("state %s: want two nodes, one on %s", payload, bed.Hosts[1].IP)
 			}
 			st["nodes"] = kept
@@ -71,6 +93,8 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			rogueSet(ctx, t, rogue, bin, store, stateKey, append(header, forged...))
 			if !secret {
 				waitStderr(t, j.agents[0], "nodes lost; reporting their ranks")
+				// The spare takes the place: it finds itself in the round.
+				waitStderr(t, spare, spareID(bed, spare))
 				return // the bed's cleanup ends the job
 			}
 
@@ -83,9 +107,17 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			// refused and counted each forgery.
 			awaitRefused(t, j, bed, healthPort, "rendezvous", 2)
 			j.expectFullRun(t, nodes, nproc, steps)
-			all := ""
+			all := spare.stderr.String()
 			for _, p := range j.agents {
 				all += p.stderr.String()
+			}
+			if strings.Contains(spare.stderr.String(), spareID(bed, spare)) {
+				t.Errorf("the spare took the forged assignment:\n%s", spare.stderr)
+			}
+			for _, acted := range []string{"admitted into", "a node takes a lost node's place"} {
+				if strings.Contains(all, acted) {
+					t.Errorf("an agent acted on the forged spare assignment (%q):\n%s\nspare:\n%s", acted, j.report(), spare.stderr)
+				}
 			}
 			for _, why := range []string{`"why": "bad MAC"`, `"why": "replayed`} {
 				if !strings.Contains(all, "ignored a rendezvous record that fails the job secret's check") || !strings.Contains(all, why) {
@@ -94,6 +126,12 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			}
 		})
 	}
+}
+
+// spareID is the spare's name in the rendezvous (NodeDesc.String), which
+// its log shows in a round's members only if it took a place.
+func spareID(bed *netns.Bed, spare *agentProc) string {
+	return bed.Hosts[2].IP.String() + "_" + strconv.Itoa(spare.cmd.Process.Pid) + "_0"
 }
 
 // rdzvEndpoint is --rdzv-endpoint's value in an agent's arguments.
