@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"regexp"
 	"strconv"
 	"strings"
 	"testing"
@@ -94,7 +95,11 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			if !secret {
 				waitStderr(t, j.agents[0], "nodes lost; reporting their ranks")
 				// The spare takes the place: it finds itself in the round.
-				waitStderr(t, spare, spareID(bed, spare))
+				for deadline := time.Now().Add(20 * time.Second); !spareJoined(bed, spare); time.Sleep(10 * time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Fatalf("the spare did not take the place:\n%s", spare.stderr)
+					}
+				}
 				return // the bed's cleanup ends the job
 			}
 
@@ -111,7 +116,7 @@ func TestHostsRogueRendezvous(t *testing.T) {
 			for _, p := range j.agents {
 				all += p.stderr.String()
 			}
-			if strings.Contains(spare.stderr.String(), spareID(bed, spare)) {
+			if spareJoined(bed, spare) {
 				t.Errorf("the spare took the forged assignment:\n%s", spare.stderr)
 			}
 			for _, acted := range []string{"admitted into", "a node takes a lost node's place"} {
@@ -128,10 +133,11 @@ func TestHostsRogueRendezvous(t *testing.T) {
 	}
 }
 
-// spareID is the spare's name in the rendezvous (NodeDesc.String), which
-// its log shows in a round's members only if it took a place.
-func spareID(bed *netns.Bed, spare *agentProc) string {
-	return bed.Hosts[2].IP.String() + "_" + strconv.Itoa(spare.cmd.Process.Pid) + "_0"
+// spareJoined reports whether the spare's log shows it among a round's
+// members (it took a place), not merely waiting for the next round.
+func spareJoined(bed *netns.Bed, spare *agentProc) bool {
+	id := bed.Hosts[2].IP.String() + "_" + strconv.Itoa(spare.cmd.Process.Pid) + "_0"
+	return regexp.MustCompile(`"joined": \[[^\]]*"` + regexp.QuoteMeta(id) + `"`).MatchString(spare.stderr.String())
 }
 
 // rdzvEndpoint is --rdzv-endpoint's value in an agent's arguments.
