@@ -73,6 +73,7 @@ func run(ctx context.Context, cfg Config, log *zap.Logger, stdout, stderr io.Wri
 		}
 		a.cfg.gossip = a.gossip.self()
 	}
+	a.cfg.refused = a.endpoint.RecordRefused
 	m, err := newMembership(ctx, &a.cfg, log, a.runID)
 	if err != nil {
 		return stoppedOr(ctx, log, err, "while reaching the rendezvous store")

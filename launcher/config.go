@@ -440,6 +440,10 @@ type Config struct {
 	// gossip is this agent's gossip identity, set by the agent before the
 	// rendezvous for the membership to publish.
 	gossip gossipPeer
+	// refused counts a record that failed its check under the job secret
+	// (kind "rendezvous"), set by the agent before the rendezvous
+	// for the membership's sealed store (nil: not counted).
+	refused func(kind string)
 	// rdzv are the rendezvous settings, parsed by Validate.
 	rdzv rendezvousSettings
 }

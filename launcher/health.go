@@ -216,7 +216,7 @@ func NewHealth() *Health {
 		}),
 		refused: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gorun_records_refused_total",
-			Help: "Records that failed their check under the job secret (forged, replayed, or written without it) and were ignored, by kind (epoch, notice: read from the shrink board; gossip: node liveness packets and streams, also another job's).",
+			Help: "Records that failed their check under the job secret (forged, replayed, or written without it) and were ignored, by kind (epoch, notice: read from the shrink board; gossip: node liveness packets and streams, also another job's; rendezvous: the rendezvous store's records, spare assignments included).",
 		}, []string{"kind"}),
 		current: PhaseStarting,
 		counts:  map[string]int{},
@@ -378,7 +378,7 @@ func (h *Health) Respawned(started bool) {
 	h.respawns.WithLabelValues(outcome).Inc()
 }
 
-// RecordRefused counts a record of kind (epoch, notice, gossip) that
+// RecordRefused counts a record of kind (epoch, notice, gossip, rendezvous) that
 // failed its check under the job secret and was ignored.
 func (h *Health) RecordRefused(kind string) {
 	if h == nil {

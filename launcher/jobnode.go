@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -44,6 +45,12 @@ type jobNode struct {
 	// a store silent for longer than the keep-alive window means its host
 	// is gone.
 	lastSeen time.Time
+	// sealed is j.store's sealing layer, with a job secret (nil without).
+	sealed *rendezvous.SealedStore
+	// refusalsLogged are the sources (why, and the key check claimed) of
+	// refused rendezvous records already logged: each is logged once.
+	refusalsMu     sync.Mutex
+	refusalsLogged map[string]bool
 }
 
 // nodeInfo is what each node publishes in the rendezvous.
@@ -96,6 +103,9 @@ func (j *jobNode) seenClosedKey() string { return "gorun." + j.runID + ".seen_cl
 // start creates the job's restart counter and this node's handle on the
 // rendezvous, once j.store is up.
 func (j *jobNode) start(ctx context.Context) error {
+	if err := j.seal(); err != nil {
+		return err
+	}
 	// Create the job's restart counter now, before joining, so that after
 	// a round completes one read gets it (with rank 0's worker store, for
 	// c10d: fillPlan): the round trips after completion are what a large
@@ -112,6 +122,85 @@ func (j *jobNode) start(ctx context.Context) error {
 	return nil
 }
 
+// isCounter reports whether key is one of the job's counters in the
+// rendezvous store, which Add cannot seal (see seal).
+func (j *jobNode) isCounter(key string) bool {
+	return key == j.restartsKey() || key == j.seenClosedKey()
+}
+
+// seal puts the sealing layer over j.store: with a job secret, every
+// record the agents write there for one another (the rendezvous's state,
+// requests, lock and views, the worker store addresses, the outcome, a
+// round's failure) carries a MAC under a key derived from the secret for
+// this use, bound to the run and the key, and what fails is ignored,
+// logged and counted (kind "rendezvous"). A spare's assignment (its
+// admission into a running round) is part of those records.
+//
+// The counters (restart count, seen-closed) stay plain: an Add cannot
+// carry a MAC. A forged increment can spend the restart budget sooner
+// (the job ends at its next genuine failure rather than restarting, and
+// workers see a higher TORCHELASTIC_RESTART_COUNT) or let the store's
+// host leave before the others have read the outcome; it cannot make the
+// job restart, shrink or take in a node.
+//
+// Without a secret the records stay as they were; the layer only turns a
+// sealed record (an agent of the job holds a secret this one does not)
+// into a clear error.
+func (j *jobNode) seal() error {
+	sealed := func(key string) bool { return !j.isCounter(key) }
+	if j.cfg.JobSecret == nil {
+		j.store = rendezvous.NewSealDetector(j.store, sealed)
+		return nil
+	}
+	views := rendezvous.DynamicViews(j.runID)
+	st, err := rendezvous.NewSealedStore(j.store, rendezvous.SealConfig{
+		Key:       j.cfg.JobSecret.derive("rendezvous"),
+		Scope:     j.runID,
+		Check:     j.cfg.JobSecret.check(j.runID),
+		Sealed:    sealed,
+		Fresh:     func(key string) bool { return !views(key) },
+		OnRefused: j.onRefused,
+	})
+	if err != nil {
+		return fmt.Errorf("rendezvous store: %w", err)
+	}
+	j.sealed, j.store = st, st
+	return nil
+}
+
+// maxRefusalSources bounds the refusal sources logged one by one.
+const maxRefusalSources = 64
+
+// onRefused counts a refused rendezvous record and logs the first from
+// each source: why, and which secret's check it claims.
+func (j *jobNode) onRefused(r rendezvous.Refusal) {
+	if j.cfg.refused != nil {
+		j.cfg.refused("rendezvous")
+	}
+	src := string(r.Reason) + "\x00" + r.Check
+	j.refusalsMu.Lock()
+	if j.refusalsLogged == nil {
+		j.refusalsLogged = map[string]bool{}
+	}
+	n := len(j.refusalsLogged)
+	first := !j.refusalsLogged[src] && n <= maxRefusalSources
+	if first {
+		j.refusalsLogged[src] = true
+	}
+	j.refusalsMu.Unlock()
+	switch {
+	case first && n == maxRefusalSources:
+		j.log.Warn("ignoring more rendezvous records that fail the job secret's check; no more of their sources are logged")
+	case first:
+		fields := []zap.Field{zap.String("key", r.Key), zap.String("why", string(r.Reason))}
+		if r.Check != "" {
+			fields = append(fields, zap.String("their_secret_check", r.Check))
+		}
+		j.log.Warn("ignored a rendezvous record that fails the job secret's check (forged, replayed, or written by an agent "+
+			"without this job's secret); the first from this source", fields...)
+	}
+}
+
 // join completes the next round, turning the rendezvous's errors into the
 // agent's.
 func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
@@ -120,6 +209,12 @@ func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
 	case errors.Is(err, rendezvous.ErrRendezvousClosed):
 		j.seenClosed(ctx)
 		return round, j.closedError(ctx)
+	case errors.Is(err, rendezvous.ErrSealedRecord):
+		return round, invalidf("the rendezvous records are sealed under a job secret and this node holds none: "+
+			"every agent of a job needs the same secret (--job-secret-file or %s)", JobSecretEnv)
+	case errors.Is(err, rendezvous.ErrRendezvousTimeout) && j.sealed != nil && j.sealed.Refused() > 0:
+		return round, fmt.Errorf("%w (%d rendezvous record(s) failed the job secret's check and were ignored: "+
+			"does every agent of the job hold the same secret?)", err, j.sealed.Refused())
 	case err != nil:
 		return round, err // it says "rendezvous: run …"
 	}

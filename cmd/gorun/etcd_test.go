@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"path/filepath"
@@ -52,9 +53,20 @@ var storeLine = regexp.MustCompile(`round=(\d+) rank=(\d+) world=(\d+) group=(\d
 // worker store on its own node (MASTER_ADDR:MASTER_PORT differ), and the
 // four workers, two per node, see one store: every key a worker sets is
 // seen by the workers of the other node. After the job, its worker stores
-// and presence keys are gone from etcd.
+// and presence keys are gone from etcd. With a job secret the same holds,
+// and the rendezvous records in etcd are sealed.
 func TestEtcdTwoNodesOneStore(t *testing.T) {
-	t.Parallel()
+	for _, secret := range []bool{false, true} {
+		t.Run(fmt.Sprintf("secret=%v", secret), func(t *testing.T) {
+			if secret {
+				t.Setenv("GORUN_JOB_SECRET", "s3cr3t-of-the-etcd-test-0123")
+			}
+			etcdTwoNodesOneStore(t, secret)
+		})
+	}
+}
+
+func etcdTwoNodesOneStore(t *testing.T, secret bool) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	worker := storeWorker(bin)
@@ -102,6 +114,19 @@ func TestEtcdTwoNodesOneStore(t *testing.T) {
 		if r.Count != 0 {
 			t.Errorf("%d keys left under %s after the job", r.Count, dir)
 		}
+	}
+	r, err := cli.Get(ctx, "/gorun/job/rdzv/", clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	sealed := 0
+	for _, kv := range r.Kvs {
+		if bytes.HasPrefix(kv.Value, []byte("GRS1 ")) {
+			sealed++
+		}
+	}
+	if secret != (sealed > 0) {
+		t.Errorf("%d of %d rendezvous keys in etcd sealed; want some: %v", sealed, len(r.Kvs), secret)
 	}
 }
 

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/netns"
 	"github.com/gorunhq/gorun/internal/testutil"
 )
 
@@ -85,47 +86,63 @@ func TestHostsRogueHost(t *testing.T) {
 				}
 			}
 			// The forged epoch: whichever agents read the board ignore it.
-			var m string
-			for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-				m = ""
-				for i := range j.agents {
-					m += metrics(t, "http://"+bed.Hosts[i].IP.String()+":"+healthPort+"/metrics")
-				}
-				if metricValue(m, `gorun_records_refused_total{kind="epoch"}`) >= 1 {
-					break
-				}
-				if time.Now().After(deadline) {
-					t.Fatalf("no agent counts the forged epoch:\n%s\n%s", grepLines(m, "refused"), j.report())
-				}
-			}
-			j.expectExit0(t, j.agents)
-			sum := 0
-			for r := range nodes * nproc {
-				sum += r + 1
-			}
-			var done int
-			for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
-				done++
-				if m[2] != strconv.Itoa(nodes*nproc) || m[3] != strconv.Itoa(steps) || m[4] != strconv.Itoa(sum) {
-					t.Errorf("%s: want world=%d steps=%d sum=%d", m[0], nodes*nproc, steps, sum)
-				}
-			}
-			if done != nodes*nproc {
-				t.Errorf("%d done lines, want %d\n%s", done, nodes*nproc, j.report())
-			}
-			for i, p := range j.agents {
-				log := p.stderr.String()
-				for _, acted := range []string{"stopping a worker the epoch excludes", "nodes lost; reporting their ranks"} {
-					if strings.Contains(log, acted) {
-						t.Errorf("agent %d acted on a forgery (%q):\n%s", i, acted, log)
-					}
-				}
-			}
+			awaitRefused(t, j, bed, healthPort, "epoch", 1)
+			j.expectFullRun(t, nodes, nproc, steps)
 			all := j.agents[0].stderr.String() + j.agents[1].stderr.String()
 			if !strings.Contains(all, "ignored a record that fails the job secret's check") {
 				t.Errorf("no agent said it ignored the forged epoch:\n%s", j.report())
 			}
 		})
+	}
+}
+
+// awaitRefused waits until the job's agents (hosts 0.. of bed, /metrics on
+// port) count at least n refused records of kind between them.
+func awaitRefused(t *testing.T, j *shrinkJob, bed *netns.Bed, port, kind string, n float64) {
+	t.Helper()
+	series := `gorun_records_refused_total{kind="` + kind + `"}`
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		m := ""
+		for i := range j.agents {
+			m += metrics(t, "http://"+bed.Hosts[i].IP.String()+":"+port+"/metrics")
+		}
+		if metricValue(m, series) >= n {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the agents count %v %s refusals, want %v or more:\n%s\n%s", metricValue(m, series), kind, n, grepLines(m, "refused"), j.report())
+		}
+	}
+}
+
+// expectFullRun checks that a job attacked by a rogue host ended as if it
+// had not been: every agent exits 0, every rank of the full world did
+// every step with the full sum, and no agent acted on a forgery (shrank,
+// found a node lost, re-rendezvoused).
+func (j *shrinkJob) expectFullRun(t *testing.T, nodes, nproc, steps int) {
+	t.Helper()
+	j.expectExit0(t, j.agents)
+	sum := 0
+	for r := range nodes * nproc {
+		sum += r + 1
+	}
+	var done int
+	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
+		done++
+		if m[2] != strconv.Itoa(nodes*nproc) || m[3] != strconv.Itoa(steps) || m[4] != strconv.Itoa(sum) {
+			t.Errorf("%s: want world=%d steps=%d sum=%d", m[0], nodes*nproc, steps, sum)
+		}
+	}
+	if done != nodes*nproc {
+		t.Errorf("%d done lines, want %d\n%s", done, nodes*nproc, j.report())
+	}
+	for i, p := range j.agents {
+		log := p.stderr.String()
+		for _, acted := range []string{"stopping a worker the epoch excludes", "nodes lost; reporting their ranks", "re-rendezvous"} {
+			if strings.Contains(log, acted) {
+				t.Errorf("agent %d acted on a forgery (%q):\n%s", i, acted, log)
+			}
+		}
 	}
 }
 

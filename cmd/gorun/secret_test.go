@@ -6,6 +6,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -93,44 +94,77 @@ func TestMultiNodeJobSecretGossip(t *testing.T) {
 }
 
 // TestMultiNodeJobSecretMismatch: two agents of one job that do not hold
-// the same secret — another one, or none at all — find it out when their
-// round completes (each publishes a check of its secret, never the
-// secret) and both stop before any worker starts, with one clear line and
-// the usage exit code: such a node's gossip and records would be refused,
-// and the job would run half blind.
+// the same secret never form a round, and no worker starts. The
+// rendezvous records are sealed under the secret, so neither can act on
+// the other's (which is also all a forger could do, so neither may stop
+// the job because of them):
+//   - another secret: each ignores the other's records (logged with the
+//     other's secret check) and its join times out, the error asking
+//     whether every agent holds the same secret;
+//   - none beside one: the agent without a secret finds sealed records and
+//     stops at once with the usage exit code and one clear line; the other
+//     ignores its unsealed records, and times out (or loses the store,
+//     when the stopped agent hosted it).
+//
+// With another secret, the first agent to time out says so (the other may
+// lose the store with it).
+// No secret shows in any output.
 func TestMultiNodeJobSecretMismatch(t *testing.T) {
 	t.Parallel()
 	bin := testutil.BuildGorun(t)
+	const timeoutLine = "does every agent of the job hold the same secret?"
 	for _, tc := range []struct {
-		name   string
-		envs   [2][]string
-		errors [2]string
+		name string
+		envs [2][]string
+		// codes are each agent's allowed exit codes; lines what its last
+		// line says.
+		codes [2][]int
+		lines [2]string
+		// logs: what each agent's log says it ignored ("" nothing).
+		logs [2]string
 	}{
 		{"another secret", [2][]string{{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, {"GORUN_JOB_SECRET=s3cr3t-two-0123456789"}},
-			[2]string{"holds another job secret than this node", "holds another job secret than this node"}},
+			// Whichever times out first takes the store along if it hosts it.
+			[2][]int{{ExitRendezvousTimeout, ExitUnavailable}, {ExitRendezvousTimeout, ExitUnavailable}}, [2]string{},
+			[2]string{"sealed under another job secret", "sealed under another job secret"}},
 		{"no secret", [2][]string{{"GORUN_JOB_SECRET=s3cr3t-one-0123456789"}, nil},
-			[2]string{"holds no job secret, and this node one", "holds a job secret and this node none"}},
+			[2][]int{{ExitRendezvousTimeout, ExitUnavailable}, {ExitUsage}},
+			[2]string{"", "the rendezvous records are sealed under a job secret and this node holds none: every agent of a job needs the same secret"},
+			[2]string{"", ""}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			port := freePort(t)
 			marker := filepath.Join(t.TempDir(), "ran")
-			args := append(c10dArgs(port, "2", "--on-failure", "shrink", "--log-dir", t.TempDir()), "--no-python", "touch", marker)
+			args := []string{"--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:" + strconv.Itoa(port),
+				"--rdzv-id", "job", "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=0.25,keep_alive_max_attempt=8,join_timeout=6",
+				"--local-addr", "127.0.0.1", "--monitor-interval", "0.1",
+				"--on-failure", "shrink", "--log-dir", t.TempDir(), "--no-python", "touch", marker}
 			var agents []*agentProc
 			for i := range 2 {
 				agents = append(agents, startAgentEnv(t, bin, tc.envs[i], args...))
 			}
+			timedOut := false
 			for i, p := range agents {
-				if code := p.exitCode(t, 30*time.Second); code != ExitUsage {
-					t.Errorf("agent %d: exit %d, want %d; stderr:\n%s", i, code, ExitUsage, p.stderr)
+				code := p.exitCode(t, 30*time.Second)
+				if !slices.Contains(tc.codes[i], code) {
+					t.Errorf("agent %d: exit %d, want one of %v; stderr:\n%s", i, code, tc.codes[i], p.stderr)
 				}
 				lines := strings.Split(strings.TrimSpace(p.stderr.String()), "\n")
-				if last := lines[len(lines)-1]; !strings.HasPrefix(last, "gorun: ") || !strings.Contains(last, tc.errors[i]) ||
-					!strings.Contains(last, "every agent of a job needs the same secret") {
-					t.Errorf("agent %d's last line %q, want one saying it %s", i, last, tc.errors[i])
+				if code == ExitRendezvousTimeout && strings.Contains(lines[len(lines)-1], timeoutLine) {
+					timedOut = true
+				}
+				if last := lines[len(lines)-1]; tc.lines[i] != "" && (!strings.HasPrefix(last, "gorun: ") || !strings.Contains(last, tc.lines[i])) {
+					t.Errorf("agent %d's last line %q, want one saying %q", i, last, tc.lines[i])
+				}
+				if tc.logs[i] != "" && !strings.Contains(p.stderr.String(), tc.logs[i]) {
+					t.Errorf("agent %d's log does not say %q:\n%s", i, tc.logs[i], p.stderr)
 				}
 				if strings.Contains(p.stderr.String(), "s3cr3t") {
 					t.Errorf("agent %d logged a secret:\n%s", i, p.stderr)
 				}
+			}
+			if tc.name == "another secret" && !timedOut {
+				t.Errorf("no agent timed out saying %q", timeoutLine)
 			}
 			if _, err := os.Stat(marker); err == nil {
 				t.Error("a worker started")

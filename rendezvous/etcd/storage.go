@@ -65,6 +65,9 @@ type StorageConfig struct {
 //	q/<hex(name)>/<unique>  one queue element; order is etcd's create revision
 //	u/<key>                 an unwatched key's value
 //	uq/<hex(name)>/<unique> an element of an unwatched queue
+//	c/<hex(k)>/<gen>/<i>    chunk i of generation gen of a large value at
+//	                        etcd key k (k/<key> or u/<key>), which holds
+//	                        the value's head (see Large values)
 const (
 	keysDir      = "k/"
 	queuesDir    = "q/"
@@ -73,6 +76,35 @@ const (
 	unwatchedDir = "u/"
 	// unwatchedQueuesDir holds the queues named in Unwatched.
 	unwatchedQueuesDir = "uq/"
+	chunksDir          = "c/"
+)
+
+// Large values. etcd refuses a request over its --max-request-bytes (1.5
+// MiB by default), and PyTorch's workers set larger values (object
+// broadcasts). A value over chunkSize, or one that would read as a head, is
+// stored in chunks of chunkSize under a generation of its own, each put a
+// request of its own; then one transaction puts the key's head (chunkMagic,
+// the generation, the count of chunks and the size), provided its first
+// and last chunks are still there, and deletes the chunks of the value it
+// replaces. A reader reads the head, then the chunks at the head's
+// revision: the value before or after a write, never half of one. A write
+// of a small value, and a delete, remove whatever chunks the key had in
+// the same transaction. So a key's chunks live exactly as long as its
+// head, except the chunks of a writer that died between its chunks and
+// its head: they stay until the key is next written small, deleted, or
+// the store dropped.
+//
+// The watch (storage_watch.go) sees heads, not values: a WATCH_KEY event
+// of a large value carries its head.
+const (
+	// chunkSize leaves room under etcd's default request limit for a
+	// chunk's key and the request's framing, and stays under the gRPC
+	// client's default 2 MiB for a read.
+	chunkSize = 1 << 20
+	// chunkMagic starts every head; no user value is stored inline with
+	// it (such a value is stored in chunks), so a head is never mistaken
+	// for a value, nor a value for a head.
+	chunkMagic = "\x00gorun/etcd-chunked/1\x00"
 )
 
 // numStripes spreads read-modify-write operations of one node over this
@@ -289,23 +321,231 @@ func tooLarge(err error) bool {
 	return status.Code(err) == codes.ResourceExhausted
 }
 
+// Set stores value: inline, or in chunks when large (see Large values).
+// An inline value replaces a head together with its chunks, in one
+// transaction that tells a head from a value by comparing the key's value
+// with chunkMagic.
 func (s *Storage) Set(key, value []byte) error {
-	if _, _, err := s.batch.do(clientv3.OpPut(s.kkey(key), string(value)), 0); err != nil {
+	k := s.kkey(key)
+	if chunked(value) {
+		if err := s.setChunked(k, value); err != nil {
+			return s.fail("set", key, err)
+		}
+		return nil
+	}
+	put := clientv3.OpPut(k, string(value))
+	op := clientv3.OpTxn(isHead(k), []clientv3.Op{put, clientv3.OpDelete(s.chunkDir(k), clientv3.WithPrefix())}, []clientv3.Op{put})
+	if _, _, err := s.batch.do(op, len(k)+len(value), k, s.chunkDir(k)); err != nil {
 		return s.fail("set", key, err)
 	}
 	return nil
 }
 
-func (s *Storage) Get(key []byte) ([]byte, bool, error) {
-	resp, _, err := s.batch.do(clientv3.OpGet(s.kkey(key)), len(key))
+// chunked reports whether v is stored in chunks.
+func chunked(v []byte) bool {
+	return len(v) > chunkSize || bytes.HasPrefix(v, []byte(chunkMagic))
+}
+
+// isHead compares true when etcd key k holds a head: a value starting with
+// chunkMagic is above it and below chunkMagic with its last byte raised
+// (and never equal to it: a head is longer). A comparison of an absent
+// key's value is false.
+func isHead(k string) []clientv3.Cmp {
+	end := []byte(chunkMagic)
+	end[len(end)-1]++
+	return []clientv3.Cmp{
+		clientv3.Compare(clientv3.Value(k), ">", chunkMagic),
+		clientv3.Compare(clientv3.Value(k), "<", string(end)),
+	}
+}
+
+// head is a parsed head.
+type head struct {
+	gen  string
+	n    int
+	size int
+}
+
+func (h head) bytes() []byte {
+	return []byte(chunkMagic + h.gen + " " + strconv.Itoa(h.n) + " " + strconv.Itoa(h.size))
+}
+
+// parseHead reads a head; ok is false for any other value.
+func parseHead(v []byte) (head, bool) {
+	rest, ok := bytes.CutPrefix(v, []byte(chunkMagic))
+	if !ok {
+		return head{}, false
+	}
+	f := strings.Fields(string(rest))
+	if len(f) != 3 {
+		return head{}, false
+	}
+	n, err1 := strconv.Atoi(f[1])
+	size, err2 := strconv.Atoi(f[2])
+	if err1 != nil || err2 != nil || n < 1 || size < 0 {
+		return head{}, false
+	}
+	return head{gen: f[0], n: n, size: size}, true
+}
+
+// chunkDir is where the chunks of etcd key k live, every generation.
+func (s *Storage) chunkDir(k string) string {
+	return s.prefix + chunksDir + hex.EncodeToString([]byte(strings.TrimPrefix(k, s.prefix))) + "/"
+}
+
+func (s *Storage) chunkKey(k, gen string, i int) string {
+	return s.chunkDir(k) + gen + "/" + fmt.Sprintf("%08d", i)
+}
+
+// writeChunks puts value's chunks under a new generation and returns its
+// head.
+func (s *Storage) writeChunks(ctx context.Context, k string, value []byte) (head, error) {
+	h := head{gen: s.id + strconv.FormatUint(s.seq.Add(1), 16), n: (len(value) + chunkSize - 1) / chunkSize, size: len(value)}
+	for i := range h.n {
+		c := value[i*chunkSize : min(len(value), (i+1)*chunkSize)]
+		err := s.retry(ctx, func(ctx context.Context) error {
+			_, err := s.cli.Put(ctx, s.chunkKey(k, h.gen, i), string(c))
+			return err
+		})
+		if err != nil {
+			s.dropChunks(k, h.gen)
+			return head{}, err
+		}
+	}
+	return h, nil
+}
+
+// dropChunks deletes one generation's chunks (best effort: a generation
+// left behind costs space, not correctness).
+func (s *Storage) dropChunks(k, gen string) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	_ = s.retry(ctx, func(ctx context.Context) error {
+		_, err := s.cli.Delete(ctx, s.chunkDir(k)+gen+"/", clientv3.WithPrefix())
+		return err
+	})
+}
+
+// headWrite returns what a transaction that puts head h at k (replacing
+// old, the key's current raw value) compares and does: the chunks of h
+// must still be there (a small write or a delete of k since removes every
+// generation), and the chunks of old, if a head, go.
+func (s *Storage) headWrite(k string, h head, old []byte) ([]clientv3.Cmp, []clientv3.Op) {
+	cmps := []clientv3.Cmp{
+		clientv3.Compare(clientv3.CreateRevision(s.chunkKey(k, h.gen, 0)), ">", 0),
+		clientv3.Compare(clientv3.CreateRevision(s.chunkKey(k, h.gen, h.n-1)), ">", 0),
+	}
+	ops := []clientv3.Op{clientv3.OpPut(k, string(h.bytes()))}
+	if oh, ok := parseHead(old); ok && oh.gen != h.gen {
+		ops = append(ops, clientv3.OpDelete(s.chunkDir(k)+oh.gen+"/", clientv3.WithPrefix()))
+	}
+	return cmps, ops
+}
+
+// setChunked stores a large value: chunks first, then the head, fenced on
+// the key's mod revision so that the chunks of what it replaces are known.
+func (s *Storage) setChunked(k string, value []byte) error {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	h, err := s.writeChunks(ctx, k, value)
 	if err != nil {
-		return nil, false, s.fail("get", key, err)
+		return err
 	}
-	kvs := resp.GetResponseRange().GetKvs()
-	if len(kvs) == 0 {
-		return nil, false, nil
+	for {
+		cur, err := s.get(ctx, k)
+		if err != nil {
+			s.dropChunks(k, h.gen)
+			return err
+		}
+		var old []byte
+		var modRev int64
+		if len(cur.Kvs) > 0 {
+			old, modRev = cur.Kvs[0].Value, cur.Kvs[0].ModRevision
+		}
+		if oh, ok := parseHead(old); ok && oh.gen == h.gen {
+			return nil // an earlier sending applied it (its answer was lost)
+		}
+		cmps, ops := s.headWrite(k, h, old)
+		cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(k), "=", modRev))
+		var tx *clientv3.TxnResponse
+		err = s.retry(ctx, func(ctx context.Context) (err error) {
+			tx, err = s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(
+				clientv3.OpGet(s.chunkKey(k, h.gen, 0), clientv3.WithCountOnly()),
+				clientv3.OpGet(s.chunkKey(k, h.gen, h.n-1), clientv3.WithCountOnly())).Commit()
+			return err
+		})
+		switch {
+		case err != nil:
+			s.dropChunks(k, h.gen)
+			return err
+		case tx.Succeeded:
+			return nil
+		case tx.Responses[0].GetResponseRange().Count == 0 || tx.Responses[1].GetResponseRange().Count == 0:
+			// A small write or a delete took the chunks: write them again.
+			s.dropChunks(k, h.gen)
+			if h, err = s.writeChunks(ctx, k, value); err != nil {
+				return err
+			}
+		}
+		// Else the key changed since the read: read it again.
 	}
-	return kvs[0].Value, true, nil
+}
+
+// resolve returns the value that raw, read at etcd key k at revision rev,
+// stands for: raw itself, or the chunks a head names, read at rev.
+// errStale: the chunks are gone at rev (compacted): read the head again.
+func (s *Storage) resolve(ctx context.Context, k string, raw []byte, rev int64) ([]byte, error) {
+	h, ok := parseHead(raw)
+	if !ok {
+		return raw, nil
+	}
+	out := make([]byte, 0, h.size)
+	for i := range h.n {
+		r, err := s.get(ctx, s.chunkKey(k, h.gen, i), clientv3.WithRev(rev))
+		switch {
+		case errors.Is(err, rpctypes.ErrCompacted):
+			return nil, errStale
+		case err != nil:
+			return nil, err
+		case len(r.Kvs) == 0:
+			return nil, fmt.Errorf("%w: chunk %d of %d of %q is missing at revision %d", errStale, i, h.n, k, rev)
+		}
+		out = append(out, r.Kvs[0].Value...)
+	}
+	if len(out) != h.size {
+		return nil, fmt.Errorf("%w: the chunks of %q hold %d bytes, the head says %d", errStale, k, len(out), h.size)
+	}
+	return out, nil
+}
+
+// errStale: a large value's chunks were not found where its head said, at
+// its revision: read the key again.
+var errStale = errors.New("chunks gone at the head's revision")
+
+// Get returns key's value, putting a large one together from its chunks.
+func (s *Storage) Get(key []byte) ([]byte, bool, error) {
+	k := s.kkey(key)
+	for range 8 {
+		resp, rev, err := s.batch.do(clientv3.OpGet(k), len(key))
+		if err != nil {
+			return nil, false, s.fail("get", key, err)
+		}
+		kvs := resp.GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			return nil, false, nil
+		}
+		ctx, cancel := s.opCtx()
+		v, err := s.resolve(ctx, k, kvs[0].Value, rev)
+		cancel()
+		switch {
+		case errors.Is(err, errStale):
+			continue
+		case err != nil:
+			return nil, false, s.fail("get", key, err)
+		}
+		return v, true, nil
+	}
+	return nil, false, s.fail("get", key, errStale)
 }
 
 // change is what an update function decides for a key's current value.
@@ -335,8 +575,30 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 	defer st.mu.Unlock()
 	opID := strconv.FormatUint(s.seq.Add(1), 16) + "."
 	guess, verified := st.cache[k], false
+	var big head // the chunks written for this operation's last large result
+	defer func() {
+		if big.gen != "" {
+			s.dropChunks(k, big.gen) // not the value stored: see the success paths
+		}
+	}()
 	for attempt := 0; ; attempt++ {
-		ch, err := f(guess.val, guess.modRev != 0)
+		// guess.val is what etcd holds (a head, for a large value): f
+		// decides on the value it stands for.
+		cur := guess.val
+		if _, ok := parseHead(cur); ok {
+			ctx, cancel := s.opCtx()
+			v, err := s.resolve(ctx, k, cur, guess.modRev)
+			cancel()
+			switch {
+			case errors.Is(err, errStale):
+				guess, verified = s.reread(k)
+				continue
+			case err != nil:
+				return change{}, s.fail(op, key, err)
+			}
+			cur = v
+		}
+		ch, err := f(cur, guess.modRev != 0)
 		if err != nil && verified {
 			return change{}, err
 		}
@@ -347,18 +609,41 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		var then []clientv3.Op
 		writes := []string{k, tok}
 		size := len(k) + len(tok) + len(id)
+		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)}
+		stored := ch.result // what k holds if the transaction applies
 		if err == nil && ch.write {
-			then = append([]clientv3.Op{clientv3.OpPut(k, string(ch.result))}, ch.extra...)
+			var put []clientv3.Op
+			if chunked(ch.result) {
+				if big.gen != "" {
+					s.dropChunks(k, big.gen)
+				}
+				ctx, cancel := s.opCtx()
+				big, err = s.writeChunks(ctx, k, ch.result)
+				cancel()
+				if err != nil {
+					big = head{}
+					return change{}, s.fail(op, key, err)
+				}
+				var more []clientv3.Cmp
+				more, put = s.headWrite(k, big, guess.val)
+				cmps = append(cmps, more...)
+				stored = big.bytes()
+			} else {
+				put = []clientv3.Op{clientv3.OpPut(k, string(ch.result))}
+				if oh, ok := parseHead(guess.val); ok {
+					put = append(put, clientv3.OpDelete(s.chunkDir(k)+oh.gen+"/", clientv3.WithPrefix()))
+				}
+			}
+			then = append(put, ch.extra...)
 			then = append(then, clientv3.OpPut(tok, id))
+			writes = append(writes, s.chunkDir(k))
 			for _, e := range ch.extra {
 				writes = append(writes, string(e.KeyBytes()))
 				size += len(e.KeyBytes()) + len(e.ValueBytes())
 			}
-			size += len(ch.result)
+			size += len(stored)
 		}
-		r, rev, terr := s.batch.do(clientv3.OpTxn(
-			[]clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)},
-			then,
+		r, rev, terr := s.batch.do(clientv3.OpTxn(cmps, then,
 			[]clientv3.Op{clientv3.OpGet(k), clientv3.OpGet(tok)},
 		), size, writes...)
 		if terr != nil {
@@ -370,7 +655,8 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 				return change{}, err
 			}
 			if ch.write {
-				guess = known{val: ch.result, modRev: rev}
+				guess = known{val: stored, modRev: rev}
+				big = head{} // stored: its chunks stay
 			}
 			st.remember(k, guess)
 			return ch, nil
@@ -378,6 +664,7 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		now := tx.Responses
 		if kvs := now[1].GetResponseRange().Kvs; len(then) > 0 && len(kvs) > 0 && string(kvs[0].Value) == id {
 			st.remember(k, known{}) // applied at a revision not known: guess afresh
+			big = head{}
 			return ch, nil
 		}
 		guess, verified = known{}, true
@@ -385,6 +672,17 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 			guess = known{val: kvs[0].Value, modRev: kvs[0].ModRevision}
 		}
 	}
+}
+
+// reread reads etcd key k afresh, for update's next guess (verified).
+func (s *Storage) reread(k string) (known, bool) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	r, err := s.get(ctx, k)
+	if err != nil || len(r.Kvs) == 0 {
+		return known{}, err == nil
+	}
+	return known{val: r.Kvs[0].Value, modRev: r.Kvs[0].ModRevision}, true
 }
 
 // stripe returns the stripe of an etcd key and the stripe's token key.
@@ -473,12 +771,14 @@ func (s *Storage) Delete(key []byte) (bool, error) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
 	var deleted bool
+	k := s.kkey(key)
 	err := s.retry(ctx, func(ctx context.Context) error {
-		resp, err := s.cli.Delete(ctx, s.kkey(key))
+		// The key and any chunks of it, together.
+		resp, err := s.cli.Txn(ctx).Then(clientv3.OpDelete(k), clientv3.OpDelete(s.chunkDir(k), clientv3.WithPrefix())).Commit()
 		if err == nil {
 			// A retry after a lost answer may find the key gone by the
 			// first attempt: it existed.
-			deleted = deleted || resp.Deleted > 0
+			deleted = deleted || resp.Responses[0].GetResponseDeleteRange().Deleted > 0
 		}
 		return err
 	})

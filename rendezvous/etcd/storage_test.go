@@ -5,6 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
+	"os/exec"
+	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/internal/torchtest"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/etcd"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
@@ -663,42 +668,226 @@ func TestStorageSmallTxnLimit(t *testing.T) {
 	}
 }
 
-// TestStorageValueOverEtcdLimit: a value larger than one etcd request may
-// carry is refused at once with etcd's reason, the client's connection is
-// closed, and the store goes on serving (README, "The workers' store").
-func TestStorageValueOverEtcdLimit(t *testing.T) {
+// TestStorageLargeValues: values over one etcd request's limit (1.5 MiB
+// by default) are stored in chunks, with every operation as on any value:
+// set and get across nodes, a waiter released by the write, compare-set
+// and append on and to large values, add refusing one, check, num_keys and
+// list_keys counting the key once. (Sets and appends go to the storage
+// itself after the first: they have no answer on the wire, so a read
+// through another node could overtake them.) The chunks go with the value that
+// owns them: overwritten (large or small) or deleted, none is left.
+func TestStorageLargeValues(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ns := startNodes(t, cli, 2)
+	ctx := testCtx(t, 60*time.Second)
+	fill := func(n int, seed byte) []byte {
+		v := make([]byte, n)
+		for i := range v {
+			v[i] = seed + byte(i%251)
+		}
+		return v
+	}
+	prefix := ns[0].st.Prefix()
+	const bigKey = "/big" // as the storage sees "big" from a client (c10d prepends "/")
+	chunks := func() int64 {
+		r, err := cli.Get(ctx, prefix+"c/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r.Count
+	}
+	big, bigger := fill(5<<20+17, 1), fill(3<<20, 2)
+	// A waiter on the other node is released by the large write and
+	// reads it whole.
+	waited := make(chan error, 1)
+	go func() {
+		if err := ns[1].cli.Wait(ctx, "big"); err != nil {
+			waited <- err
+			return
+		}
+		v, err := ns[1].cli.Get(ctx, "big")
+		if err == nil && !bytes.Equal(v, big) {
+			err = fmt.Errorf("the waiter read %d bytes, not the %d written", len(v), len(big))
+		}
+		waited <- err
+	}()
+	time.Sleep(100 * time.Millisecond)
+	for _, step := range []struct {
+		name   string
+		do     func() error
+		want   []byte // big's value after, nil: absent
+		chunks int64
+	}{
+		{"set 5 MiB", func() error { return ns[0].cli.Set(ctx, "big", big) }, big, 6},
+		{"overwrite with 3 MiB", func() error { return ns[1].st.Set([]byte(bigKey), bigger) }, bigger, 3},
+		{"compare-set a stale expected", func() error {
+			got, err := ns[0].cli.CompareSet(ctx, "big", big, []byte("x"))
+			if err == nil && !bytes.Equal(got, bigger) {
+				err = fmt.Errorf("compare-set answered %d bytes, want the current %d", len(got), len(bigger))
+			}
+			return err
+		}, bigger, 3},
+		{"compare-set large over large", func() error {
+			got, err := ns[0].cli.CompareSet(ctx, "big", bigger, big)
+			if err == nil && !bytes.Equal(got, big) {
+				err = fmt.Errorf("compare-set answered %d bytes", len(got))
+			}
+			return err
+		}, big, 6},
+		{"append to large", func() error { return ns[1].st.Append([]byte(bigKey), []byte("tail")) }, append(bytes.Clone(big), "tail"...), 6},
+		{"add refuses a large value", func() error {
+			if _, err := ns[0].st.Add([]byte(bigKey), 1); !errors.Is(err, rendezvous.ErrNotInteger) {
+				return fmt.Errorf("add: %v, want ErrNotInteger", err)
+			}
+			return nil
+		}, append(bytes.Clone(big), "tail"...), 6},
+		{"compare-set small over large", func() error {
+			_, err := ns[0].cli.CompareSet(ctx, "big", append(bytes.Clone(big), "tail"...), []byte("small"))
+			return err
+		}, []byte("small"), 0},
+		{"compare-set large over small", func() error {
+			_, err := ns[1].cli.CompareSet(ctx, "big", []byte("small"), bigger)
+			return err
+		}, bigger, 3},
+		{"overwrite with small", func() error { return ns[0].st.Set([]byte(bigKey), []byte("small")) }, []byte("small"), 0},
+		{"a small value that starts like a head", func() error {
+			return ns[0].st.Set([]byte(bigKey), []byte("\x00gorun/etcd-chunked/1\x00g 1 4"))
+		}, []byte("\x00gorun/etcd-chunked/1\x00g 1 4"), 1},
+		{"set large again", func() error { return ns[0].st.Set([]byte(bigKey), big) }, big, 6},
+		{"delete", func() error {
+			ok, err := ns[1].cli.Delete(ctx, "big")
+			if err == nil && !ok {
+				err = errors.New("delete found nothing")
+			}
+			return err
+		}, nil, 0},
+	} {
+		if err := step.do(); err != nil {
+			t.Fatalf("%s: %v", step.name, err)
+		}
+		if step.name == "set 5 MiB" {
+			if err := <-waited; err != nil {
+				t.Fatal(err)
+			}
+		}
+		for i, n := range ns {
+			v, ok, err := n.st.Get([]byte(bigKey))
+			if err != nil || ok != (step.want != nil) || !bytes.Equal(v, step.want) {
+				t.Fatalf("%s: node %d gets %d bytes, %v, %v; want %d", step.name, i, len(v), ok, err, len(step.want))
+			}
+		}
+		if step.want != nil {
+			if k, err := ns[1].st.Keys(); err != nil || len(k) != 1 || string(k[0]) != bigKey {
+				t.Fatalf("%s: keys %q, %v", step.name, k, err)
+			}
+			if n, err := ns[1].st.NumKeys(); err != nil || n != 1 {
+				t.Fatalf("%s: num_keys %d, %v", step.name, n, err)
+			}
+			if ok, err := ns[0].st.Check([][]byte{[]byte(bigKey)}); err != nil || !ok {
+				t.Fatalf("%s: check %v, %v", step.name, ok, err)
+			}
+		}
+		if n := chunks(); n != step.chunks {
+			t.Fatalf("%s: %d chunks in etcd, want %d", step.name, n, step.chunks)
+		}
+	}
+}
+
+// TestStorageLargeKeyOrElement: what is not chunked — a key, a queue
+// element — is still refused at once when over one etcd request, with
+// ErrTooLarge.
+func TestStorageLargeKeyOrElement(t *testing.T) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	cli := cluster.Client(t, nil)
 	ns := startNodes(t, cli, 1)
-	ctx := testCtx(t, 30*time.Second)
-	big := make([]byte, 2<<20)
 	start := time.Now()
-	err := ns[0].st.Set([]byte("big"), big)
-	if !errors.Is(err, rendezvous.ErrTooLarge) {
-		t.Fatalf("Set of 2 MiB: %v, want ErrTooLarge", err)
+	if err := ns[0].st.Set(bytes.Repeat([]byte("k"), 2<<20), []byte("x")); !errors.Is(err, rendezvous.ErrTooLarge) {
+		t.Errorf("Set with a 2 MiB key: %v, want ErrTooLarge", err)
 	}
-	// Under the gRPC client's 2 MiB: etcd itself refuses it.
-	if err := ns[0].st.Set([]byte("big"), big[:1600<<10]); !errors.Is(err, rendezvous.ErrTooLarge) {
-		t.Fatalf("Set of 1.6 MiB: %v, want ErrTooLarge", err)
-	}
-	// SET has no reply in c10d's protocol: the closed connection shows
-	// on the client's next request.
-	ns[0].cli.Set(ctx, "big", big)
-	if _, err := ns[0].cli.Get(ctx, "big"); err == nil {
-		t.Fatal("a client's set of 2 MiB was stored")
+	if err := ns[0].st.QueuePush([]byte("q"), make([]byte, 2<<20)); !errors.Is(err, rendezvous.ErrTooLarge) {
+		t.Errorf("QueuePush of 2 MiB: %v, want ErrTooLarge", err)
 	}
 	if took := time.Since(start); took > 10*time.Second {
-		t.Fatalf("the refusals took %v: retried as if transient", took)
+		t.Errorf("the refusals took %v: retried as if transient", took)
 	}
-	c, err := tcpstore.Dial(ctx, ns[0].srv.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
-	if err != nil {
+}
+
+// TestStorageLargeValueNeverHalf: a reader on one node never sees half of
+// a large value that another node overwrites meanwhile: every read is one
+// whole value written.
+func TestStorageLargeValueNeverHalf(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ns := startNodes(t, cli, 2)
+	values := [][]byte{bytes.Repeat([]byte("a"), 4<<20), bytes.Repeat([]byte("b"), 3<<20+5), []byte("small")}
+	if err := ns[0].st.Set([]byte("v"), values[0]); err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	if err := c.Set(ctx, "small", make([]byte, 1<<20)); err != nil {
-		t.Fatalf("a 1 MiB value after the refusal: %v", err)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for i := 1; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if err := ns[0].st.Set([]byte("v"), values[i%len(values)]); err != nil {
+				t.Error(err)
+				return
+			}
+		}
+	}()
+	reads := 0
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); reads++ {
+		v, ok, err := ns[1].st.Get([]byte("v"))
+		if err != nil || !ok {
+			t.Fatalf("get: %v, %v", ok, err)
+		}
+		if !slices.ContainsFunc(values, func(w []byte) bool { return bytes.Equal(v, w) }) {
+			t.Fatalf("read %d bytes starting %q: no value written", len(v), v[:min(len(v), 8)])
+		}
 	}
-	if v, err := c.Get(ctx, "small"); err != nil || len(v) != 1<<20 {
-		t.Fatalf("get = %d bytes, %v", len(v), err)
+	close(stop)
+	wg.Wait()
+	t.Logf("%d whole reads", reads)
+}
+
+// TestStorageTorchLargeValues: PyTorch 1.13 clients on two nodes' servers
+// of one etcd-backed store: a 16 MB value set through one node is read
+// whole through the other, then deleted (no key left).
+func TestStorageTorchLargeValues(t *testing.T) {
+	python := torchtest.Python(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ns := startNodes(t, cli, 2)
+	const script = `
+import sys, datetime
+import torch.distributed as dist
+T = datetime.timedelta(seconds=60)
+a = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=T)
+b = dist.TCPStore("127.0.0.1", int(sys.argv[2]), None, False, timeout=T)
+val = bytes(range(256)) * 62500
+a.set("v16", val)
+got = b.get("v16")
+print(repr((len(got), got == val)), flush=True)
+b.delete_key("v16")
+print(repr(("num_keys", a.num_keys())), flush=True)
+`
+	ctx := testCtx(t, 90*time.Second)
+	port := func(n *node) string { return strconv.Itoa(n.srv.Addr().(*net.TCPAddr).Port) }
+	out, err := exec.CommandContext(ctx, python, "-c", script, port(ns[0]), port(ns[1])).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	if want := "(16000000, True)\n('num_keys', 0)\n"; string(out) != want {
+		t.Fatalf("torch clients printed %q, want %q", out, want)
+	}
+	r, err := cli.Get(ctx, ns[0].st.Prefix()+"c/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+	if err != nil || r.Count != 0 {
+		t.Fatalf("%v chunks left after the delete (%v)", r, err)
 	}
 }

@@ -1,0 +1,120 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+)
+
+// TestJobNodeSeal: with a job secret the rendezvous store's records are
+// sealed (the counters stay plain decimals), and a refused record is
+// counted each time (kind "rendezvous") and logged once per source (why,
+// and the secret check claimed), never with the secret. Without one the
+// records stay plain, and a sealed record met is ErrSealedRecord.
+func TestJobNodeSeal(t *testing.T) {
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	dial := func() rendezvous.Store {
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	raw := dial()
+	node := func(secret Secret, refused func(string)) (*jobNode, *observer.ObservedLogs) {
+		core, logs := observer.New(zap.WarnLevel)
+		cfg := &Config{JobSecret: secret, refused: refused}
+		j := &jobNode{cfg: cfg, log: zap.New(core), runID: "job", store: dial()}
+		if err := j.seal(); err != nil {
+			t.Fatal(err)
+		}
+		return j, logs
+	}
+	var mu sync.Mutex
+	kinds := map[string]int{}
+	count := func(kind string) { mu.Lock(); kinds[kind]++; mu.Unlock() }
+	secret := Secret("s3cr3t-of-the-seal-test")
+	j, logs := node(secret, count)
+
+	if err := j.store.Set(ctx, "gorun.rendezvous.job", []byte(`{"round":1}`)); err != nil {
+		t.Fatal(err)
+	}
+	if n, err := j.store.Add(ctx, j.restartsKey(), 2); err != nil || n != 2 {
+		t.Fatalf("restart counter: %d, %v", n, err)
+	}
+	for key, sealed := range map[string]bool{"gorun.rendezvous.job": true, j.restartsKey(): false} {
+		v, err := raw.Get(ctx, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if strings.HasPrefix(string(v), "GRS1 ") != sealed {
+			t.Errorf("%s stored as %q, want sealed %v", key, v, sealed)
+		}
+	}
+
+	// Three forgeries: two unsealed (one source), one under another secret.
+	other, _ := node(Secret("another-secret-of-the-seal-test"), nil)
+	for _, forge := range []func(){
+		func() { raw.Set(ctx, "a", []byte("forged 1")) },
+		func() { raw.Set(ctx, "b", []byte("forged 2")) },
+		func() { other.store.Set(ctx, "c", []byte("theirs")) },
+	} {
+		forge()
+	}
+	// A set has no answer on the wire: read back on the same connections,
+	// so that the checks below come after the writes.
+	if _, err := raw.MultiGet(ctx, "a", "b"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := other.store.Get(ctx, "c"); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"a", "b", "c"} {
+		if ok, err := j.store.Check(ctx, k); ok || err != nil {
+			t.Errorf("Check(%s) = %v, %v; want a refused record absent", k, ok, err)
+		}
+	}
+	if kinds["rendezvous"] != 3 || len(kinds) != 1 {
+		t.Errorf("counted %v, want 3 of kind rendezvous", kinds)
+	}
+	var whys []string
+	for _, e := range logs.All() {
+		f := e.ContextMap()
+		whys = append(whys, fmt.Sprint(f["why"]))
+		if strings.Contains(fmt.Sprint(e.Message, f), "s3cr3t") {
+			t.Errorf("the log shows a secret: %v", e)
+		}
+	}
+	if strings.Join(whys, ",") != "not sealed,sealed under another job secret" {
+		t.Errorf("logged %q, want one line per source", whys)
+	}
+
+	// Without a secret: plain records, and a sealed one is an error.
+	plain, _ := node(nil, nil)
+	if err := plain.store.Set(ctx, "p", []byte("plain")); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := raw.Get(ctx, "p"); err != nil || string(v) != "plain" {
+		t.Errorf("without a secret stored %q, %v", v, err)
+	}
+	if _, err := plain.store.Get(ctx, "gorun.rendezvous.job"); !errors.Is(err, rendezvous.ErrSealedRecord) {
+		t.Errorf("without a secret, a sealed record read: %v", err)
+	}
+}
