@@ -780,9 +780,12 @@ func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfi
 		consider(s.Deadline.Add(time.Nanosecond))
 	}
 	for _, e := range s.Nodes {
-		if e.NodeDesc == me {
+		switch {
+		case e.NodeDesc == me:
 			consider(e.Heartbeat.Add(cfg.KeepAliveInterval))
-		} else {
+		case !s.view:
+			// A view's node never sanitizes (the state's writers do), and
+			// its bucket's heartbeats are as old as its last rewrite.
 			consider(e.Heartbeat.Add(cfg.ttl() + time.Nanosecond))
 		}
 	}

@@ -46,6 +46,7 @@ import (
 	"hash/fnv"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -234,27 +235,74 @@ func (s *dynState) viewRound(me NodeDesc) (Round, bool) {
 
 func (d *Dynamic) shareKey(b int) string { return d.key + shareSuffix + strconv.Itoa(b) }
 
-// peek reads key without blocking (a compare-set that creates it with
-// empty when absent): the marker, shares and members are unwatched on
-// etcd, where a Get would refuse to wait.
+// peek reads key without blocking: with a plain read where the store can
+// (Peeker; an absent key reads as empty), else with a compare-set that
+// creates it with empty when absent. The marker, shares, members and lock
+// are unwatched on etcd, where a Get would refuse to wait.
 func (d *Dynamic) peek(ctx context.Context, key string, empty []byte) ([]byte, error) {
-	b, err := d.store.CompareSet(ctx, key, nil, empty)
+	vs, err := d.peekAll(ctx, []string{key}, [][]byte{empty})
 	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", key, err)
+		return nil, err
 	}
-	return b, nil
+	return vs[0], nil
+}
+
+// peekAll reads keys as peek does, each absent one as its empties, with
+// one Peek where the store has it.
+func (d *Dynamic) peekAll(ctx context.Context, keys []string, empties [][]byte) ([][]byte, error) {
+	if d.canPeek() {
+		start := d.now()
+		vs, err := d.store.(Peeker).Peek(ctx, keys...)
+		d.observe(start)
+		switch {
+		case err == nil && len(vs) == len(keys):
+			for i, v := range vs {
+				if v == nil {
+					vs[i] = empties[i]
+				}
+			}
+			return vs, nil
+		case err == nil, errors.Is(err, ErrNotSupported):
+			d.noPeek.Store(true)
+		default:
+			return nil, fmt.Errorf("read %s: %w", keys[0], err)
+		}
+	}
+	out := make([][]byte, len(keys))
+	for i, key := range keys {
+		b, err := d.store.CompareSet(ctx, key, nil, empties[i])
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", key, err)
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+// canPeek reports whether the store reads without waiting (Peeker).
+func (d *Dynamic) canPeek() bool {
+	_, ok := d.store.(Peeker)
+	return ok && !d.noPeek.Load()
 }
 
 // readView reads this node's view: the marker, then its bucket (in that
 // order: a publisher writes the buckets first, so the bucket is at least
 // as new as the marker).
 //
-// Once both keys exist it reads them with one MultiGet (one round trip on
-// a TCPStore), unless the store refuses to wait on them (etcd: they are
-// unwatched), where it peeks at each.
+// Where the store peeks (etcd) it reads both with one Peek, at one
+// revision. Elsewhere, once both keys exist, it reads them with one
+// MultiGet (one round trip on a TCPStore), unless the store refuses to
+// wait on them, where it peeks at each.
 func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 	var mb, bb []byte
-	if d.viewMultiGet.Load() {
+	if d.canPeek() {
+		vs, err := d.peekAll(ctx, []string{d.key + markerSuffix, d.shareKey(d.bucket)}, [][]byte{emptyMarker, emptyShare})
+		if err != nil {
+			return nil, err
+		}
+		mb, bb = vs[0], vs[1]
+	}
+	if mb == nil && d.viewMultiGet.Load() {
 		vs, err := d.store.MultiGet(ctx, d.key+markerSuffix, d.shareKey(d.bucket))
 		switch {
 		case err == nil && len(vs) == 2:
@@ -319,12 +367,26 @@ func (d *Dynamic) publish(ctx context.Context, before, after *dynState) error {
 		}
 		keys, vals = append(keys, d.shareKey(b)), append(vals, v)
 	}
+	// The chunks go out together: on etcd each is a round trip or more,
+	// and the folder's round trips are what a crowd waits for.
+	var wg sync.WaitGroup
+	var errs []error
+	var emu sync.Mutex
 	for len(keys) > 0 {
 		n := min(len(keys), publishChunk)
-		if err := d.store.MultiSet(ctx, keys[:n], vals[:n]); err != nil {
-			return fmt.Errorf("publish shares: %w", err)
-		}
+		ks, vs := keys[:n], vals[:n]
+		wg.Go(func() {
+			if err := d.store.MultiSet(ctx, ks, vs); err != nil {
+				emu.Lock()
+				errs = append(errs, err)
+				emu.Unlock()
+			}
+		})
 		keys, vals = keys[n:], vals[n:]
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("publish shares: %w", err)
 	}
 	mb, ma := before.marker(d.cfg), after.marker(d.cfg)
 	if after.Pub == before.Pub { // the header did not change (commit)
