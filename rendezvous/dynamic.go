@@ -273,6 +273,10 @@ type dynState struct {
 	// participants outside it, and there is no Rejoin. Never written.
 	view            bool
 	others, waiting int
+	// stale: a view whose bucket was not of the marker's round as it is
+	// (dynamic_share.go): Nodes is empty, and the node pushes its request
+	// again (at settle), which makes the folder publish its share anew.
+	stale bool
 }
 
 // rejoiner is a member of the last complete round on its way to the next.

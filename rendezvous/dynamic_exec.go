@@ -680,6 +680,12 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				beatsOnly = beatsOnly && a == actKeepAlive
 			}
 		}
+		if st.stale && queueMode() {
+			// The view cannot say whether my request took effect: ask
+			// again (at most every settle: mustPush), so that the folder
+			// republishes my share.
+			changed, beatsOnly = true, false
+		}
 		if changed && queueMode() {
 			again, err := d.request(ctx, snap, q, now, beatsOnly)
 			switch {

@@ -13,11 +13,15 @@ import (
 
 // peekMemStore is a memStore that peeks (Peeker), as etcd's Store does.
 // It counts compare-sets and pushes per key, records who took the folder
-// lock, and makes compare-sets of slowKey take slow.
+// lock, and makes compare-sets of slowKey take slow while its round
+// gathers.
 type peekMemStore struct {
 	*memStore
 	slowKey string
 	slow    time.Duration
+	// dropKey: the first write of it that assigns ranks is lost, as
+	// when a publisher that lost the folder lock overwrites a newer one.
+	dropKey string
 
 	cmu     sync.Mutex
 	cas     map[string]int
@@ -56,7 +60,9 @@ func (p *peekMemStore) CompareSet(ctx context.Context, k string, expected, desir
 		}
 	}
 	p.cmu.Unlock()
-	if k == p.slowKey {
+	// Slow until the round completes: past it, heartbeats folded this
+	// slowly would outlast their TTL (15 s), which is another story.
+	if k == p.slowKey && !strings.Contains(string(desired), `"complete":true`) {
 		time.Sleep(p.slow)
 	}
 	return p.memStore.CompareSet(ctx, k, expected, desired)
@@ -70,6 +76,21 @@ func (p *peekMemStore) QueuePush(ctx context.Context, k string, v []byte) error 
 		p.cmu.Unlock()
 	}
 	return p.memStore.QueuePush(ctx, k, v)
+}
+
+func (p *peekMemStore) MultiSet(ctx context.Context, keys []string, values [][]byte) error {
+	p.cmu.Lock()
+	var ks []string
+	var vs [][]byte
+	for i, k := range keys {
+		if k == p.dropKey && strings.Contains(string(values[i]), `"rank":`) {
+			p.dropKey = ""
+			continue
+		}
+		ks, vs = append(ks, k), append(vs, values[i])
+	}
+	p.cmu.Unlock()
+	return p.memStore.MultiSet(ctx, ks, vs)
 }
 
 func (p *peekMemStore) casOf(k string) int {
@@ -144,4 +165,40 @@ func TestBubblePeeks(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestBubbleStaleShareRepublished: the share that tells a bucket's nodes
+// their ranks is lost (two publishers crossing can leave it older than
+// the state); its nodes, seeing no effect of their joins, push them
+// again at settle (5 s), and the folder, finding they change nothing,
+// publishes their share anew: they get their ranks instead of waiting
+// out the join timeout.
+func TestBubbleStaleShareRepublished(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 40
+		p := newPeekMemStore()
+		ds := bubbleNodes(t, p.memStore, n, DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
+		for i := range ds { // the same handles, on the peeking store
+			d, err := NewDynamic(p, nd(i), []byte("x"), ds[i].cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { d.Close() })
+			ds[i] = d
+		}
+		p.dropKey = ds[5].shareKey(ds[5].bucket)
+		start := time.Now()
+		chs := make([]<-chan bubbleResult, n)
+		for i, d := range ds {
+			chs[i] = goNext(d, start)
+		}
+		for i, ch := range chs {
+			if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > 20*time.Second {
+				t.Fatalf("node %d: %+v (%v)", i, x, x.err)
+			}
+		}
+		if p.dropKey != "" {
+			t.Fatal("no share was lost")
+		}
+	})
 }

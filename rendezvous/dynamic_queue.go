@@ -562,8 +562,13 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 		now := d.now()
 		st := snap.st.clone()
 		changed := st.sanitize(now, d.cfg)
+		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
-			changed = st.foldRequest(r, now, d.cfg) || changed
+			if !st.foldRequest(r, now, d.cfg) && !r.KeepAlive {
+				idle = append(idle, r.Node)
+			} else {
+				changed = true
+			}
 		}
 		if changed {
 			st.Batch = snap.st.Batch + 1
@@ -575,7 +580,7 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 				return err
 			}
 			if bytes.Equal(fresh.token, snap.token) {
-				return nil
+				return d.republish(ctx, snap.st, idle)
 			}
 			*snap = *fresh
 			continue
@@ -587,7 +592,48 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 			return err
 		}
 		if won {
-			return nil
+			return d.republish(ctx, snap.st, idle)
 		}
 	}
+}
+
+// republish rewrites, from st (the state as last read or written), the
+// shares of nodes whose join requests changed nothing, and the marker
+// where it is older than st's: a node pushes its join again only when its
+// view does not show it, so its share (or the marker) is older than the
+// state. Two publishers crossing (a folder that lost its lock midway
+// publishing after the next one) can leave a share so, and no later
+// write would otherwise rewrite it: the node would wait for ever.
+func (d *Dynamic) republish(ctx context.Context, st *dynState, idle []NodeDesc) error {
+	if len(idle) == 0 {
+		return nil
+	}
+	shares := st.shares(d.buckets)
+	var keys []string
+	var vals [][]byte
+	for _, n := range idle {
+		b := bucketOf(n, d.buckets)
+		if k := d.shareKey(b); !slices.Contains(keys, k) {
+			v, err := st.shareBytes(shares[b])
+			if err != nil {
+				return err
+			}
+			keys, vals = append(keys, k), append(vals, v)
+		}
+	}
+	if err := d.store.MultiSet(ctx, keys, vals); err != nil {
+		return fmt.Errorf("republish shares: %w", err)
+	}
+	b, err := d.peek(ctx, d.key+markerSuffix, emptyMarker)
+	if err != nil {
+		return err
+	}
+	var m marker
+	if json.Unmarshal(b, &m) == nil && m.Pub >= st.Pub {
+		return nil
+	}
+	if err := d.store.Set(ctx, d.key+markerSuffix, mustMarshal(st.marker(d.cfg))); err != nil {
+		return fmt.Errorf("republish marker: %w", err)
+	}
+	return nil
 }

@@ -98,6 +98,23 @@ type shareEntry struct {
 	Heartbeat time.Time `json:"heartbeat"`
 }
 
+// shareValue is a share key's value: its bucket's nodes, and the round
+// and completeness of the state it was written from. A node's view is
+// only as good as its bucket is as new as the marker: a bucket older
+// than the round's completion (two publishers crossing can leave one so)
+// would show the node a participant with no rank yet (rank 0) in a
+// complete round.
+type shareValue struct {
+	Round    int          `json:"round"`
+	Complete bool         `json:"complete,omitzero"`
+	Nodes    []shareEntry `json:"nodes"`
+}
+
+// shareBytes is the share value of nodes, a bucket of s.
+func (s *dynState) shareBytes(nodes []shareEntry) ([]byte, error) {
+	return json.Marshal(shareValue{Round: s.Round, Complete: s.Complete, Nodes: nodes})
+}
+
 // sameShare: a and b differ at most by their heartbeats, which do not make
 // a bucket worth rewriting (the node itself tracks its own: queued.beat).
 func sameShare(a, b shareEntry) bool {
@@ -119,7 +136,7 @@ type memberJSON struct {
 
 var (
 	emptyMarker  = mustMarshal(marker{})
-	emptyShare   = []byte("[]")
+	emptyShare   = mustMarshal(shareValue{Nodes: []shareEntry{}})
 	emptyMembers = mustMarshal(membersValue{Round: -1})
 )
 
@@ -327,16 +344,26 @@ func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 		}
 	}
 	var m marker
-	var bucket []shareEntry
+	var sv shareValue
 	if err := json.Unmarshal(mb, &m); err != nil {
 		return nil, fmt.Errorf("marker of %q is not a gorun rendezvous marker: %w", d.key, err)
 	}
-	if err := json.Unmarshal(bb, &bucket); err != nil {
+	if err := json.Unmarshal(bb, &sv); err != nil {
 		return nil, fmt.Errorf("share %d of %q is not a gorun rendezvous share: %w", d.bucket, d.key, err)
+	}
+	bucket, stale := sv.Nodes, sv.Round != m.Round || sv.Complete != m.Complete
+	if stale {
+		// Not the marker's round as it is: the node does not find
+		// itself, and pushes its join again at settle; the folder,
+		// finding it changes nothing, publishes its share anew
+		// (republish).
+		bucket = nil
 	}
 	token := make([]byte, 0, len(mb)+1+len(bb))
 	token = append(append(append(token, mb...), 0), bb...)
-	return &snapshot{st: viewOf(m, bucket), token: token}, nil
+	st := viewOf(m, bucket)
+	st.stale = stale
+	return &snapshot{st: st, token: token}, nil
 }
 
 // publish writes what changed from before to after (a write of the state
@@ -354,16 +381,14 @@ func (d *Dynamic) publish(ctx context.Context, before, after *dynState) error {
 		keys, vals = append(keys, d.key+membersSuffix), append(vals, b)
 	}
 	old, cur := before.shares(d.buckets), after.shares(d.buckets)
+	same := before.Round == after.Round && before.Complete == after.Complete
 	for b := range cur {
-		if slices.EqualFunc(old[b], cur[b], sameShare) {
+		if same && slices.EqualFunc(old[b], cur[b], sameShare) {
 			continue
 		}
-		v := emptyShare
-		if len(cur[b]) > 0 {
-			var err error
-			if v, err = json.Marshal(cur[b]); err != nil {
-				return err
-			}
+		v, err := after.shareBytes(cur[b])
+		if err != nil {
+			return err
 		}
 		keys, vals = append(keys, d.shareKey(b)), append(vals, v)
 	}
