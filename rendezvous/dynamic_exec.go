@@ -642,6 +642,32 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			*snap = *fresh
 		}
 		now := d.now()
+		if snap.st.stale && queueMode() {
+			// My bucket is not of the marker's round as it is: a
+			// publication under way (shares go first), or one that
+			// crossed another and left it older than the state. Wait
+			// for the next wake-up or look; stale past settle, decide on
+			// the state itself (O(N) bytes, once per look).
+			if q.staleSince.IsZero() {
+				q.staleSince = now
+			}
+			var err error
+			if since := now.Sub(q.staleSince); since < d.settle() {
+				err = d.await(ctx, snap, now, now.Add(d.settle()-since), true)
+			} else {
+				var fresh *snapshot
+				if fresh, err = d.read(ctx); err == nil {
+					*snap = *fresh
+				}
+			}
+			if err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if q != nil && snap.st.view {
+			q.staleSince = time.Time{}
+		}
 		st := snap.st.clone()
 		dropped := false
 		if st.view {
@@ -679,12 +705,6 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				changed = true
 				beatsOnly = beatsOnly && a == actKeepAlive
 			}
-		}
-		if st.stale && queueMode() {
-			// The view cannot say whether my request took effect: ask
-			// again (at most every settle: mustPush), so that the folder
-			// republishes my share.
-			changed, beatsOnly = true, false
 		}
 		if changed && queueMode() {
 			again, err := d.request(ctx, snap, q, now, beatsOnly)

@@ -169,10 +169,10 @@ func TestBubblePeeks(t *testing.T) {
 
 // TestBubbleStaleShareRepublished: the share that tells a bucket's nodes
 // their ranks is lost (two publishers crossing can leave it older than
-// the state); its nodes, seeing no effect of their joins, push them
-// again at settle (5 s), and the folder, finding they change nothing,
-// publishes their share anew: they get their ranks instead of waiting
-// out the join timeout.
+// the state). Its nodes must not take rank 0 from the bucket as it was
+// before the round completed (they did), nor wait out the join timeout:
+// a view whose bucket is not of the marker's round shows no node, and
+// past settle (5 s) the node decides on the state itself.
 func TestBubbleStaleShareRepublished(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		const n = 40

@@ -67,6 +67,9 @@ type queued struct {
 	// queued at beat, so the node's heartbeat is at least that new (its
 	// view does not show heartbeats that change nothing else).
 	beat time.Time
+	// staleSince is when the node's views began to show a bucket not of
+	// the marker's round (zero: they do not).
+	staleSince time.Time
 }
 
 // settle is how long a queued request may stay without effect before its

@@ -318,6 +318,12 @@ func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 			return nil, err
 		}
 		mb, bb = vs[0], vs[1]
+		if d.noPeek.Load() && !d.viewPeek.Load() {
+			// It could not peek after all (a wrapper of a store that
+			// cannot) and compare-set both keys into being: one MultiGet
+			// from now on, as below.
+			d.viewMultiGet.Store(true)
+		}
 	}
 	if mb == nil && d.viewMultiGet.Load() {
 		vs, err := d.store.MultiGet(ctx, d.key+markerSuffix, d.shareKey(d.bucket))
@@ -353,10 +359,8 @@ func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 	}
 	bucket, stale := sv.Nodes, sv.Round != m.Round || sv.Complete != m.Complete
 	if stale {
-		// Not the marker's round as it is: the node does not find
-		// itself, and pushes its join again at settle; the folder,
-		// finding it changes nothing, publishes its share anew
-		// (republish).
+		// Not the marker's round as it is: nothing to decide on (Next
+		// waits, then reads the state: run).
 		bucket = nil
 	}
 	token := make([]byte, 0, len(mb)+1+len(bb))
