@@ -273,6 +273,10 @@ type dynState struct {
 	// participants outside it, and there is no Rejoin. Never written.
 	view            bool
 	others, waiting int
+	// stale: a view whose bucket was not of the marker's round as it is
+	// (dynamic_share.go): Nodes is empty, and the node pushes its request
+	// again (at settle), which makes the folder publish its share anew.
+	stale bool
 }
 
 // rejoiner is a member of the last complete round on its way to the next.
@@ -780,9 +784,12 @@ func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfi
 		consider(s.Deadline.Add(time.Nanosecond))
 	}
 	for _, e := range s.Nodes {
-		if e.NodeDesc == me {
+		switch {
+		case e.NodeDesc == me:
 			consider(e.Heartbeat.Add(cfg.KeepAliveInterval))
-		} else {
+		case !s.view:
+			// A view's node never sanitizes (the state's writers do), and
+			// its bucket's heartbeats are as old as its last rewrite.
 			consider(e.Heartbeat.Add(cfg.ttl() + time.Nanosecond))
 		}
 	}

@@ -119,6 +119,13 @@ type Dynamic struct {
 	// exist); viewPeek: never (the store would not wait on them).
 	buckets, bucket        int
 	viewMultiGet, viewPeek atomic.Bool
+	// noPeek: the store is a Peeker that cannot peek after all (a
+	// wrapper of one that is not).
+	noPeek atomic.Bool
+	// slow is the slowest recent store request of the queue's (in
+	// nanoseconds; see observe), which sets how long a folder holds its
+	// lock.
+	slow atomic.Int64
 
 	mu     sync.Mutex
 	closed bool
@@ -635,6 +642,32 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			*snap = *fresh
 		}
 		now := d.now()
+		if snap.st.stale && queueMode() {
+			// My bucket is not of the marker's round as it is: a
+			// publication under way (shares go first), or one that
+			// crossed another and left it older than the state. Wait
+			// for the next wake-up or look; stale past settle, decide on
+			// the state itself (O(N) bytes, once per look).
+			if q.staleSince.IsZero() {
+				q.staleSince = now
+			}
+			var err error
+			if since := now.Sub(q.staleSince); since < d.settle() {
+				err = d.await(ctx, snap, now, now.Add(d.settle()-since), true)
+			} else {
+				var fresh *snapshot
+				if fresh, err = d.read(ctx); err == nil {
+					*snap = *fresh
+				}
+			}
+			if err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if q != nil && snap.st.view {
+			q.staleSince = time.Time{}
+		}
 		st := snap.st.clone()
 		dropped := false
 		if st.view {
@@ -689,14 +722,7 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				// every batch: in a crowd of thousands each batch would
 				// wake every node whose request is still queued, and
 				// their reads would starve the folder's pops.
-				wake := st.wakeAt(d.me, now, deadline, d.cfg)
-				if resend := q.due; resend.Before(wake) {
-					wake = resend
-				}
-				if lazy := q.sent.Add(d.lazyDelay()); lazy.After(now) && lazy.Before(wake) {
-					wake = lazy
-				}
-				if err := d.await(ctx, snap, now, wake, queueMode()); err != nil {
+				if err := d.awaitQueued(ctx, snap, st, q, now, deadline); err != nil {
 					return nil, err
 				}
 			}
@@ -734,24 +760,77 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 	}
 }
 
+// awaitQueued waits, after queueing q's request on st (this node's
+// decision on snap at now), as await does, until a wake-up or the first
+// of st's wake-up time, the lazy look after the push and settle (q.due).
+// Where the store peeks (etcd), a lazy or settle look first reads the
+// folder lock alone, and goes on waiting while a folder holds it (the
+// folder will take the request, or a look at settle finds it gone): in a
+// crowd of thousands on a loaded etcd, a look of every node at its view
+// and the lock each second would starve the folder's own requests.
+func (d *Dynamic) awaitQueued(ctx context.Context, snap *snapshot, st *dynState, q *queued, now, deadline time.Time) error {
+	for {
+		at := st.wakeAt(d.me, now, deadline, d.cfg)
+		wake := at
+		if q.due.Before(wake) {
+			wake = q.due
+		}
+		if lazy := q.sent.Add(d.lazyDelay()); lazy.After(now) && lazy.Before(wake) {
+			wake = lazy
+		}
+		notified, err := d.waitWake(ctx, snap, now, wake)
+		if err != nil {
+			return err
+		}
+		if notified || !wake.Before(at) || !d.canPeek() {
+			return d.reread(ctx, snap, notified, wake, true)
+		}
+		cur, err := d.readLock(ctx)
+		if err != nil {
+			return err
+		}
+		lock := parseLock(cur)
+		if now = d.now(); lock.lapsed(now) {
+			return d.reread(ctx, snap, false, wake, true)
+		}
+		q.due = lookAgain(now, lock, d.settle())
+	}
+}
+
 // await blocks until the wake-up after snap's or until wake, then
 // re-reads snap: this node's view with view, else the state.
 func (d *Dynamic) await(ctx context.Context, snap *snapshot, now, wake time.Time, view bool) error {
+	notified, err := d.waitWake(ctx, snap, now, wake)
+	if err != nil {
+		return err
+	}
+	return d.reread(ctx, snap, notified, wake, view)
+}
+
+// waitWake blocks until the wake-up after snap's (and reports true) or
+// until wake.
+func (d *Dynamic) waitWake(ctx context.Context, snap *snapshot, now, wake time.Time) (bool, error) {
 	target := snap.st.Wake + 1
-	notified := false
 	if dur := wake.Sub(now); dur > 0 {
 		wctx, cancel := context.WithTimeout(ctx, dur)
 		err := d.store.Wait(wctx, d.wakeKey(target))
 		cancel()
 		switch {
 		case ctx.Err() != nil:
-			return context.Cause(ctx)
+			return false, context.Cause(ctx)
 		case err == nil:
-			notified = true
+			return true, nil
 		case !errors.Is(err, ErrTimeout) && !errors.Is(err, context.DeadlineExceeded):
-			return fmt.Errorf("wait for wake-up %d: %w", target, err)
+			return false, fmt.Errorf("wait for wake-up %d: %w", target, err)
 		}
 	}
+	return false, nil
+}
+
+// reread re-reads snap after a wait that ended at wake (notified: by its
+// wake-up): this node's view with view, else the state.
+func (d *Dynamic) reread(ctx context.Context, snap *snapshot, notified bool, wake time.Time, view bool) error {
+	target := snap.st.Wake + 1
 	fresh, err := d.readFor(ctx, view)
 	if err != nil {
 		return err

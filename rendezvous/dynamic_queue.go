@@ -37,6 +37,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -66,6 +67,9 @@ type queued struct {
 	// queued at beat, so the node's heartbeat is at least that new (its
 	// view does not show heartbeats that change nothing else).
 	beat time.Time
+	// staleSince is when the node's views began to show a bucket not of
+	// the marker's round (zero: they do not).
+	staleSince time.Time
 }
 
 // settle is how long a queued request may stay without effect before its
@@ -73,8 +77,33 @@ type queued struct {
 func (d *Dynamic) settle() time.Duration { return d.cfg.KeepAliveTimeout }
 
 // lockHold is how long the folder lock lasts unless renewed; the holder
-// renews it at every pass.
-func (d *Dynamic) lockHold() time.Duration { return d.cfg.KeepAliveTimeout }
+// renews it at every pass, and a quarter of a hold into a batch. It is
+// KeepAliveTimeout, or four times the slowest recent store request of
+// this node (slow) where that is longer, up to maxHoldFactor
+// KeepAliveTimeouts: on a store swamped by a crowd's requests (etcd under
+// thousands of agents) one request of the folder's can take seconds, and
+// a lock that lapsed while its holder's renewal was on the way would let
+// every other node fold (and push its request again) at once.
+func (d *Dynamic) lockHold() time.Duration {
+	return min(max(d.cfg.KeepAliveTimeout, 4*time.Duration(d.slow.Load())), maxHoldFactor*d.cfg.KeepAliveTimeout)
+}
+
+// maxHoldFactor bounds lockHold: a folder that dies holding the lock
+// stalls the queue for at most this many KeepAliveTimeouts.
+const maxHoldFactor = 6
+
+// observe records a store request that began at start: slow keeps the
+// slowest of the recent ones, each older one worth an eighth less.
+func (d *Dynamic) observe(start time.Time) {
+	took := int64(d.now().Sub(start))
+	for {
+		old := d.slow.Load()
+		v := max(took, old-old/8)
+		if d.slow.CompareAndSwap(old, v) {
+			return
+		}
+	}
+}
 
 // lazyDelay is how long a queued heartbeat may wait for somebody else's
 // fold before its node folds.
@@ -106,6 +135,22 @@ func parseLock(b []byte) lockValue {
 	return lockValue{holder: strings.Join(f[:len(f)-2], " "), expiry: time.Unix(0, exp), start: time.Unix(0, start)}
 }
 
+// lookAgain is when a node whose request a folder holding lock at now
+// has not yet applied looks again: settle later, or when the lock would
+// lapse if that is later (the folder renews it while it works; a look
+// before then would only find it at work, and in a crowd of thousands
+// those looks are what a loaded store serves instead of the folder).
+func lookAgain(now time.Time, lock lockValue, settle time.Duration) time.Time {
+	return maxTime(now.Add(settle), lock.expiry.Add(time.Nanosecond))
+}
+
+func maxTime(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
+}
+
 // lapsed reports whether nobody holds the lock at now.
 func (v lockValue) lapsed(now time.Time) bool {
 	return v.holder == lockFree || now.After(v.expiry)
@@ -114,11 +159,21 @@ func (v lockValue) lapsed(now time.Time) bool {
 // foldedSince reports whether a fold has started after t (and so took
 // along whatever was queued before t), as the lock shows.
 func (d *Dynamic) foldedSince(ctx context.Context, t time.Time) (bool, error) {
-	cur, err := d.store.CompareSet(ctx, d.key+lockSuffix, nil, lockValue{holder: lockFree}.bytes())
+	cur, err := d.readLock(ctx)
 	if err != nil {
-		return false, fmt.Errorf("folder lock: %w", err)
+		return false, err
 	}
 	return parseLock(cur).start.After(t), nil
+}
+
+// readLock reads the folder lock without taking it; an absent lock reads
+// as a free one that never folded.
+func (d *Dynamic) readLock(ctx context.Context) ([]byte, error) {
+	cur, err := d.peek(ctx, d.key+lockSuffix, lockValue{holder: lockFree}.bytes())
+	if err != nil {
+		return nil, fmt.Errorf("folder lock: %w", err)
+	}
+	return cur, nil
 }
 
 // request queues q's request and folds the queue unless another node
@@ -143,6 +198,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 		if err != nil {
 			return false, err
 		}
+		start := d.now()
 		if err := d.store.QueuePush(ctx, d.key+queueSuffix, b); err != nil {
 			if errors.Is(err, ErrNotSupported) {
 				d.noQueue.Store(true)
@@ -150,6 +206,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 			}
 			return false, fmt.Errorf("queue request: %w", err)
 		}
+		d.observe(start)
 		q.sent, q.token, q.due = now, snap.token, now.Add(d.settle())
 	}
 	if lazy {
@@ -220,14 +277,15 @@ func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now t
 	if !settled {
 		return false, nil
 	}
-	cur, err := d.store.CompareSet(ctx, d.key+lockSuffix, nil, lockValue{holder: lockFree}.bytes())
+	cur, err := d.readLock(ctx)
 	if err != nil {
-		return false, fmt.Errorf("folder lock: %w", err)
+		return false, err
 	}
-	if parseLock(cur).lapsed(now) {
+	lock := parseLock(cur)
+	if lock.lapsed(now) {
 		return true, nil
 	}
-	q.due = now.Add(d.settle()) // a folder is at work: look again later
+	q.due = lookAgain(now, lock, d.settle()) // a folder is at work: look again later
 	return false, nil
 }
 
@@ -246,19 +304,9 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 	if err != nil || !ok {
 		return false, err
 	}
-	held, applied := true, false
-	free := func() []byte {
-		v := parseLock(mine)
-		v.holder, v.expiry = lockFree, time.Unix(0, 0)
-		return v.bytes()
-	}
-	defer func() {
-		if held { // failed midway: let the others fold without waiting out the expiry
-			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-			d.store.CompareSet(rctx, d.key+lockSuffix, mine, free())
-			cancel()
-		}
-	}()
+	k := d.keepLock(ctx, mine)
+	defer func() { k.halt(ctx) }()
+	applied := false
 	start := d.now()
 	for {
 		reqs, more, err := d.pop(ctx)
@@ -271,6 +319,9 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			}
 			applied = true
 		}
+		if !k.held() {
+			return applied, nil // lapsed and taken midway: the taker folds
+		}
 		// Heartbeats alone do not hold the folder past lazyDelay; joins
 		// do, whose nodes wait for their batch (a crowd's rendezvous).
 		joins := slices.ContainsFunc(reqs, func(r request) bool { return !r.KeepAlive })
@@ -278,13 +329,11 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			// Let go, then look again: a request pushed before the
 			// release is seen here, one pushed after it finds the lock
 			// free.
-			released := free()
-			cur, err := d.store.CompareSet(ctx, d.key+lockSuffix, mine, released)
+			released, err := k.release(ctx)
 			if err != nil {
 				return applied, fmt.Errorf("release folder lock: %w", err)
 			}
-			held = false
-			if !bytes.Equal(cur, released) {
+			if !released {
 				return applied, nil // expired and taken: the taker folds
 			}
 			n, err := d.store.QueueLen(ctx, d.key+queueSuffix)
@@ -294,13 +343,107 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			if mine, ok, err = d.lock(ctx, nil); err != nil || !ok {
 				return applied, err
 			}
-			held = true
-			continue
+			k = d.keepLock(ctx, mine)
 		}
-		if mine, ok, err = d.lock(ctx, mine); err != nil || !ok { // renew
-			held = false
-			return applied, err
+	}
+}
+
+// lockKeeper renews a folder lock this node holds, every quarter of a
+// hold, while it folds: on a loaded store one batch (pops, a read and a
+// write of the state, the shares) can outlast the hold, and a second
+// folder would then race this one with O(N)-byte compare-sets while
+// every waiting node, finding the lock lapsed, pushed its request again.
+// Losing the lock midway is harmless: the state's compare-set keeps
+// every write correct.
+type lockKeeper struct {
+	d    *Dynamic
+	stop context.CancelFunc
+	done chan struct{}
+
+	mu   sync.Mutex
+	mine []byte // the lock's value as held; nil once lost or let go
+}
+
+// keepLock starts renewing the lock held with mine.
+func (d *Dynamic) keepLock(ctx context.Context, mine []byte) *lockKeeper {
+	ctx, stop := context.WithCancel(ctx)
+	k := &lockKeeper{d: d, stop: stop, done: make(chan struct{}), mine: mine}
+	go func() {
+		defer close(k.done)
+		for sleep(ctx, d.lockHold()/4) == nil {
+			k.mu.Lock()
+			held := k.mine
+			k.mu.Unlock()
+			// Only this goroutine changes mine until it is stopped.
+			mine, ok, err := d.lock(ctx, held)
+			switch {
+			case ok:
+				held = mine
+			case err == nil: // taken by another
+				held = nil
+			}
+			// (A renewal the store failed leaves the lock as it was, to
+			// be renewed at the next try or to lapse.)
+			k.mu.Lock()
+			k.mine = held
+			k.mu.Unlock()
+			if held == nil {
+				return
+			}
 		}
+	}()
+	return k
+}
+
+// held reports whether the lock is still this node's, as far as it knows.
+func (k *lockKeeper) held() bool {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.mine != nil
+}
+
+// freeValue is the lock's value let go by mine's holder.
+func freeValue(mine []byte) []byte {
+	v := parseLock(mine)
+	v.holder, v.expiry = lockFree, time.Unix(0, 0)
+	return v.bytes()
+}
+
+// take stops the renewals and returns the lock's value as this node
+// holds it, nil if it does not; the keeper holds nothing after.
+func (k *lockKeeper) take() []byte {
+	k.stop()
+	<-k.done
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	mine := k.mine
+	k.mine = nil
+	return mine
+}
+
+// release stops the renewals and lets go of the lock, reporting whether
+// it was still this node's.
+func (k *lockKeeper) release(ctx context.Context) (bool, error) {
+	mine := k.take()
+	if mine == nil {
+		return false, nil
+	}
+	released := freeValue(mine)
+	cur, err := k.d.store.CompareSet(ctx, k.d.key+lockSuffix, mine, released)
+	if err != nil {
+		return false, err
+	}
+	return bytes.Equal(cur, released), nil
+}
+
+// halt stops the renewals and, where the fold failed midway with the
+// lock held, lets go of it (briefly: the others may fold without
+// waiting out the expiry).
+func (k *lockKeeper) halt(ctx context.Context) {
+	if mine := k.take(); mine != nil {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		k.d.store.CompareSet(rctx, k.d.key+lockSuffix, mine, freeValue(mine))
+		cancel()
 	}
 }
 
@@ -312,9 +455,22 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 	want := lockValue{holder: d.me.String(), expiry: now.Add(d.lockHold()), start: now}
 	key := d.key + lockSuffix
 	expected := mine
-	if expected != nil {
+	switch {
+	case expected != nil:
 		want.start = parseLock(mine).start
-	} else {
+	case d.canPeek():
+		// Look before writing: on etcd a compare-set is a Raft proposal
+		// even when it fails, and in a crowd every node looks at the
+		// lock once per push while one holds it.
+		cur, err := d.peek(ctx, key, nil)
+		if err != nil {
+			return nil, false, fmt.Errorf("folder lock: %w", err)
+		}
+		if len(cur) > 0 && !parseLock(cur).lapsed(now) {
+			return nil, false, nil
+		}
+		expected = cur // nil: absent, which a compare-set expecting nothing creates
+	default:
 		// A compare-set expecting nothing creates the key, or reads it.
 		cur, err := d.store.CompareSet(ctx, key, nil, want.bytes())
 		if err != nil {
@@ -329,10 +485,12 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 		expected = cur
 	}
 	b := want.bytes()
+	start := d.now()
 	cur, err := d.store.CompareSet(ctx, key, expected, b)
 	if err != nil {
 		return nil, false, fmt.Errorf("folder lock: %w", err)
 	}
+	d.observe(start)
 	return b, bytes.Equal(cur, b), nil
 }
 
@@ -361,7 +519,9 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, bool, error) {
 			return reqs, true, nil
 		}
 		if batch {
+			start := d.now()
 			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, foldBatch-len(reqs))
+			d.observe(start)
 			switch {
 			case errors.Is(err, ErrNotSupported):
 				batch = false
@@ -405,8 +565,13 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 		now := d.now()
 		st := snap.st.clone()
 		changed := st.sanitize(now, d.cfg)
+		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
-			changed = st.foldRequest(r, now, d.cfg) || changed
+			if !st.foldRequest(r, now, d.cfg) && !r.KeepAlive {
+				idle = append(idle, r.Node)
+			} else {
+				changed = true
+			}
 		}
 		if changed {
 			st.Batch = snap.st.Batch + 1
@@ -418,17 +583,60 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 				return err
 			}
 			if bytes.Equal(fresh.token, snap.token) {
-				return nil
+				return d.republish(ctx, snap.st, idle)
 			}
 			*snap = *fresh
 			continue
 		}
+		start := d.now()
 		won, err := d.commit(ctx, snap, st)
+		d.observe(start)
 		if err != nil {
 			return err
 		}
 		if won {
-			return nil
+			return d.republish(ctx, snap.st, idle)
 		}
 	}
+}
+
+// republish rewrites, from st (the state as last read or written), the
+// shares of nodes whose join requests changed nothing, and the marker
+// where it is older than st's: a node pushes its join again only when its
+// view does not show it, so its share (or the marker) is older than the
+// state. Two publishers crossing (a folder that lost its lock midway
+// publishing after the next one) can leave a share so, and no later
+// write would otherwise rewrite it: the node would wait for ever.
+func (d *Dynamic) republish(ctx context.Context, st *dynState, idle []NodeDesc) error {
+	if len(idle) == 0 {
+		return nil
+	}
+	shares := st.shares(d.buckets)
+	var keys []string
+	var vals [][]byte
+	for _, n := range idle {
+		b := bucketOf(n, d.buckets)
+		if k := d.shareKey(b); !slices.Contains(keys, k) {
+			v, err := st.shareBytes(shares[b])
+			if err != nil {
+				return err
+			}
+			keys, vals = append(keys, k), append(vals, v)
+		}
+	}
+	if err := d.store.MultiSet(ctx, keys, vals); err != nil {
+		return fmt.Errorf("republish shares: %w", err)
+	}
+	b, err := d.peek(ctx, d.key+markerSuffix, emptyMarker)
+	if err != nil {
+		return err
+	}
+	var m marker
+	if json.Unmarshal(b, &m) == nil && m.Pub >= st.Pub {
+		return nil
+	}
+	if err := d.store.Set(ctx, d.key+markerSuffix, mustMarshal(st.marker(d.cfg))); err != nil {
+		return fmt.Errorf("republish marker: %w", err)
+	}
+	return nil
 }

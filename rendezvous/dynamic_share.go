@@ -46,6 +46,7 @@ import (
 	"hash/fnv"
 	"slices"
 	"strconv"
+	"sync"
 	"time"
 )
 
@@ -97,6 +98,23 @@ type shareEntry struct {
 	Heartbeat time.Time `json:"heartbeat"`
 }
 
+// shareValue is a share key's value: its bucket's nodes, and the round
+// and completeness of the state it was written from. A node's view is
+// only as good as its bucket is as new as the marker: a bucket older
+// than the round's completion (two publishers crossing can leave one so)
+// would show the node a participant with no rank yet (rank 0) in a
+// complete round.
+type shareValue struct {
+	Round    int          `json:"round"`
+	Complete bool         `json:"complete,omitzero"`
+	Nodes    []shareEntry `json:"nodes"`
+}
+
+// shareBytes is the share value of nodes, a bucket of s.
+func (s *dynState) shareBytes(nodes []shareEntry) ([]byte, error) {
+	return json.Marshal(shareValue{Round: s.Round, Complete: s.Complete, Nodes: nodes})
+}
+
 // sameShare: a and b differ at most by their heartbeats, which do not make
 // a bucket worth rewriting (the node itself tracks its own: queued.beat).
 func sameShare(a, b shareEntry) bool {
@@ -118,7 +136,7 @@ type memberJSON struct {
 
 var (
 	emptyMarker  = mustMarshal(marker{})
-	emptyShare   = []byte("[]")
+	emptyShare   = mustMarshal(shareValue{Nodes: []shareEntry{}})
 	emptyMembers = mustMarshal(membersValue{Round: -1})
 )
 
@@ -234,27 +252,80 @@ func (s *dynState) viewRound(me NodeDesc) (Round, bool) {
 
 func (d *Dynamic) shareKey(b int) string { return d.key + shareSuffix + strconv.Itoa(b) }
 
-// peek reads key without blocking (a compare-set that creates it with
-// empty when absent): the marker, shares and members are unwatched on
-// etcd, where a Get would refuse to wait.
+// peek reads key without blocking: with a plain read where the store can
+// (Peeker; an absent key reads as empty), else with a compare-set that
+// creates it with empty when absent. The marker, shares, members and lock
+// are unwatched on etcd, where a Get would refuse to wait.
 func (d *Dynamic) peek(ctx context.Context, key string, empty []byte) ([]byte, error) {
-	b, err := d.store.CompareSet(ctx, key, nil, empty)
+	vs, err := d.peekAll(ctx, []string{key}, [][]byte{empty})
 	if err != nil {
-		return nil, fmt.Errorf("read %s: %w", key, err)
+		return nil, err
 	}
-	return b, nil
+	return vs[0], nil
+}
+
+// peekAll reads keys as peek does, each absent one as its empties, with
+// one Peek where the store has it.
+func (d *Dynamic) peekAll(ctx context.Context, keys []string, empties [][]byte) ([][]byte, error) {
+	if d.canPeek() {
+		start := d.now()
+		vs, err := d.store.(Peeker).Peek(ctx, keys...)
+		d.observe(start)
+		switch {
+		case err == nil && len(vs) == len(keys):
+			for i, v := range vs {
+				if v == nil {
+					vs[i] = empties[i]
+				}
+			}
+			return vs, nil
+		case err == nil, errors.Is(err, ErrNotSupported):
+			d.noPeek.Store(true)
+		default:
+			return nil, fmt.Errorf("read %s: %w", keys[0], err)
+		}
+	}
+	out := make([][]byte, len(keys))
+	for i, key := range keys {
+		b, err := d.store.CompareSet(ctx, key, nil, empties[i])
+		if err != nil {
+			return nil, fmt.Errorf("read %s: %w", key, err)
+		}
+		out[i] = b
+	}
+	return out, nil
+}
+
+// canPeek reports whether the store reads without waiting (Peeker).
+func (d *Dynamic) canPeek() bool {
+	_, ok := d.store.(Peeker)
+	return ok && !d.noPeek.Load()
 }
 
 // readView reads this node's view: the marker, then its bucket (in that
 // order: a publisher writes the buckets first, so the bucket is at least
 // as new as the marker).
 //
-// Once both keys exist it reads them with one MultiGet (one round trip on
-// a TCPStore), unless the store refuses to wait on them (etcd: they are
-// unwatched), where it peeks at each.
+// Where the store peeks (etcd) it reads both with one Peek, at one
+// revision. Elsewhere, once both keys exist, it reads them with one
+// MultiGet (one round trip on a TCPStore), unless the store refuses to
+// wait on them, where it peeks at each.
 func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 	var mb, bb []byte
-	if d.viewMultiGet.Load() {
+	if d.canPeek() {
+		vs, err := d.peekAll(ctx, []string{d.key + markerSuffix, d.shareKey(d.bucket)}, [][]byte{emptyMarker, emptyShare})
+		if err != nil {
+			return nil, err
+		}
+		mb, bb = vs[0], vs[1]
+		if d.noPeek.Load() && !d.viewPeek.Load() {
+			// It could not peek after all (a wrapper of a store that
+			// cannot) and compare-set both keys into being: one MultiGet
+			// from now on, as below.
+			d.viewMultiGet.Store(true)
+		}
+	}
+	if mb == nil && d.viewMultiGet.Load() {
 		vs, err := d.store.MultiGet(ctx, d.key+markerSuffix, d.shareKey(d.bucket))
 		switch {
 		case err == nil && len(vs) == 2:
@@ -279,16 +350,24 @@ func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 		}
 	}
 	var m marker
-	var bucket []shareEntry
+	var sv shareValue
 	if err := json.Unmarshal(mb, &m); err != nil {
 		return nil, fmt.Errorf("marker of %q is not a gorun rendezvous marker: %w", d.key, err)
 	}
-	if err := json.Unmarshal(bb, &bucket); err != nil {
+	if err := json.Unmarshal(bb, &sv); err != nil {
 		return nil, fmt.Errorf("share %d of %q is not a gorun rendezvous share: %w", d.bucket, d.key, err)
+	}
+	bucket, stale := sv.Nodes, sv.Round != m.Round || sv.Complete != m.Complete
+	if stale {
+		// Not the marker's round as it is: nothing to decide on (Next
+		// waits, then reads the state: run).
+		bucket = nil
 	}
 	token := make([]byte, 0, len(mb)+1+len(bb))
 	token = append(append(append(token, mb...), 0), bb...)
-	return &snapshot{st: viewOf(m, bucket), token: token}, nil
+	st := viewOf(m, bucket)
+	st.stale = stale
+	return &snapshot{st: st, token: token}, nil
 }
 
 // publish writes what changed from before to after (a write of the state
@@ -306,25 +385,37 @@ func (d *Dynamic) publish(ctx context.Context, before, after *dynState) error {
 		keys, vals = append(keys, d.key+membersSuffix), append(vals, b)
 	}
 	old, cur := before.shares(d.buckets), after.shares(d.buckets)
+	same := before.Round == after.Round && before.Complete == after.Complete
 	for b := range cur {
-		if slices.EqualFunc(old[b], cur[b], sameShare) {
+		if same && slices.EqualFunc(old[b], cur[b], sameShare) {
 			continue
 		}
-		v := emptyShare
-		if len(cur[b]) > 0 {
-			var err error
-			if v, err = json.Marshal(cur[b]); err != nil {
-				return err
-			}
+		v, err := after.shareBytes(cur[b])
+		if err != nil {
+			return err
 		}
 		keys, vals = append(keys, d.shareKey(b)), append(vals, v)
 	}
+	// The chunks go out together: on etcd each is a round trip or more,
+	// and the folder's round trips are what a crowd waits for.
+	var wg sync.WaitGroup
+	var errs []error
+	var emu sync.Mutex
 	for len(keys) > 0 {
 		n := min(len(keys), publishChunk)
-		if err := d.store.MultiSet(ctx, keys[:n], vals[:n]); err != nil {
-			return fmt.Errorf("publish shares: %w", err)
-		}
+		ks, vs := keys[:n], vals[:n]
+		wg.Go(func() {
+			if err := d.store.MultiSet(ctx, ks, vs); err != nil {
+				emu.Lock()
+				errs = append(errs, err)
+				emu.Unlock()
+			}
+		})
 		keys, vals = keys[n:], vals[n:]
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("publish shares: %w", err)
 	}
 	mb, ma := before.marker(d.cfg), after.marker(d.cfg)
 	if after.Pub == before.Pub { // the header did not change (commit)

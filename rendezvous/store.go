@@ -126,3 +126,18 @@ type BatchPopper interface {
 	// Store cannot after all (a wrapper whose inner Store cannot).
 	QueuePopBatch(ctx context.Context, key string, max int) ([][]byte, error)
 }
+
+// Peeker is a Store that can read keys without waiting for them and
+// without a request that could write: on etcd a compare-set is a
+// transaction that goes through Raft (and its WAL) even when its
+// comparison fails, where a plain read costs a read index. The dynamic
+// rendezvous reads what it never waits on (its marker, shares and folder
+// lock) this way where it can, and by a compare-set that creates an
+// absent key otherwise.
+type Peeker interface {
+	// Peek returns the values of keys in order, nil for an absent key,
+	// without waiting; a present key's value is never nil. An error
+	// wrapping ErrNotSupported says that this Store cannot after all (a
+	// wrapper whose inner Store cannot).
+	Peek(ctx context.Context, keys ...string) ([][]byte, error)
+}

@@ -30,6 +30,7 @@ type Store struct {
 var (
 	_ rendezvous.Store       = (*Store)(nil)
 	_ rendezvous.BatchPopper = (*Store)(nil)
+	_ rendezvous.Peeker      = (*Store)(nil)
 )
 
 // New wraps s, counting into c.
@@ -162,6 +163,20 @@ func (s *Store) QueuePopBatch(ctx context.Context, key string, max int) ([][]byt
 	}
 	s.req(len(key)+8, true)
 	vs, err := bp.QueuePopBatch(ctx, key, max)
+	for _, v := range vs {
+		s.recv(len(v))
+	}
+	return vs, err
+}
+
+// Peek forwards to the inner Store's, or says it has none.
+func (s *Store) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
+	p, ok := s.Store.(rendezvous.Peeker)
+	if !ok {
+		return nil, rendezvous.ErrNotSupported
+	}
+	s.req(keysLen(keys), false)
+	vs, err := p.Peek(ctx, keys...)
 	for _, v := range vs {
 		s.recv(len(v))
 	}

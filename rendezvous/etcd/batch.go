@@ -87,6 +87,31 @@ func (b *batcher) do(op clientv3.Op, size int, writes ...string) (*etcdserverpb.
 	return c.resp, c.rev, c.err
 }
 
+// doAll runs ops, which write nothing, in one batch where the limits
+// allow (they are queued together), and returns their responses in order.
+func (b *batcher) doAll(ops []clientv3.Op, sizes []int) ([]*etcdserverpb.ResponseOp, error) {
+	cs := make([]*batchCall, len(ops))
+	for i, op := range ops {
+		cs[i] = &batchCall{op: op, size: sizes[i], done: make(chan struct{})}
+	}
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil, errStorageClosed
+	}
+	b.pending = append(b.pending, cs...)
+	b.startLocked()
+	b.mu.Unlock()
+	out := make([]*etcdserverpb.ResponseOp, len(cs))
+	var errs []error
+	for i, c := range cs {
+		<-c.done
+		out[i] = c.resp
+		errs = append(errs, c.err)
+	}
+	return out, errors.Join(errs...)
+}
+
 // startLocked sends the queue's head as a batch if a slot is free; mu
 // held.
 func (b *batcher) startLocked() {

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	clientv3 "go.etcd.io/etcd/client/v3"
+
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
@@ -26,6 +28,7 @@ type Store struct {
 var (
 	_ rendezvous.Store       = (*Store)(nil)
 	_ rendezvous.BatchPopper = (*Store)(nil)
+	_ rendezvous.Peeker      = (*Store)(nil)
 )
 
 // NewStore returns a Store on st; blocking operations whose context has no
@@ -56,6 +59,33 @@ func (s *Store) Get(ctx context.Context, key string) ([]byte, error) {
 		}
 		// Deleted between the wait and the read: wait again.
 	}
+}
+
+// Peek reads keys without waiting, watched or not (rendezvous.Peeker):
+// plain etcd reads, queued together so that they leave in one read-only
+// transaction, which a member serves from a read index without a Raft
+// proposal; the compare-set a Store would otherwise read an unwatched key
+// with is a transaction logged in the WAL whatever its outcome.
+func (s *Store) Peek(_ context.Context, keys ...string) ([][]byte, error) {
+	ops := make([]clientv3.Op, len(keys))
+	sizes := make([]int, len(keys))
+	for i, k := range keys {
+		ops[i], sizes[i] = clientv3.OpGet(s.st.kkey([]byte(k))), len(k)
+	}
+	resps, err := s.st.batch.doAll(ops, sizes)
+	if err != nil {
+		return nil, s.st.fail("peek", []byte(keys[0]), err)
+	}
+	out := make([][]byte, len(keys))
+	for i, r := range resps {
+		if kvs := r.GetResponseRange().GetKvs(); len(kvs) > 0 {
+			out[i] = kvs[0].Value
+			if out[i] == nil {
+				out[i] = []byte{}
+			}
+		}
+	}
+	return out, nil
 }
 
 func (s *Store) Add(_ context.Context, key string, delta int64) (int64, error) {

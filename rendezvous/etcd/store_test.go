@@ -250,3 +250,60 @@ func TestStoreQueuePopBatch(t *testing.T) {
 		t.Fatalf("empty queue: %q, %v", vs, err)
 	}
 }
+
+// TestStorePeek: Peek reads watched and unwatched keys without waiting
+// (absent: nil; an empty value: empty, not nil) and without a write: the
+// revision does not move, where the compare-set that read an unwatched
+// key before is a transaction etcd logs whatever its outcome.
+func TestStorePeek(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: "/test/peek/", Unwatched: []string{"u*"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := etcd.NewStore(st, 10*time.Second)
+	t.Cleanup(func() { s.Close() })
+	for k, v := range map[string]string{"k": "v", "empty": "", "u1": "unwatched"} {
+		if err := s.Set(ctx, k, []byte(v)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rev := func() int64 {
+		resp, err := cli.Get(ctx, "/test/peek/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Header.Revision
+	}
+	before := rev()
+	for _, tc := range []struct {
+		keys []string
+		want []any // string, or nil for absent
+	}{
+		{[]string{"k"}, []any{"v"}},
+		{[]string{"absent"}, []any{nil}},
+		{[]string{"empty", "k", "u1", "u2"}, []any{"", "v", "unwatched", nil}},
+	} {
+		vs, err := s.Peek(ctx, tc.keys...)
+		if err != nil || len(vs) != len(tc.keys) {
+			t.Fatalf("Peek(%q): %q, %v", tc.keys, vs, err)
+		}
+		for i, w := range tc.want {
+			switch w := w.(type) {
+			case nil:
+				if vs[i] != nil {
+					t.Errorf("Peek(%q)[%d] = %q, want absent", tc.keys, i, vs[i])
+				}
+			case string:
+				if vs[i] == nil || string(vs[i]) != w {
+					t.Errorf("Peek(%q)[%d] = %q (nil %v), want %q", tc.keys, i, vs[i], vs[i] == nil, w)
+				}
+			}
+		}
+	}
+	if after := rev(); after != before {
+		t.Errorf("peeks moved the revision from %d to %d", before, after)
+	}
+}

@@ -1,0 +1,204 @@
+package rendezvous
+
+import (
+	"context"
+	"encoding/json"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+// peekMemStore is a memStore that peeks (Peeker), as etcd's Store does.
+// It counts compare-sets and pushes per key, records who took the folder
+// lock, and makes compare-sets of slowKey take slow while its round
+// gathers.
+type peekMemStore struct {
+	*memStore
+	slowKey string
+	slow    time.Duration
+	// dropKey: the first write of it that assigns ranks is lost, as
+	// when a publisher that lost the folder lock overwrites a newer one.
+	dropKey string
+
+	cmu     sync.Mutex
+	cas     map[string]int
+	pushes  int      // joins (keep-alives apart)
+	holders []string // each holder that took the lock from free or lapsed
+}
+
+func newPeekMemStore() *peekMemStore {
+	return &peekMemStore{memStore: newQueueMemStore(), cas: map[string]int{}}
+}
+
+func (p *peekMemStore) Peek(_ context.Context, keys ...string) ([][]byte, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	out := make([][]byte, len(keys))
+	for i, k := range keys {
+		if v, ok := p.kv[k]; ok {
+			out[i] = append([]byte{}, v...)
+		}
+	}
+	return out, nil
+}
+
+func (p *peekMemStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	p.cmu.Lock()
+	p.cas[k]++
+	if strings.HasSuffix(k, lockSuffix) && (len(expected) == 0 || parseLock(expected).holder == lockFree) {
+		if v := parseLock(desired); v.holder != lockFree {
+			defer func() {
+				p.cmu.Lock()
+				if cur, _ := p.Peek(ctx, k); string(cur[0]) == string(desired) {
+					p.holders = append(p.holders, v.holder)
+				}
+				p.cmu.Unlock()
+			}()
+		}
+	}
+	p.cmu.Unlock()
+	// Slow until the round completes: past it, heartbeats folded this
+	// slowly would outlast their TTL (15 s), which is another story.
+	if k == p.slowKey && !strings.Contains(string(desired), `"complete":true`) {
+		time.Sleep(p.slow)
+	}
+	return p.memStore.CompareSet(ctx, k, expected, desired)
+}
+
+func (p *peekMemStore) QueuePush(ctx context.Context, k string, v []byte) error {
+	var r request
+	if json.Unmarshal(v, &r) == nil && !r.KeepAlive {
+		p.cmu.Lock()
+		p.pushes++
+		p.cmu.Unlock()
+	}
+	return p.memStore.QueuePush(ctx, k, v)
+}
+
+func (p *peekMemStore) MultiSet(ctx context.Context, keys []string, values [][]byte) error {
+	p.cmu.Lock()
+	var ks []string
+	var vs [][]byte
+	for i, k := range keys {
+		if k == p.dropKey && strings.Contains(string(values[i]), `"rank":`) {
+			p.dropKey = ""
+			continue
+		}
+		ks, vs = append(ks, k), append(vs, values[i])
+	}
+	p.cmu.Unlock()
+	return p.memStore.MultiSet(ctx, ks, vs)
+}
+
+func (p *peekMemStore) casOf(k string) int {
+	p.cmu.Lock()
+	defer p.cmu.Unlock()
+	return p.cas[k]
+}
+
+// TestBubblePeeks: on a store that peeks, a crowd's nodes read their
+// views and the folder lock without a compare-set (on etcd one is a Raft
+// proposal even when it fails): only the publishers compare-set the
+// marker, and the lock is compare-set by its holders alone, where every
+// node used to compare-set the marker, its share and the lock at each
+// look. A slow state write (6 s: a read and a write of it outlast the lock's 5-s hold) does not
+// let a second folder in: the holder renews its lock while it folds, and
+// no node pushes its request twice.
+func TestBubblePeeks(t *testing.T) {
+	const n = 40
+	for _, tc := range []struct {
+		name string
+		slow time.Duration
+	}{
+		{"fast", 0},
+		{"slow state writes", 6 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p := newPeekMemStore()
+				key := "gorun.rendezvous.job"
+				if tc.slow > 0 {
+					p.slowKey, p.slow = key, tc.slow
+				}
+				ds := make([]*Dynamic, n)
+				for i := range ds {
+					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					ds[i] = d
+				}
+				start := time.Now()
+				chs := make([]<-chan bubbleResult, n)
+				for i, d := range ds {
+					chs[i] = goNext(d, start)
+				}
+				for i, ch := range chs {
+					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > 2*time.Minute {
+						t.Fatalf("node %d: %+v (%v)", i, x, x.err)
+					}
+				}
+				p.mu.Lock()
+				writes := p.writes[key]
+				p.mu.Unlock()
+				if c := p.casOf(key + markerSuffix); c > writes {
+					t.Errorf("%d compare-sets of the marker, %d writes of the state", c, writes)
+				}
+				if c := p.casOf(ds[0].shareKey(ds[0].bucket)); c != 0 {
+					t.Errorf("%d compare-sets of a share", c)
+				}
+				p.cmu.Lock()
+				defer p.cmu.Unlock()
+				if c := p.cas[key+lockSuffix]; c > 40 {
+					t.Errorf("%d compare-sets of the folder lock", c)
+				}
+				if p.pushes != n {
+					t.Errorf("%d joins pushed by %d nodes", p.pushes, n)
+				}
+				if tc.slow > 0 && len(slices.Compact(slices.Clone(p.holders))) > 1 {
+					t.Errorf("folders one after another while the first folded: %v", p.holders)
+				}
+			})
+		})
+	}
+}
+
+// TestBubbleStaleShareRepublished: the share that tells a bucket's nodes
+// their ranks is lost (two publishers crossing can leave it older than
+// the state). Its nodes must not take rank 0 from the bucket as it was
+// before the round completed (they did), nor wait out the join timeout:
+// a view whose bucket is not of the marker's round shows no node, and
+// past settle (5 s) the node decides on the state itself.
+func TestBubbleStaleShareRepublished(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		const n = 40
+		p := newPeekMemStore()
+		ds := bubbleNodes(t, p.memStore, n, DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
+		for i := range ds { // the same handles, on the peeking store
+			d, err := NewDynamic(p, nd(i), []byte("x"), ds[i].cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { d.Close() })
+			ds[i] = d
+		}
+		p.dropKey = ds[5].shareKey(ds[5].bucket)
+		start := time.Now()
+		chs := make([]<-chan bubbleResult, n)
+		for i, d := range ds {
+			chs[i] = goNext(d, start)
+		}
+		for i, ch := range chs {
+			if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > 20*time.Second {
+				t.Fatalf("node %d: %+v (%v)", i, x, x.err)
+			}
+		}
+		if p.dropKey != "" {
+			t.Fatal("no share was lost")
+		}
+	})
+}
