@@ -423,6 +423,32 @@ func (s *SealedStore) Get(ctx context.Context, key string) ([]byte, error) {
 	return vs[0], nil
 }
 
+// Peek is the inner store's Peek (an error wrapping ErrNotSupported where
+// it has none) with every sealed record opened: one that fails the check
+// reads as absent, as a read that does not wait would find no genuine
+// record there.
+func (s *SealedStore) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
+	p, ok := s.inner.(Peeker)
+	if !ok {
+		return nil, fmt.Errorf("peek: %w", ErrNotSupported)
+	}
+	vs, err := p.Peek(ctx, keys...)
+	if err != nil || len(vs) != len(keys) {
+		return vs, err
+	}
+	for i, k := range keys {
+		if vs[i] == nil || !s.sealed(k) {
+			continue
+		}
+		if e, ok := s.open(k, vs[i]); ok {
+			vs[i] = e.plain
+		} else {
+			vs[i] = nil
+		}
+	}
+	return vs, nil
+}
+
 // MultiGet waits for every key to hold a genuine record: a refused one is
 // mended where this store has read or written a genuine record there (see
 // mend), and read again after a pause, until it is replaced or ctx ends.

@@ -617,3 +617,51 @@ func TestSealedWriterMendsItsRecord(t *testing.T) {
 		t.Fatalf("the reader reads %q", v)
 	}
 }
+
+// peekable gives a store without Peek one, from Check and Get: what an
+// etcd store's read-only requests do.
+type peekable struct{ rendezvous.Store }
+
+func (p peekable) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
+	out := make([][]byte, len(keys))
+	for i, k := range keys {
+		ok, err := p.Check(ctx, k)
+		if err != nil || !ok {
+			if err != nil {
+				return nil, err
+			}
+			continue
+		}
+		if out[i], err = p.Get(ctx, k); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
+// TestSealedPeek: a SealedStore peeks through an inner store that can,
+// opening each record: a genuine one reads as written, a forged one as
+// absent (a read that does not wait finds no genuine record); over a
+// store that cannot peek it says ErrNotSupported.
+func TestSealedPeek(t *testing.T) {
+	bed := newSealBed(t)
+	ctx := shortCtx(t, 20*time.Second)
+	a := bed.sealed(sealCfg("job-key-0123456789", "run", nil))
+	if err := setSync(ctx, a, "genuine", "v"); err != nil {
+		t.Fatal(err)
+	}
+	if err := setSync(ctx, bed.raw(), "forged", "GRS1 1 x y\nnot sealed"); err != nil {
+		t.Fatal(err)
+	}
+	b, err := rendezvous.NewSealedStore(peekable{bed.client()}, sealCfg("job-key-0123456789", "run", nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	vs, err := b.Peek(ctx, "genuine", "forged", "absent")
+	if err != nil || len(vs) != 3 || string(vs[0]) != "v" || vs[1] != nil || vs[2] != nil {
+		t.Errorf("Peek = %q, %v; want [v <absent> <absent>]", vs, err)
+	}
+	if _, err := a.Peek(ctx, "genuine"); !errors.Is(err, rendezvous.ErrNotSupported) {
+		t.Errorf("Peek over a store that cannot: %v, want ErrNotSupported", err)
+	}
+}

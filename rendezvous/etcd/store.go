@@ -78,10 +78,23 @@ func (s *Store) Peek(_ context.Context, keys ...string) ([][]byte, error) {
 	}
 	out := make([][]byte, len(keys))
 	for i, r := range resps {
-		if kvs := r.GetResponseRange().GetKvs(); len(kvs) > 0 {
-			out[i] = kvs[0].Value
-			if out[i] == nil {
-				out[i] = []byte{}
+		kvs := r.GetResponseRange().GetKvs()
+		if len(kvs) == 0 {
+			continue
+		}
+		out[i] = kvs[0].Value
+		if out[i] == nil {
+			out[i] = []byte{}
+		}
+		if _, chunked := parseHead(out[i]); chunked {
+			// A large value (a rendezvous state of thousands of nodes)
+			// is a head naming its chunks: read it whole.
+			v, ok, err := s.st.Get([]byte(keys[i]))
+			if err != nil {
+				return nil, err
+			}
+			if out[i] = nil; ok {
+				out[i] = v
 			}
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -265,7 +266,10 @@ func TestStorePeek(t *testing.T) {
 	}
 	s := etcd.NewStore(st, 10*time.Second)
 	t.Cleanup(func() { s.Close() })
-	for k, v := range map[string]string{"k": "v", "empty": "", "u1": "unwatched"} {
+	// big is over one chunk: stored as a head naming its chunks, which a
+	// peek must read whole (a rendezvous state of thousands of nodes).
+	big := strings.Repeat("0123456789abcdef", 100_000)
+	for k, v := range map[string]string{"k": "v", "empty": "", "u1": "unwatched", "big": big} {
 		if err := s.Set(ctx, k, []byte(v)); err != nil {
 			t.Fatal(err)
 		}
@@ -285,6 +289,7 @@ func TestStorePeek(t *testing.T) {
 		{[]string{"k"}, []any{"v"}},
 		{[]string{"absent"}, []any{nil}},
 		{[]string{"empty", "k", "u1", "u2"}, []any{"", "v", "unwatched", nil}},
+		{[]string{"k", "big"}, []any{"v", big}},
 	} {
 		vs, err := s.Peek(ctx, tc.keys...)
 		if err != nil || len(vs) != len(tc.keys) {
