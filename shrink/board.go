@@ -408,7 +408,7 @@ func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 // it is; if still forged then, AwaitNotice returns its Forgery (wrapping
 // ErrForged) and the caller moves on to i+1.
 func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
-	if err := b.waitKept(ctx, reportKey(i), func(f Floor) bool { return f.noticeCollected(i) }); err != nil {
+	if err := b.awaitNoticeKey(ctx, i); err != nil {
 		return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
 	}
 	var giveUp time.Time
@@ -430,6 +430,49 @@ func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
 		}
 		if perr := pause(ctx, forgedPoll); perr != nil {
 			return Notice{}, fmt.Errorf("shrink: await notice %d: %w (the key holds a forged record: %w)", i, perr, err)
+		}
+	}
+}
+
+// ErrAbandoned: a notice's index was taken and its record never written:
+// its filer died between the two (a newcomer killed as it said it was
+// ready). The log goes on past it.
+var ErrAbandoned = errors.New("notice abandoned by its filer")
+
+// noticeLook is how long a reader of the notice log waits on a notice's
+// key before it looks whether a later index was taken (see
+// awaitNoticeKey): a few requests per reader every noticeLook while the
+// log is quiet.
+const noticeLook = 5 * time.Second
+
+// awaitNoticeKey waits until notice i's key exists, in slices of
+// noticeLook: a filer writes its notice right after taking its index, so
+// once a later index is taken, notice i still missing noticeGrace later
+// is abandoned (ErrAbandoned), and the log does not wait on it for ever.
+func (b *Board) awaitNoticeKey(ctx context.Context, i int) error {
+	gone := func(f Floor) bool { return f.noticeCollected(i) }
+	overtaken := false
+	for {
+		slice := noticeLook
+		if overtaken {
+			slice = noticeGrace
+		}
+		wctx, cancel := context.WithTimeout(ctx, slice)
+		err := b.waitKept(wctx, reportKey(i), gone)
+		sliceOver := wctx.Err() != nil
+		cancel()
+		if err == nil || ctx.Err() != nil || !sliceOver {
+			return err
+		}
+		taken, aerr := b.store.Add(ctx, reportNext, 0)
+		if aerr != nil {
+			return fmt.Errorf("read notices: %w", aerr)
+		}
+		if taken > int64(i) {
+			if overtaken {
+				return fmt.Errorf("index %d of %d: %w", i, taken, ErrAbandoned)
+			}
+			overtaken = true
 		}
 	}
 }

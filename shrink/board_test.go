@@ -198,3 +198,38 @@ func TestPublishRejectsEpochZero(t *testing.T) {
 		t.Error("Publish(epoch 0) succeeded")
 	}
 }
+
+// TestAwaitNoticePastAbandoned: a filer that took index 1 and died before
+// writing its notice (a newcomer killed as it said it was ready) does not
+// hold the log: once a later notice is filed, AwaitNotice(1) says
+// ErrAbandoned, and notice 2 is read. While no later index is taken it
+// waits on.
+func TestAwaitNoticePastAbandoned(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	b := NewBoard(dial(), "")
+	raw := rendezvous.NewPrefixStore(DefaultPrefix, dial())
+	if _, err := raw.Add(ctx, reportNext, 1); err != nil { // index 1 taken, never written
+		t.Fatal(err)
+	}
+	early, stop := context.WithTimeout(ctx, 2*time.Second)
+	defer stop()
+	if _, err := b.AwaitNotice(early, 1); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("AwaitNotice(1) with no later index: %v, want it to wait until its context ends", err)
+	}
+	if _, err := b.File(ctx, Report{Ranks: []int{0}, Reason: "killed"}); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	if _, err := b.AwaitNotice(ctx, 1); !errors.Is(err, ErrAbandoned) {
+		t.Fatalf("AwaitNotice(1) after notice 2 was filed: %v, want ErrAbandoned", err)
+	}
+	if d := time.Since(start); d > noticeLook+2*noticeGrace {
+		t.Errorf("abandoned after %v, want within %v", d, noticeLook+2*noticeGrace)
+	}
+	n, err := b.AwaitNotice(ctx, 2)
+	if err != nil || n.Failure == nil || n.Failure.Ranks[0] != 0 {
+		t.Fatalf("notice 2: %+v, %v", n, err)
+	}
+}

@@ -219,6 +219,10 @@ func (c *Coordinator) watchNotices(ctx context.Context, b *Board, i int) {
 		if errors.Is(err, ErrForged) {
 			continue // never acted on; the Auth reported it
 		}
+		if errors.Is(err, ErrAbandoned) {
+			c.log.Warn("a notice was never written (its filer died as it filed it); going on past it", zap.Int("notice", i))
+			continue
+		}
 		if errors.Is(err, ErrCollected) {
 			f, ferr := b.Floor(ctx)
 			if ferr == nil {
