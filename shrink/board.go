@@ -459,7 +459,9 @@ func (b *Board) awaitNoticeKey(ctx context.Context, i int) error {
 		}
 		wctx, cancel := context.WithTimeout(ctx, slice)
 		err := b.waitKept(wctx, reportKey(i), gone)
-		sliceOver := wctx.Err() != nil
+		// The store may time a request out at the slice's deadline a
+		// moment before the context says so.
+		sliceOver := wctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, rendezvous.ErrTimeout)
 		cancel()
 		if err == nil || ctx.Err() != nil || !sliceOver {
 			return err
