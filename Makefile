@@ -8,7 +8,7 @@ BUILDTAGS ?= urfave_cli_no_docs
 # The launcher is one static binary.
 export CGO_ENABLED ?= 0
 
-.PHONY: all build example test test-deps test-short bench lint fuzz gpu-smoke soak clean
+.PHONY: all build example test test-deps test-short bench lint fuzz gpu-smoke gpu-bundle soak clean
 
 all: build
 
@@ -59,6 +59,16 @@ fuzz:
 NCCL_LIBRARY ?= $(shell $(PYTHON_EXEC) -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || echo libnccl.so.2)
 gpu-smoke:
 	CGO_ENABLED=1 $(GO) run $(GOFLAGS) ./pg/nccl/gpusmoke -nccl '$(NCCL_LIBRARY)'
+
+# gpu-bundle builds what scripts/gpu-check.sh runs on a GPU machine that
+# has no Go: gorun, the Go allreduce worker and gpusmoke (pg/nccl through
+# cgo), and pg/nccl's test binary, in .gpu/.
+GPU_BUNDLE ?= .gpu
+gpu-bundle:
+	$(GO) build $(GOFLAGS) -tags '$(BUILDTAGS) gorun_noetcd' -ldflags '-s -w' -o $(GPU_BUNDLE)/gorun ./cmd/gorun
+	CGO_ENABLED=1 $(GO) build $(GOFLAGS) -ldflags '-s -w' -o $(GPU_BUNDLE)/allreduce ./examples/allreduce
+	CGO_ENABLED=1 $(GO) build $(GOFLAGS) -ldflags '-s -w' -o $(GPU_BUNDLE)/gpusmoke ./pg/nccl/gpusmoke
+	CGO_ENABLED=1 $(GO) test $(GOFLAGS) -c -ldflags '-s -w' -o $(GPU_BUNDLE)/nccl.test ./pg/nccl
 
 # bench: see BENCHMARKS.md for what it measures and the recorded results.
 bench: build test-deps

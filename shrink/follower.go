@@ -66,9 +66,9 @@ type Follower struct {
 	// the epoch after comes first.
 	stopMove context.CancelFunc
 	moving   int
-	// seen is the latest epoch the watcher has seen: one it saw before
-	// Recover began a move to an earlier epoch ends that move at once.
-	seen int
+	// seen is the latest epoch the watcher has seen: one that supersedes
+	// a move Recover begins afterwards ends that move at once.
+	seen Epoch
 	// superseded: the latest epoch's shrink was cut short by the next
 	// (ErrSuperseded), and the group in use is the one before it.
 	superseded bool
@@ -249,9 +249,9 @@ func (f *Follower) run(ctx context.Context) {
 			return // ctx ended (Close), or the store is gone: Recover will say
 		}
 		f.mu.Lock()
-		f.seen = n
-		if f.stopMove != nil && n > f.moving {
-			f.stopMove() // epoch n supersedes the move under way
+		f.seen = e
+		if f.stopMove != nil && supersedes(e, f.moving) {
+			f.stopMove()
 		}
 		f.mu.Unlock()
 		// Hand e over once Recover has moved to the epoch before.
@@ -315,7 +315,16 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 		// in use to e's members (ShrinkList counts from its epoch).
 		base, ok = f.groups[f.current]
 	}
+	gone := !ok && e.Action == ActionGrow && f.superseded && f.seen.Number > e.Number
+	cur := f.groups[f.current]
 	f.mu.Unlock()
+	if gone {
+		// The shrink this grow builds on was cut short, and the epoch
+		// after the grow is out: the grow cannot complete, and the next
+		// epoch goes on, from the group in use, without it.
+		f.supersede(e)
+		return cur.g, e, fmt.Errorf("shrink: epoch %d: %w: the shrink to epoch %d it builds on was cut short", e.Number, ErrGrowIncomplete, e.Base)
+	}
 	if !ok {
 		return nil, e, fmt.Errorf("shrink: epoch %d goes on from the group of epoch %d, which global rank %d does not have", e.Number, e.Base, f.globalRank)
 	}
@@ -327,7 +336,7 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 	// member hangs or dies before it joined the shrunk group.
 	f.mu.Lock()
 	f.stopMove, f.moving = stop, e.Number
-	if f.seen > e.Number {
+	if supersedes(f.seen, e.Number) {
 		stop() // the epoch after came before the move began: it cannot complete
 	}
 	f.mu.Unlock()
@@ -356,6 +365,15 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 	return ng, e, nil
 }
 
+// supersedes reports whether epoch later ends a move to epoch moving: any
+// later epoch does, but a grow built on moving's group, whose members are
+// to have that group first (the newcomer of a respawned rank, quick to
+// start, can be ready before the survivors' shrink is done: seen with Go
+// workers on a GPU, where the shrink waits for NCCL).
+func supersedes(later Epoch, moving int) bool {
+	return later.Number > moving && !(later.Action == ActionGrow && later.Base == moving)
+}
+
 // move forms epoch e's group from base's.
 func move(ctx context.Context, base epochGroup, e Epoch) (pg.ProcessGroup, error) {
 	drop := e.ShrinkList(base.e)
@@ -371,7 +389,7 @@ func move(ctx context.Context, base epochGroup, e Epoch) (pg.ProcessGroup, error
 	return gr.Grow(ctx, pg.GrowSpec{Added: len(e.Added), Namespace: Namespace(e.Number)})
 }
 
-// supersede makes e, whose shrink the next epoch cut short, the latest
+// supersede makes e, whose move the next epoch cut short, the latest
 // epoch, keeping every group: the next move starts from the group in use.
 func (f *Follower) supersede(e Epoch) {
 	f.mu.Lock()

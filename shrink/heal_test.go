@@ -376,14 +376,27 @@ func TestFollowerGrowSeenLateByWatcher(t *testing.T) {
 	}
 	wg.Go(func() {
 		time.Sleep(3 * watchDelay) // after both watchers have seen the grow
-		g, err := cpuJoin(dial())(ctx, 2, 3, pg.GrowSpec{Added: 1, Namespace: Namespace(grow.Number)})
-		if err == nil {
-			sizes[2] = g.Size()
-			g.Close()
-		}
-		errs[2] = err
+		sizes[2], errs[2] = joinSlot2(ctx, dial, grow)
 	})
 	wg.Wait()
+	checkGrownToThree(t, sizes, errs)
+}
+
+// joinSlot2 is the newcomer of slot 2 joining grow epoch e on pg/cpu, as
+// rank 2 of 3; it returns the grown group's size.
+func joinSlot2(ctx context.Context, dial func() *tcpstore.Client, e Epoch) (int, error) {
+	g, err := cpuJoin(dial())(ctx, 2, 3, pg.GrowSpec{Added: 1, Namespace: Namespace(e.Number)})
+	if err != nil {
+		return 0, err
+	}
+	defer g.Close()
+	return g.Size(), nil
+}
+
+// checkGrownToThree checks that every rank of a grow to 3 ended in a group
+// of 3.
+func checkGrownToThree(t *testing.T, sizes []int, errs []error) {
+	t.Helper()
 	for r, err := range errs {
 		if err != nil || sizes[r] != 3 {
 			t.Errorf("rank %d: grown group of %d, %v; want 3", r, sizes[r], err)
@@ -448,4 +461,86 @@ func TestFollowerGrowSupersededBeforeItBegins(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// TestFollowerGrowOnAShrinkUnderWay: the grow that brings a respawned rank
+// back can be out before the survivors have finished the shrink it builds
+// on (a Go newcomer is ready in milliseconds; on a GPU the survivors' shrink
+// waits for NCCL). The grow must not cut that shrink short: the survivors
+// finish it, then grow. Seen on an H100 before the fix: both survivors gave
+// the shrink up, then failed, lacking the group the grow builds on, and the
+// job fell back to a restart.
+func TestFollowerGrowOnAShrinkUnderWay(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		// late: how long rank 1 waits before it begins the move, so that
+		// rank 0 is in the shrink (waiting for rank 1) when the grow is
+		// published; 0 publishes the grow before either begins.
+		late time.Duration
+	}{
+		{"grow seen before the shrink begins", 0},
+		{"grow seen during the shrink", 400 * time.Millisecond},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+			defer cancel()
+			dial := storeDialer(ctx, t)
+			initial := Initial(3)
+			shrunk := mustNext(t, initial, 2)
+			d := NewDecider("test", Config{SettleWindow: -1}, shrunk)
+			d.Join(time.Now(), Join{Slots: []int{2}})
+			grow, ok, err := d.Decide(time.Now())
+			if err != nil || !ok || grow.Base != shrunk.Number {
+				t.Fatalf("Decide: %v (base %d) %v %v", grow, grow.Base, ok, err)
+			}
+			board := NewBoard(dial(), "")
+			groups := formGroups(ctx, t, dial, 3)
+			groups[2].Close() // slot 2 died
+			followers := make([]*Follower, 2)
+			for r := range followers {
+				followers[r] = startFollower(NewBoard(dial(), ""), NewBoard(dial(), ""), r, initial, groups[r])
+				defer followers[r].Close()
+			}
+			if _, _, err := board.Publish(ctx, shrunk); err != nil {
+				t.Fatal(err)
+			}
+			if tt.late == 0 {
+				if _, _, err := board.Publish(ctx, grow); err != nil {
+					t.Fatal(err)
+				}
+				time.Sleep(200 * time.Millisecond) // both watchers see both epochs
+			}
+			var wg sync.WaitGroup
+			errs := make([]error, 3)
+			sizes := make([]int, 3)
+			for r, f := range followers {
+				wg.Go(func() {
+					if r == 1 {
+						time.Sleep(tt.late)
+					}
+					g, e, err := f.Recover(ctx)
+					if err != nil || e.Number != shrunk.Number || g.Size() != 2 {
+						errs[r] = fmt.Errorf("the shrink: epoch %d, %v; want epoch %d's group of 2", e.Number, err, shrunk.Number)
+						return
+					}
+					g, e, err = f.Recover(ctx)
+					if err != nil || e.Number != grow.Number {
+						errs[r] = fmt.Errorf("the grow: epoch %d, %v; want epoch %d", e.Number, err, grow.Number)
+						return
+					}
+					sizes[r] = g.Size()
+					g.Close()
+				})
+			}
+			if tt.late > 0 {
+				time.Sleep(tt.late / 4) // rank 0 is in the shrink, rank 1 not yet
+				if _, _, err := board.Publish(ctx, grow); err != nil {
+					t.Fatal(err)
+				}
+			}
+			wg.Go(func() { sizes[2], errs[2] = joinSlot2(ctx, dial, grow) })
+			wg.Wait()
+			checkGrownToThree(t, sizes, errs)
+		})
+	}
 }

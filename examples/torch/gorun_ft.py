@@ -9,13 +9,15 @@ each one.
 
 A shrink epoch drops the ranks that died:
 
-- with NCCL on a PyTorch that has ``dist.shrink_group`` (NCCL >= 2.27) it
-  calls ``shrink_group(excluded, SHRINK_ABORT)``: NCCL itself terminates the
-  operations stuck on the dead peer, then shrinks. The communicator must not
-  be aborted first (ncclCommAbort frees it, leaving nothing to shrink);
-- with NCCL on an older PyTorch, the watcher aborts the group when the
-  epoch appears (so a collective stuck on a dead peer returns), and the
-  group is destroyed and re-initialised among the survivors;
+- with NCCL the watcher aborts the group when the epoch appears (so a
+  collective stuck on a dead peer returns), and the group is destroyed and
+  re-initialised among the survivors. PyTorch's ``shrink_group`` is not
+  used: it needs the communicator not aborted, and a survivor's main thread
+  is then stuck in the collective on the dead peer (in the CUDA
+  synchronisation after it) with nothing to end it, since PyTorch (2.11,
+  2.14) does not expose ncclCommRevoke. Seen on an H100 with PyTorch 2.11
+  and NCCL 2.28.9: the survivors stayed there until the grow's abort, then
+  hung in shrink_group on the aborted communicator;
 - with gloo (PyTorch 1.13 included), which cannot be aborted and whose
   collectives fail on their own when a peer's connection breaks, the group
   is destroyed and initialised anew among the survivors, on a fresh
@@ -49,15 +51,15 @@ shrink that excludes its newcomers, from the group before the grow: its
 members re-form a fresh group of themselves, and a newcomer still waiting
 offers its slot again. Every formation of a fresh group waits first, in
 short store waits, for every member to be there, and gives up when the next
-epoch appears (for a grow, and whenever the backend re-forms every group
-afresh), so nobody waits on a member that will not come.
+epoch appears, so nobody waits on a member that will not come.
 
 What is tested (examples/torch, in CI): with gloo, shrink and grow with
 PyTorch 1.13 and 2.14 (the survivors stepping while the grown group forms),
 and with 1.13 a grow whose newcomer is killed before it joins and a
-newcomer that joins again after a grow that did not complete, under a real coordinator of gorun's; for NCCL, without a GPU,
-only the choice between shrinking in place and a fresh communicator. The
-NCCL paths themselves need a GPU and have not run yet.
+newcomer that joins again after a grow that did not complete, under a real
+coordinator of gorun's. NCCL needs a GPU, which CI does not have:
+scripts/gpu-check.sh runs shrink and grow on one (see its RESULT lines and
+README's compatibility table for what ran where).
 
 Use::
 
@@ -88,6 +90,14 @@ n being the last epoch decided before it started; GORUN_GROW_TIMEOUT
 (seconds, default 30, the agents' default) bounds, on top of the agreement
 timeout, the waits that a grow can make longer; GORUN_JOB_SECRET, with
 TORCHELASTIC_RUN_ID and GORUN_GENERATION, authenticates the board (below).
+With NCCL the helper sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 (no handling)
+before it forms a group: gorun, like torchrun, exports 1, under which
+PyTorch's watchdog takes the whole process down when a peer fails (seen:
+the survivors killed a minute after the failure), and the survivors are to
+carry on; the helper aborts a failed group itself, and drops it with
+PyTorch's _abort_process_group where it has one (2.5 and later), since
+destroy_process_group waits for ever on a failed NCCL group. GORUN_FT_STACKS=1 makes SIGUSR1 print every
+thread's Python stack to stderr (faulthandler), to see where a worker waits.
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
@@ -115,6 +125,7 @@ notice it files. Without a secret, records are neither sealed nor checked.
 """
 import contextlib
 import datetime
+import faulthandler
 import gc
 import hashlib
 import hmac
@@ -122,6 +133,7 @@ import inspect
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -247,11 +259,6 @@ class Epoch:
     def newcomer(self, g):
         """Whether launch slot g joins this epoch's group as a newcomer."""
         return g in self.added
-
-    def shrink_list(self, base):
-        """The ranks alive in base and not in this epoch, in base's numbering:
-        what shrink_group takes to move base's group to this epoch's."""
-        return sorted(base.ranks[g] for g in range(len(base.ranks)) if base.alive(g) and not self.alive(g))
 
     def line(self):
         """What a member prints on moving to this epoch."""
@@ -558,6 +565,13 @@ class ElasticGroup:
         ready (filed its first join): its start-up is over."""
         await_assignment()
         self.backend = backend
+        if backend == "nccl":
+            # No handling: the watchdog leaves a failed communicator and the
+            # process to the helper, which aborts the group when the
+            # agents' epoch comes (see the module doc).
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+        if os.environ.get("GORUN_FT_STACKS") and hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._on_ready = on_ready
         self.timeout = timeout
         self.global_rank = int(os.environ["RANK"])
@@ -629,7 +643,8 @@ class ElasticGroup:
         store = _connect_store(self.timeout)
         before = _socket_inodes()
         dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
-                                rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout)
+                                rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout,
+                                **self._device_kw())
         # The connections the group opened (gloo connects every pair in
         # its constructor), less any to the store another thread opened
         # meanwhile: what _sever breaks when the group must stop.
@@ -644,6 +659,17 @@ class ElasticGroup:
                 # this group must not leave the others waiting in its
                 # first collective.
                 self._react(self._latest)
+
+    def _device_kw(self):
+        """init_process_group's device binding: for NCCL on a PyTorch that
+        takes device_id (2.3 and later), the current CUDA device, so that
+        the communicator forms at once (eager): a member that cannot form
+        it fails here, in the formation, not in its first collective."""
+        if self.backend != "nccl" or not torch.cuda.is_available():
+            return {}
+        if "device_id" not in inspect.signature(dist.init_process_group).parameters:
+            return {}
+        return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
     def _watch(self, n):
         """Wait on each next epoch's key through a store connection of its own
@@ -689,8 +715,6 @@ class ElasticGroup:
         the group in use; under self._lock. A grow of that group (gloo) is
         built in the background while the members go on stepping; anything
         else stops the group at once, and abandons a grow being built."""
-        if self._in_place(e):
-            return
         if e.number == self.epoch.number + 1 and self._grows_ahead(e):
             self._bg = _Build(e, self._ticks)
             self._bg.before = (self._bg.started - self._formed_at) * 1000
@@ -866,18 +890,17 @@ class ElasticGroup:
             # The traceback holds the failed collective's frames, and through
             # them the backend's connections: let them go with the group.
             err.__traceback__ = None
-        if not self._shrinks():
-            # Tear the broken group down now, not after the decision: closing
-            # our connections fails the collectives of peers still blocked
-            # on us (ULFM's revoke), instead of leaving them to the group's
-            # timeout. For a grow it stops every member where it is.
-            self._destroy()
+        # Tear the broken group down now, not after the decision: closing
+        # our connections fails the collectives of peers still blocked on us
+        # (ULFM's revoke), instead of leaving them to the group's timeout.
+        # For a grow it stops every member where it is.
+        self._destroy()
         while True:
             nxt = self._await(self.epoch.number + 1, grow=self.epoch.action == "grow")
             with self._lock:
                 self.epoch = nxt
             if not nxt.alive(self.global_rank):
-                self.close()
+                self._close(failed=True)
                 raise Excluded("rank %d excluded in epoch %d" % (self.global_rank, nxt.number))
             if nxt.action == "restart":
                 raise self._restart(nxt)
@@ -920,19 +943,12 @@ class ElasticGroup:
 
     def _restart(self, e):
         """Stop for restart epoch e: the error to raise."""
-        self.close()
+        self._close(failed=True)
         return RestartRequired("epoch %d: %d ranks left, below the floor: restart" % (e.number, e.world_size))
 
     def _move(self, e):
-        """Move to epoch e's group: in place where the backend shrinks and this
-        worker holds the group e builds on, afresh otherwise. False when the
-        group could not be formed."""
-        if self._in_place(e):
-            flags = getattr(dist.distributed_c10d, "SHRINK_ABORT", 1)
-            dist.shrink_group(e.shrink_list(self._group), shrink_flags=flags)
-            with self._lock:
-                self._group = e
-            return True
+        """Move to epoch e's group, formed afresh. False when the group could
+        not be formed."""
         self._destroy()
         if self._grows_afresh(e):
             return self._grow(e)
@@ -962,7 +978,7 @@ class ElasticGroup:
         deadline = time.monotonic() + bound
 
         def past():
-            self.close()
+            self._close(failed=True)
             return RestartRequired("epoch %d: its group did not form within %.0f s, and no epoch "
                                    "followed: restart" % (e.number, bound))
 
@@ -970,7 +986,7 @@ class ElasticGroup:
             if time.monotonic() >= deadline:
                 raise past()
         if b.error is not None:
-            self.close()
+            self._close(failed=True)
             raise b.error
         ns = "%s/epoch_%d" % (self._ns, e.number)
         lead = e.ranks[self.global_rank] == 0
@@ -1020,12 +1036,6 @@ class ElasticGroup:
                 self._react(self._latest)
         return True
 
-    def _in_place(self, e):
-        """Whether epoch e shrinks the group in use in place (NCCL with
-        PyTorch's shrink_group, from the group e builds on) rather than
-        forming a fresh one."""
-        return self._shrinks() and e.action == "shrink" and self._group is not None and self._group.number == e.base
-
     def _form(self, e):
         """Form epoch e's group afresh among its members (see _formation). A
         formation the backend fails is given up too: the next epoch settles
@@ -1035,7 +1045,7 @@ class ElasticGroup:
             if not self._formation(e, self.store, self._awaiter):
                 return False
         except RestartRequired:
-            self.close()
+            self._close(failed=True)
             raise
         try:
             self._init(e, ns + "/pg")
@@ -1050,13 +1060,11 @@ class ElasticGroup:
     def _formation(self, e, store, waiter):
         """Whether epoch e's group is to be formed, decided once for all its
         members. The members first wait, in short waits (waiter), until
-        every one of them is there; a grow's formation (and any, where
-        every group is formed afresh) gives up when the next epoch appears,
+        every one of them is there, and give up when the next epoch appears,
         since every member moves on to it. Raises RestartRequired when the
         members are not all there in time and no epoch follows."""
         ns = "%s/epoch_%d" % (self._ns, e.number)
         rank = e.ranks[self.global_rank]
-        yields = e.action == "grow" or not self._shrinks()
         store.set("%s/member/%d" % (ns, rank), str(self.global_rank))
         members = ["%s/member/%d" % (ns, r) for r in range(e.world_size)]
         bound = self._epoch_wait + (self._grow_wait if e.action == "grow" else 0)
@@ -1070,7 +1078,7 @@ class ElasticGroup:
         # waiting on it.
         state = "%s/formation" % ns
         while True:
-            if yields and self._published > e.number:
+            if self._published > e.number:
                 return store.compare_set(state, "", "abandoned") == b"sealed"  # sealed already: every member forms it
             left = deadline - time.monotonic()
             if left <= 0:
@@ -1106,19 +1114,23 @@ class ElasticGroup:
             rec = self._auth.open(_rel("epoch", n), rec)
         return Epoch.decode(rec)
 
-    def _shrinks(self):
-        """Whether the backend shrinks a group in place (NCCL with PyTorch's
-        shrink_group) rather than re-initialising it."""
-        return self.backend == "nccl" and hasattr(dist, "shrink_group")
-
-    def _destroy(self):
+    def _destroy(self, failed=True):
+        """Tear the default group down; failed: it stopped (a peer failed,
+        an epoch came), not a clean end."""
         with self._lock:
             # Its sockets' inodes may be reused once they close: forget them.
             self._group, self._group_store, self._group_sockets = None, None, set()
             self._retired = None
         if dist.is_initialized():
             try:
-                dist.destroy_process_group()
+                if failed and self.backend == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                    # destroy_process_group's shutdown of a failed NCCL
+                    # group waits for ever (PyTorch 2.11, NCCL 2.28.9, seen
+                    # on an H100): abort it and drop it, as PyTorch's
+                    # _abort_process_group does.
+                    dist.distributed_c10d._abort_process_group()
+                else:
+                    dist.destroy_process_group()
             except RuntimeError:
                 pass  # a broken group may refuse a clean teardown
         # Collect now: a failed collective's objects sit in reference cycles
@@ -1137,7 +1149,7 @@ class ElasticGroup:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.close()
+                self._close(failed=True)
                 why = "GORUN_AGREEMENT_TIMEOUT plus %.0f s to detect the failure" % DETECTION_SLACK
                 if grow:
                     why += ", plus the grow timeout"
@@ -1190,6 +1202,10 @@ class ElasticGroup:
         self._synced = True
 
     def close(self):
+        """End: stop the watcher and tear the group down."""
+        self._close(failed=False)
+
+    def _close(self, failed):
         # Training is over here: the teardown below (joins, the group's
         # destruction) is no hang.
         self._beats.done()
@@ -1210,7 +1226,7 @@ class ElasticGroup:
         if self._watcher is not threading.current_thread():
             self._watcher.join(WATCH_WAIT.total_seconds() * 2)
         self._awaiter.close()
-        self._destroy()
+        self._destroy(failed=failed)
 
 
 def _socket_inodes():
@@ -1271,7 +1287,7 @@ def _sever(inodes):
 def _abort_default_group():
     """Abort the default group's communicators where the backend supports it
     (NCCL); gloo has no abort, and its collectives fail on their own when a
-    peer's connection breaks. Never before shrink_group: see the module doc."""
+    peer's connection breaks."""
     if not dist.is_initialized():
         return
     try:

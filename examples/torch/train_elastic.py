@@ -101,10 +101,16 @@ def main():
         if args.timestamps:
             print("ready attempt=%d unix_ns=%d" % (attempt, time.time_ns()), flush=True)
 
+    # NCCL reduces on the GPU: this local rank's, as PyTorch picks it
+    # without a device_id (LOCAL_RANK modulo the GPUs).
+    dev = torch.device("cpu")
+    if args.backend == "nccl":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60), on_ready=ready)
     me = group.global_rank
-    w = torch.zeros(DIM, dtype=torch.float64)
-    step = torch.zeros(1, dtype=torch.float64)  # a tensor, so resync can broadcast it
+    w = torch.zeros(DIM, dtype=torch.float64, device=dev)
+    step = torch.zeros(1, dtype=torch.float64, device=dev)  # a tensor, so resync can broadcast it
     print("rank %d: training, world %d%s" % (me, group.world_size, " (newcomer)" if group.newcomer else ""),
           flush=True)
     # A newcomer's first collective takes the model and the step from the
@@ -127,7 +133,7 @@ def main():
             if group.check():
                 resync = True
                 continue
-            x, y = batch(me, int(step.item()))
+            x, y = (t.to(dev) for t in batch(me, int(step.item())))
             grad = 2 * x.t() @ (x @ w - y) / len(x)
             with group.blocked():  # a hung peer holds us here: say we are alive
                 dist.all_reduce(grad)
@@ -141,7 +147,7 @@ def main():
             continue
         if args.step_ms:
             time.sleep(args.step_ms / 1000)
-    loss = eval_loss(w)
+    loss = eval_loss(w.cpu())
     print("done rank=%d world=%d steps=%d loss=%.9g pid=%d"
           % (group.rank, group.world_size, int(step.item()), loss, os.getpid()), flush=True)
     group.close()

@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -84,17 +85,20 @@ func New(ctx context.Context, cfg Config) (*Group, error) {
 	if err != nil {
 		return nil, err
 	}
-	err = g.form(ctx, func(ctx context.Context) (commHandle, error) {
-		id, err := g.exchangeID(ctx)
-		if err != nil {
-			return 0, err
-		}
-		return g.initComm(ctx, id)
-	})
-	if err != nil {
+	if err := g.form(ctx, g.initFresh); err != nil {
 		return nil, err
 	}
 	return g, nil
+}
+
+// initFresh makes a communicator of the group's rank and size from
+// nothing: a unique id through the store (exchangeID), then initComm.
+func (g *Group) initFresh(ctx context.Context) (commHandle, error) {
+	id, err := g.exchangeID(ctx)
+	if err != nil {
+		return 0, err
+	}
+	return g.initComm(ctx, id)
 }
 
 // form makes the communicator of a Group from open or derive with mk,
@@ -769,7 +773,8 @@ func missing(newEnough bool) string {
 }
 
 // Shrink returns a group of the survivors (ncclCommShrink): see
-// pg.ProcessGroup. The arguments are checked with pg.ValidateShrink first;
+// pg.ProcessGroup. Every survivor calls it with the same exclude list. The
+// arguments are checked with pg.ValidateShrink first;
 // a library older than NCCL 2.27.3 gives an error wrapping
 // pg.ErrNotSupported. With pg.ShrinkAbort the collectives in flight return
 // at once, NCCL terminates the parent's operations, and the parent is then
@@ -779,6 +784,15 @@ func missing(newEnough bool) string {
 //
 // An aborted group (Abort, the watchdog) can be shrunk with pg.ShrinkAbort,
 // unless Config.FreeOnAbort had its communicator freed at once.
+//
+// NCCL refuses to shrink a communicator that has recorded an async error
+// (a peer that died on a socket or InfiniBand connection leaves
+// ncclRemoteError; seen with NCCL 2.28.9 on an H100), and only the
+// survivors that were connected to the dead peer record one. So the
+// survivors first agree through the store, under the shrink's namespace
+// (shrinkNamespace), whether every communicator can be shrunk; if one
+// cannot, every survivor aborts its parent and they form a fresh
+// communicator of the same ranks instead, as New does.
 func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags) (pg.ProcessGroup, error) {
 	if err := pg.ValidateShrink(g.rank, g.size, exclude, flags); err != nil {
 		return nil, err
@@ -807,17 +821,27 @@ func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags)
 			g.usable())
 	}
 	if g.revoked {
-		// A revoked communicator is ncclInProgress until quiescent.
-		if err := g.settle(ctx, nil, g.comm, "ncclCommRevoke"); err != nil {
+		if err := g.quiesce(ctx, g.comm); err != nil {
 			return nil, err
 		}
+	}
+	rank, size := pg.Survivors(g.size, sorted)[g.rank], g.size-len(sorted)
+	ns := shrinkNamespace(g.cfg.Bootstrap.Namespace, sorted)
+	inPlace, err := g.agreeShrink(ctx, ns, rank, size)
+	if err != nil {
+		return nil, err
+	}
+	if !inPlace {
+		g.stop(fmt.Errorf("pg/nccl: shrunk into a fresh communicator without ranks %v", sorted))
+		g.nccl.commAbort(g.dev.ctx, g.comm)
+		g.comm = 0
+		return g.shrinkAfresh(ctx, ns, rank, size)
 	}
 	ex := make([]int32, len(sorted))
 	for i, r := range sorted {
 		ex[i] = int32(r)
 	}
 	child, r := g.nccl.commShrink(g.dev.ctx, g.comm, ex, int(flags))
-	var err error
 	if r == InProgress || (r == Success && g.cfg.NonBlocking) {
 		err = g.settle(ctx, nil, child, "ncclCommShrink")
 	} else if r != Success {
@@ -836,7 +860,66 @@ func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags)
 	if flags == pg.ShrinkDefault && g.comm != 0 {
 		g.stop(fmt.Errorf("pg/nccl: shrunk into a new group without ranks %v", sorted))
 	}
-	return g.child(child, pg.Survivors(g.size, exclude)[g.rank], g.size-len(exclude))
+	return g.child(child, rank, size)
+}
+
+// shrinkNamespace is where the survivors of a shrink of the group under ns
+// that excludes the ranks sorted meet: a group is shrunk once (its parent
+// is ended), so the name is new.
+func shrinkNamespace(ns string, sorted []int) string {
+	parts := make([]string, len(sorted))
+	for i, r := range sorted {
+		parts[i] = strconv.Itoa(r)
+	}
+	return ns + "/shrink-" + strings.Join(parts, "-")
+}
+
+// shrinkAgreeKey is survivor rank's say under a shrink's namespace: "1"
+// when its communicator can be shrunk, "0" when it cannot.
+func shrinkAgreeKey(rank int) string { return "shrinkable/" + strconv.Itoa(rank) }
+
+// agreeShrink tells the other survivors (new ranks 0 to size-1) whether
+// this rank's communicator can be shrunk (no async error recorded, so that
+// ncclCommShrink's ncclCommEnsureReady takes it), and reports whether all
+// of them can. The caller holds commMu.
+func (g *Group) agreeShrink(ctx context.Context, ns string, rank, size int) (bool, error) {
+	async, r := g.nccl.commGetAsyncError(g.comm)
+	say := []byte("1")
+	if r != Success || async != Success {
+		say = []byte("0")
+	}
+	store := rendezvous.NewPrefixStore(ns, g.cfg.Bootstrap.Store)
+	if err := store.Set(ctx, shrinkAgreeKey(rank), say); err != nil {
+		return false, fmt.Errorf("pg/nccl: [%d] cannot say whether it can shrink under '%s': %w", g.rank, ns, storeError(err))
+	}
+	keys := make([]string, size)
+	for i := range keys {
+		keys[i] = shrinkAgreeKey(i)
+	}
+	vals, err := store.MultiGet(ctx, keys...)
+	if err != nil {
+		return false, fmt.Errorf("pg/nccl: [%d] waiting for the other survivors under '%s': %w", g.rank, ns, storeError(err))
+	}
+	for _, v := range vals {
+		if string(v) != "1" {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// shrinkAfresh forms the survivors' communicator anew under ns, rank of
+// size, as New forms one.
+func (g *Group) shrinkAfresh(ctx context.Context, ns string, rank, size int) (*Group, error) {
+	c, err := g.derive(rank, size)
+	if err != nil {
+		return nil, err
+	}
+	c.cfg.Bootstrap.Namespace = ns
+	if err := c.form(ctx, c.initFresh); err != nil {
+		return nil, fmt.Errorf("pg/nccl: [%d] forming the survivors' communicator under '%s': %w", g.rank, ns, err)
+	}
+	return c, nil
 }
 
 func (g *Group) isRevoked() bool {
@@ -900,7 +983,26 @@ func (g *Group) Revoke(ctx context.Context) error {
 		}
 		g.revoked = true
 	}
-	return g.settle(ctx, nil, g.comm, "ncclCommRevoke")
+	return g.quiesce(ctx, g.comm)
+}
+
+// quiesce waits until revoked communicator comm leaves ncclInProgress. Its
+// async error is then whatever stopped it: a communicator revoked because
+// a peer died keeps reporting ncclRemoteError (NCCL 2.28.9 on an H100 does
+// so), and that is no failure of the revoke, nor a reason not to shrink it.
+// The caller holds commMu.
+func (g *Group) quiesce(ctx context.Context, comm commHandle) error {
+	err := poll(ctx, nil, g.cfg.MaxPollInterval, func() (bool, error) {
+		async, r := g.nccl.commGetAsyncError(comm)
+		if r != Success {
+			return false, g.ncclError("ncclCommGetAsyncError", r, comm)
+		}
+		return async != InProgress, nil
+	})
+	if err != nil && ctx.Err() != nil {
+		return g.ctxError(ctx, "ncclCommRevoke")
+	}
+	return err
 }
 
 // Close releases the communicator, the stream and the device context. A

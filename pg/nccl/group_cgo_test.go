@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -542,6 +543,72 @@ func TestWatchdogAbortsOnAsyncError(t *testing.T) {
 	}
 }
 
+// TestShrinkAfterPeerLost is heal's first half as NCCL 2.28.9 does it on a
+// GPU (seen on an H100): a peer dies mid-allreduce, the watchdog revokes
+// the communicator, and the communicator goes on reporting ncclRemoteError
+// once the revoke is done. NCCL will not shrink it (ncclCommShrink's
+// ncclCommEnsureReady returns the recorded error), and only the survivors
+// connected to the dead peer have the error: the survivors agree, and
+// every one forms a fresh communicator when any one cannot shrink, or
+// shrinks with NCCL when all can.
+func TestShrinkAfterPeerLost(t *testing.T) {
+	for _, tt := range []struct {
+		name     string
+		blocking bool
+		lost     bool   // this rank's communicator recorded the peer's loss
+		others   string // what the other survivor says
+		inPlace  bool
+	}{
+		{"lost here", true, true, "1", false},
+		{"lost here, non-blocking", false, true, "1", false},
+		{"lost at the other survivor", true, false, "0", false},
+		{"lost nowhere", true, false, "1", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useDouble(t)
+			cfg := testConfig(t, 0, 3)
+			cfg.NonBlocking = !tt.blocking
+			g := newTestGroup(t, cfg)
+			if tt.lost {
+				res := blockedOp(t, g, context.Background())
+				// ncclRemoteError: a peer died; the shrunk group's
+				// communicator (2 ranks) has no error of its own.
+				setControl(t, "hang=1", "async_error=6", "async_error_nranks=3")
+				if err := within(t, res, 2*time.Second); !errors.Is(err, pg.ErrPeerLost) {
+					t.Fatalf("blocked allreduce: %v, want ErrPeerLost", err)
+				}
+				if got := calls(t, "ncclCommRevoke"); len(got) != 1 {
+					t.Fatalf("revoke calls %q, want the watchdog's one", got)
+				}
+			}
+			otherSurvivorsSay(t, g, []int{2}, 0, 2, tt.others)
+			child, err := g.Shrink(context.Background(), []int{2}, pg.ShrinkAbort)
+			if err != nil {
+				t.Fatalf("Shrink: %v", err)
+			}
+			defer child.Close()
+			if child.Rank() != 0 || child.Size() != 2 {
+				t.Errorf("child is rank %d of %d, want 0 of 2", child.Rank(), child.Size())
+			}
+			shrinks, inits := calls(t, "ncclCommShrink"), calls(t, "ncclCommInitRank")
+			if tt.inPlace {
+				if len(shrinks) != 1 || len(inits) != 1 {
+					t.Errorf("shrink calls %q, init calls %q; want one shrink and only the parent's init", shrinks, inits)
+				}
+			} else if len(shrinks) != 0 || len(inits) != 2 || !strings.Contains(inits[1], "nranks=2 rank=0") {
+				t.Errorf("shrink calls %q, init calls %q; want no shrink and a fresh init of rank 0 of 2", shrinks, inits)
+			}
+			if got := calls(t, "ncclCommAbort"); len(got) != 1 || !strings.Contains(got[0], "nranks=3") {
+				t.Errorf("abort calls %q, want the parent's", got)
+			}
+			setControl(t) // the double's hang ends
+			if err := child.Barrier(context.Background()); err != nil {
+				t.Errorf("Barrier on the shrunk group: %v", err)
+			}
+		})
+	}
+}
+
 func TestWatchdogIdleGroup(t *testing.T) {
 	useDouble(t)
 	g := newTestGroup(t, testConfig(t, 0, 1))
@@ -669,10 +736,12 @@ func TestShrink(t *testing.T) {
 	}
 }
 
-// shrinkTo shrinks g and checks the child's rank and size; the child is
-// closed when the test ends.
+// shrinkTo shrinks g, the other survivors saying that their communicators
+// can be shrunk, and checks the child's rank and size; the child is closed
+// when the test ends.
 func shrinkTo(t *testing.T, g *Group, exclude []int, flags pg.ShrinkFlags, rank, size int) pg.ProcessGroup {
 	t.Helper()
+	otherSurvivorsSay(t, g, exclude, rank, size, "1")
 	child, err := g.Shrink(context.Background(), exclude, flags)
 	if err != nil {
 		t.Fatalf("Shrink(%v, %v): %v", exclude, flags, err)
@@ -682,6 +751,23 @@ func shrinkTo(t *testing.T, g *Group, exclude []int, flags pg.ShrinkFlags, rank,
 		t.Errorf("child is rank %d of %d, want %d of %d", child.Rank(), child.Size(), rank, size)
 	}
 	return child
+}
+
+// otherSurvivorsSay plays the part of the survivors of a shrink of g other
+// than new rank rank in the agreement on how to shrink (see agreeShrink):
+// each says say.
+func otherSurvivorsSay(t *testing.T, g *Group, exclude []int, rank, size int, say string) {
+	t.Helper()
+	sorted := slices.Sorted(slices.Values(exclude))
+	store := rendezvous.NewPrefixStore(shrinkNamespace(g.cfg.Bootstrap.Namespace, sorted), g.cfg.Bootstrap.Store)
+	for r := range size {
+		if r == rank {
+			continue
+		}
+		if err := store.Set(context.Background(), shrinkAgreeKey(r), []byte(say)); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 func TestShrinkValidatesFirst(t *testing.T) {

@@ -46,6 +46,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(envChildRank) != "" {
 		os.Exit(rankMain())
 	}
+	if os.Getenv(envGPURole) != "" {
+		os.Exit(gpuRankMain())
+	}
 	dir, err := os.MkdirTemp("", "pgnccl-testdouble-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

@@ -27,6 +27,7 @@
 //   devices=N       devices the "driver" sees (default 1); -1: cuInit fails
 //                   with CUDA_ERROR_NO_DEVICE
 //   async_error=N   ncclCommGetAsyncError reports N
+//   async_error_nranks=N  only communicators of N ranks report it
 //   hang=1          cuStreamQuery says CUDA_ERROR_NOT_READY: work never ends
 //   init_polls=N    a non-blocking init stays ncclInProgress for N polls
 //                   (-1: for ever)
@@ -253,7 +254,8 @@ int ncclCommGetAsyncError(fake_comm *c, int *e) {
 		*e = inProgress;
 		return ok;
 	}
-	*e = (int)ctl("async_error", 0);
+	long only = ctl("async_error_nranks", 0);
+	*e = only && c->nranks != only ? ok : (int)ctl("async_error", 0);
 	return ok;
 }
 
