@@ -33,6 +33,9 @@ type Failure struct {
 	Message string
 	// Traceback is the Python call stack from the error file, if any.
 	Traceback string
+	// Since is the shrink epoch after which the worker was started: 0 for
+	// a round's workers, the epoch a newcomer followed (heal).
+	Since int
 }
 
 // noTraceback is torchrun's message when a worker left no error file.

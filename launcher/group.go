@@ -44,6 +44,9 @@ type worker struct {
 	// newcomer: heal respawned it into a lost slot (or a node admitted
 	// late started it), to be grown back in; grown once a grow epoch has.
 	newcomer, grown bool
+	// since is the shrink epoch after which it was started
+	// (GORUN_SHRINK_NEWCOMER; 0 for a round's workers).
+	since int
 	// assignTo is a parked worker's assignment pipe (the agent's end),
 	// nil once assigned or for a worker started with its assignment.
 	assignTo *os.File
@@ -169,7 +172,7 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 		return nil, fmt.Errorf("start %s: %w", spec.path, err)
 	}
 	spec.contain.started(w)
-	w.proc, w.out = proc, out
+	w.proc, w.out, w.since = proc, out, spec.env.NewcomerAfter
 	go func() { exits <- workerExit{w, <-ch} }()
 	return w, nil
 }
@@ -214,7 +217,7 @@ func (g *group) assign(spec spawnSpec, as []Assignment) error {
 		if i < 0 {
 			return fmt.Errorf("no assignment for the pre-started worker of local rank %d", w.a.LocalRank)
 		}
-		w.a = as[i]
+		w.a, w.since = as[i], spec.env.NewcomerAfter
 		w.errorFile = filepath.Join(spec.dir, strconv.Itoa(w.a.LocalRank), "error.json")
 		w.out.setPrefix(spec.prefix(w.a))
 		if w.assignTo == nil {

@@ -344,6 +344,7 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 
 func (a *agent) failure(x workerExit) Failure {
 	f := newFailure(x.w.a.LocalRank, x.w.a.Rank, x.e, x.w.errorFile, a.host)
+	f.Since = x.w.since
 	switch {
 	case x.w.hung != "":
 		f.Message = "hung (" + x.w.hung + "); killed by gorun"

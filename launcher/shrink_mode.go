@@ -187,6 +187,7 @@ func (a *agent) newcomersGone(ctx context.Context, g *group, sv *survivors, e sh
 			continue
 		}
 		f := newFailure(wk.a.LocalRank, wk.a.Rank, wk.exit, wk.errorFile, a.host)
+		f.Since = wk.since
 		f.Message = fmt.Sprintf("the grow of epoch %d adds slot %d, whose newcomer is gone (%s)", e.Number, wk.a.Rank, f.Message)
 		a.log.Warn("a grow adds a slot whose newcomer is gone; reporting it", zap.Int("rank", wk.a.Rank), zap.Int("epoch", e.Number))
 		out.failures = append(out.failures, f)

@@ -140,7 +140,11 @@ func (s *survivors) workerFailed(ctx context.Context, f Failure) error {
 		s.since = time.Now()
 	}
 	s.pending[f.Rank] = f.Message
-	return s.file(ctx, []int{f.Rank}, fmt.Sprintf("rank %d on %s: %s", f.Rank, s.nodeIDs[s.me], f.Message), f.Time)
+	// Epoch: the life of the rank that failed, the epoch after which its
+	// worker was started (an exit because a later epoch excluded it, filed
+	// before this agent read that epoch, is no news).
+	return s.file(ctx, shrink.Report{Ranks: []int{f.Rank}, Reason: fmt.Sprintf("rank %d on %s: %s", f.Rank, s.nodeIDs[s.me], f.Message),
+		SeenAt: f.Time, Epoch: new(f.Since)})
 }
 
 // nodesLost files the ranks of nodes found lost (their agents stopped
@@ -171,14 +175,18 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 	if len(ranks) == 0 {
 		return len(names), nil
 	}
-	return len(names), s.file(ctx, ranks, fmt.Sprintf("node %s lost: %s", strings.Join(names, ", "), why), time.Now())
+	// Holds and Epoch let the leader tell a node cut off (whose view of
+	// the others is its own isolation) from one that saw them fail, and
+	// the ranks' lives this view saw from those grown back in since.
+	return len(names), s.file(ctx, shrink.Report{Ranks: ranks, Reason: fmt.Sprintf("node %s lost: %s", strings.Join(names, ", "), why),
+		SeenAt: time.Now(), Holds: s.nodes.ranksOf(s.me), Epoch: new(s.epoch.Number)})
 }
 
-func (s *survivors) file(ctx context.Context, ranks []int, reason string, seen time.Time) error {
+func (s *survivors) file(ctx context.Context, r shrink.Report) error {
 	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
-	if err := s.coord.File(fctx, shrink.Report{Ranks: ranks, Reason: reason, SeenAt: seen}); err != nil {
-		return fmt.Errorf("shrink mode: filing the failure of ranks %v: %w", ranks, err)
+	if err := s.coord.File(fctx, r); err != nil {
+		return fmt.Errorf("shrink mode: filing the failure of ranks %v: %w", r.Ranks, err)
 	}
 	return nil
 }

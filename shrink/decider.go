@@ -82,6 +82,24 @@ type Report struct {
 	Reason string    `json:"reason"`
 	From   string    `json:"from,omitempty"`
 	SeenAt time.Time `json:"seen_at"`
+	// Epoch says which lives of the ranks the report is about: those of
+	// the epoch it names. A worker's failure names the epoch after which
+	// the worker was started (0, or the epoch a newcomer follows); a
+	// report of nodes lost, the latest epoch the reporter had adopted (a
+	// liveness view, which a partition makes stale). A rank excluded by a
+	// later epoch than that is not reported by it: the life it saw ended
+	// already (the worker that exits because an epoch excluded it; a
+	// report filed against a node cut off, read after the grow that
+	// brought it back). Nil: not said, and the report is taken as news.
+	Epoch *int `json:"epoch,omitempty"`
+	// Holds are the global ranks of the reporting agent's node, on a
+	// report of nodes lost. One from a node that an epoch after Epoch
+	// excluded entirely is not acted on: that node was cut off, and what
+	// it saw while apart (the others gone silent) is its own isolation,
+	// not their failure. Seen with a link cut and healed: the cut-off
+	// node's agent filed the others as lost the moment the link came
+	// back, and the job fell back to a restart.
+	Holds []int `json:"holds,omitempty"`
 }
 
 // Decider is the coordinator's decision core: reports in, the next epoch
@@ -94,6 +112,13 @@ type Decider struct {
 	name    string
 	current Epoch
 	pending map[int]string // global rank → first reason
+	// pendingBy are the reports that named each pending rank: a rank
+	// whose every report comes from a node cut off from a newly adopted
+	// epoch is pending no more (Report.Holds).
+	pendingBy map[int][]Report
+	// excludedIn is, for each launch slot ever excluded, the latest
+	// epoch that excluded it: what Report.Epoch is weighed against.
+	excludedIn map[int]int
 	// due is when the pending reports are to be decided: the earliest
 	// pending report's SeenAt plus the settle window.
 	due time.Time
@@ -123,7 +148,7 @@ type Decider struct {
 // NewDecider returns a decider for the coordinator called name, starting
 // from current.
 func NewDecider(name string, cfg Config, current Epoch) *Decider {
-	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{},
+	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{}, pendingBy: map[int][]Report{}, excludedIn: map[int]int{},
 		joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
 	d.Adopt(current)
 	return d
@@ -133,12 +158,41 @@ func NewDecider(name string, cfg Config, current Epoch) *Decider {
 func (d *Decider) Current() Epoch { return d.current }
 
 // Report records r, received at now. Ranks already lost, or out of range,
-// are ignored. It returns when Decide is due (zero when nothing is pending).
+// are ignored, and so is news out of date (Report.Epoch, Report.Holds). It returns when Decide is due (zero when nothing is
+// pending).
 func (d *Decider) Report(now time.Time, r Report) time.Time {
+	r.Ranks = slices.DeleteFunc(slices.Clone(r.Ranks), func(g int) bool { return d.stale(r, g) })
 	if d.record(d.pending, r.Ranks, r.Reason, d.current.Alive) {
 		d.settleBy(&d.due, r.SeenAt, now)
 	}
+	for _, g := range r.Ranks {
+		if _, ok := d.pending[g]; ok {
+			d.pendingBy[g] = append(d.pendingBy[g], r)
+		}
+	}
 	return d.due
+}
+
+// stale reports whether r, as news of rank g's failure, is out of date: a
+// later epoch than the one it names excluded g (the life it saw ended), or
+// excluded every rank of the reporter's node (it was cut off: see
+// Report.Holds).
+func (d *Decider) stale(r Report, g int) bool {
+	if r.Epoch == nil {
+		return false
+	}
+	if d.excludedIn[g] > *r.Epoch {
+		return true
+	}
+	if len(r.Holds) == 0 {
+		return false
+	}
+	for _, h := range r.Holds {
+		if d.excludedIn[h] <= *r.Epoch {
+			return false
+		}
+	}
+	return true
 }
 
 // record adds the ranks that want admits to m, each with v unless already
@@ -346,10 +400,23 @@ func (d *Decider) Adopt(e Epoch) {
 	if e.Number < d.current.Number || (e.Number == d.current.Number && d.current.Ranks != nil) {
 		return // stale, or adopted already: never go back
 	}
+	for g := range e.Ranks {
+		// Out of the first epoch adopted: excluded then at the latest.
+		if !e.Alive(g) && (d.current.Ranks == nil || d.current.Alive(g)) {
+			d.excludedIn[g] = e.Number
+		}
+	}
 	d.current = e
 	for g := range d.pending {
-		if !e.Alive(g) {
+		// Kept while the rank is in e and some report of it is still
+		// current (not from a node e cut off).
+		keep := false
+		for _, r := range d.pendingBy[g] {
+			keep = keep || !d.stale(r, g)
+		}
+		if !e.Alive(g) || !keep {
 			delete(d.pending, g)
+			delete(d.pendingBy, g)
 		}
 	}
 	if len(d.pending) == 0 {

@@ -127,3 +127,102 @@ func TestDeciderFloorAndNoSurvivors(t *testing.T) {
 		t.Error("Decide with every rank failed returned no error")
 	}
 }
+
+// TestDeciderFencesExcludedReporters: a node cut off and excluded sees the
+// others go silent; when its link comes back, its agent files them as lost
+// before it has read the epoch that excluded it. That report must not
+// exclude the nodes that carried on, while reports from nodes the epoch
+// keeps, from a node that knew it was excluded (its workers all failed,
+// and then it saw another node go), and from agents that do not say what
+// they hold, count as ever.
+func TestDeciderFencesExcludedReporters(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	// Three nodes of two ranks: node B (ranks 2, 3) was cut off and
+	// excluded; A holds 0 and 1, C 4 and 5.
+	cut := mustNext(t, Initial(6), 2, 3)
+	for _, tt := range []struct {
+		name string
+		r    Report
+		want bool // a shrink is decided
+	}{
+		{"from the node cut off", Report{Ranks: []int{0, 1}, Reason: "node A lost", Holds: []int{2, 3}, Epoch: new(0)}, false},
+		{"from the excluded node that knew", Report{Ranks: []int{0, 1}, Reason: "node A lost", Holds: []int{2, 3}, Epoch: new(1)}, true},
+		{"from a node the epoch keeps", Report{Ranks: []int{1}, Reason: "rank 1 exited", Holds: []int{0, 1}, Epoch: new(1)}, true},
+		{"from a node half kept", Report{Ranks: []int{0}, Reason: "rank 0 exited", Holds: []int{0, 2}, Epoch: new(0)}, true},
+		{"from an agent that does not say", Report{Ranks: []int{1}, Reason: "rank 1 exited"}, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecider("a", Config{}, cut)
+			due := d.Report(t0, tt.r)
+			e, ok, err := d.Decide(t0.Add(time.Hour))
+			if err != nil || ok != tt.want || due.IsZero() == tt.want {
+				t.Fatalf("Report then Decide: due %v, epoch %v, decided %v, %v; want decided %v", due, e, ok, err, tt.want)
+			}
+			if ok && e.Alive(tt.r.Ranks[0]) {
+				t.Errorf("epoch %v keeps rank %d", e, tt.r.Ranks[0])
+			}
+		})
+	}
+}
+
+// TestDeciderFencesReportsBeforeTheEpoch: the cut-off node's report can
+// reach a coordinator before the epoch that excluded that node does (the
+// cut-off agent's own coordinator, which reads its notice before it reads
+// the epoch). Adopting the epoch drops what only such reports named.
+func TestDeciderFencesReportsBeforeTheEpoch(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	start := Initial(6) // nodes A {0, 1}, B {2, 3}, C {4, 5}
+	cut := mustNext(t, start, 2, 3)
+	for _, tt := range []struct {
+		name    string
+		reports []Report
+		want    []int // pending after the adoption
+	}{
+		{"only from the node cut off", []Report{{Ranks: []int{0, 1}, Holds: []int{2, 3}, Epoch: new(0)}}, nil},
+		{"from the node cut off and from another", []Report{
+			{Ranks: []int{0, 1}, Holds: []int{2, 3}, Epoch: new(0)},
+			{Ranks: []int{1}, Holds: []int{4, 5}, Epoch: new(0)},
+		}, []int{1}},
+		{"from another node", []Report{{Ranks: []int{0}, Holds: []int{4, 5}, Epoch: new(0)}}, []int{0}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecider("b", Config{}, start)
+			for _, r := range tt.reports {
+				d.Report(t0, r)
+			}
+			d.Adopt(cut)
+			if got := d.Pending(); !slices.Equal(got, tt.want) {
+				t.Fatalf("pending after adopting %v: %v, want %v", cut, got, tt.want)
+			}
+			e, ok, err := d.Decide(t0.Add(time.Hour))
+			if ok != (len(tt.want) > 0) || err != nil {
+				t.Errorf("Decide: %v %v %v; want a decision %v", e, ok, err, len(tt.want) > 0)
+			}
+		})
+	}
+}
+
+// TestDeciderSkipsReportsOfAnEarlierLife: a node's report of another node
+// lost, filed before that node's slots were grown back in, is about their
+// last life: it must not exclude them again (seen with a link cut and
+// healed: the cut-off node's own coordinator read the report filed against
+// it after the grow that brought it back). Filed after the grow, it counts.
+func TestDeciderSkipsReportsOfAnEarlierLife(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	cut := mustNext(t, Initial(4), 2, 3)
+	d := NewDecider("b", Config{SettleWindow: -1}, cut)
+	d.Join(t0, Join{Slots: []int{2, 3}})
+	grow, ok, err := d.Decide(t0)
+	if err != nil || !ok || grow.Action != ActionGrow {
+		t.Fatalf("Decide the grow: %v %v %v", grow, ok, err)
+	}
+	d.Adopt(grow)
+	d.Report(t0, Report{Ranks: []int{2, 3}, Reason: "node B lost", Holds: []int{0, 1}, Epoch: new(cut.Number - 1)})
+	if p := d.Pending(); len(p) != 0 {
+		t.Errorf("pending after a report filed before the grow: %v, want none", p)
+	}
+	d.Report(t0, Report{Ranks: []int{3}, Reason: "node B lost", Holds: []int{0, 1}, Epoch: new(grow.Number)})
+	if p := d.Pending(); !slices.Equal(p, []int{3}) {
+		t.Errorf("pending after a report filed in the grow's epoch: %v, want [3]", p)
+	}
+}

@@ -23,8 +23,10 @@ type runEnv struct {
 	// replaceAfter is how long after an agent is killed a replacement
 	// agent starts on its host (a replacement node).
 	replaceAfter time.Duration
-	timeout      time.Duration // bound on the run
-	console      io.Writer
+	// cutFor is how long a link cut lasts before the link heals.
+	cutFor  time.Duration
+	timeout time.Duration // bound on the run
+	console io.Writer
 }
 
 // agent is one launcher process of a run, on a host.
@@ -64,6 +66,9 @@ type runner struct {
 	// as leftovers.
 	spares []int
 	single string // one host: the agent's --health-addr (a free port)
+	// cut are the hosts whose link is cut now (LinkCut): healed when the
+	// cut ends, and at the row's end, since the bed serves the next row.
+	cut map[int]bool
 }
 
 // healthAddr is host's agent's --health-addr.
@@ -144,7 +149,7 @@ func (ru *runner) pids() []int {
 func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Duration, lim Limits, env runEnv) (res RowResult, err error) {
 	res.Row = r
 	lim = lim.withDefaults()
-	ru := &runner{j: j, r: r, env: env, out: newOutput(),
+	ru := &runner{j: j, r: r, env: env, out: newOutput(), cut: map[int]bool{},
 		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}
 	ru.env.console = &procs.LockedWriter{W: env.console}
 	if env.bed != nil && env.bed.Etcd != nil {
@@ -178,9 +183,12 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
+	// After a host fault: a replacement agent (AgentKill), or the link
+	// healed (LinkCut, heal).
 	type replacement struct {
 		host int
 		at   time.Time
+		heal bool
 	}
 	var pending []replacement
 	spareStarted := !r.Spare || env.bed == nil
@@ -201,15 +209,29 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			a := ru.bring(ctx, sched[next])
 			res.Faults = append(res.Faults, a)
 			fmt.Fprintf(ru.env.console, "# fault %v\n", a)
-			if a.Skipped == "" && a.Kind.hostFault() {
-				pending = append(pending, replacement{a.Target, time.Now().Add(env.replaceAfter)})
+			switch {
+			case a.Skipped != "":
+			case a.Kind == LinkCut:
+				pending = append(pending, replacement{a.Target, time.Now().Add(env.cutFor), true})
+				slices.SortFunc(pending, func(x, y replacement) int { return x.at.Compare(y.at) })
+			case a.Kind.hostFault():
+				pending = append(pending, replacement{a.Target, time.Now().Add(env.replaceAfter), false})
+				slices.SortFunc(pending, func(x, y replacement) int { return x.at.Compare(y.at) })
 			}
 			next++
 		case <-replaceC:
-			if err := ru.start(pending[0].host, true); err != nil {
+			p := pending[0]
+			pending = pending[1:]
+			if p.heal {
+				if err := ru.heal(p.host); err != nil {
+					return res, err
+				}
+				fmt.Fprintf(ru.env.console, "# healed the link of host %d at %v\n", p.host, time.Since(ru.t0).Round(time.Millisecond))
+				break
+			}
+			if err := ru.start(p.host, true); err != nil {
 				return res, err
 			}
-			pending = pending[1:]
 		case <-tick.C:
 			// Samples while the workers run: a finishing job's agent
 			// has fewer of everything.
@@ -286,6 +308,9 @@ func (ru *runner) settle(grace time.Duration) {
 // end runs as runRow returns: whatever still runs (after an error) is
 // killed, the leftovers reaped and counted, the pipes closed.
 func (ru *runner) end(res *RowResult) {
+	for h := range ru.cut {
+		ru.heal(h)
+	}
 	for _, a := range ru.agents {
 		if !a.done() {
 			syscall.Kill(-a.cmd.Process.Pid, syscall.SIGKILL)
@@ -300,6 +325,18 @@ func (ru *runner) end(res *RowResult) {
 		}
 		a.pipe.Close()
 	}
+}
+
+// heal ends a link cut of host h.
+func (ru *runner) heal(h int) error {
+	if !ru.cut[h] {
+		return nil
+	}
+	delete(ru.cut, h)
+	if err := ru.env.bed.Hosts[h].Heal(); err != nil {
+		return fmt.Errorf("heal the link of host %d: %w", h, err)
+	}
+	return nil
 }
 
 // cleanUp kills and reaps whatever of the job is left — our orphaned
@@ -338,9 +375,24 @@ func (ru *runner) cleanUp() []int {
 // fault that would take more is skipped), and a rank already hung is not
 // hit again. A host fault SIGKILLs the target host's agent (its workers
 // die with it: Pdeathsig) and reaps them; runRow starts a replacement on
-// that host replaceAfter later.
+// that host replaceAfter later. A link cut blackholes the target host's
+// link; runRow heals it cutFor later.
 func (ru *runner) bring(ctx context.Context, f Fault) Applied {
 	a := Applied{Fault: f, Rank: -1, Second: -1}
+	if f.Kind == LinkCut {
+		ag := ru.current(f.Target)
+		if ag == nil {
+			a.Skipped = "no agent on the host"
+			return a
+		}
+		a.At, a.PID = time.Since(ru.t0), ag.cmd.Process.Pid
+		if err := ru.env.bed.Hosts[f.Target].Blackhole(); err != nil {
+			a.Skipped = fmt.Sprintf("cut host %d: %v", f.Target, err)
+			return a
+		}
+		ru.cut[f.Target] = true
+		return a
+	}
 	if f.Kind.hostFault() {
 		ag := ru.current(f.Target)
 		if ag == nil {

@@ -51,14 +51,16 @@
 // at once); grow-kill SIGKILLs a rank and, the moment its respawn says it
 // is a newcomer (a grow under way), a second one (a fault during a grow;
 // where no newcomer comes within 5 s, as in restart rows, the second kill
-// strikes the recovery all the same).
+// strikes the recovery all the same). link-cut blackholes a host's link
+// (never host 0's) for -cut-for, then heals it: the host's agent and
+// workers live on, silent to the others, and must find their way back or
+// out.
 //
 // With -hosts 1 the agent runs with --standalone; with -hosts H ≥ 2 (root,
 // iproute2) agent i runs in host i of a network-namespace bed
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
-// host's --local-addr. Still to come (issue 16): link cuts, the
-// coordinator's host lost, a spare lost, torchrun 2.14, PyTorch gloo
+// host's --local-addr. Still to come (issue 16): the coordinator's host lost, a spare lost, torchrun 2.14, PyTorch gloo
 // workers, etcd key and lease counts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
@@ -99,6 +101,7 @@ type config struct {
 	limits     Limits
 	etcd       string        // the etcd binary, for -backend etcd
 	replace    time.Duration // a killed agent's replacement starts this much later
+	cutFor     time.Duration // a link cut lasts this long
 	// baselineSteps is the fault-free row's work (0: -steps): its rate is
 	// what is measured, and a shorter run gives it sooner.
 	baselineSteps int
@@ -112,6 +115,7 @@ func main() {
 	flag.StringVar(&c.job.RdzvConf, "rdzv-conf", "join_timeout=1800,last_call_timeout=1", "every multi-host agent's --rdzv-conf (a spare stands by for up to join_timeout)")
 	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
 	flag.DurationVar(&c.replace, "replace-after", time.Second, "a killed agent's replacement (a replacement node) starts on its host this much later")
+	flag.DurationVar(&c.cutFor, "cut-for", 10*time.Second, "a link cut (link-cut) lasts this long before the link heals")
 	flag.IntVar(&c.baselineSteps, "baseline-steps", 0, "the fault-free row's steps (default -steps)")
 	flag.IntVar(&c.job.Steps, "steps", 1200, "the fixed work: allreduce steps")
 	flag.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
@@ -203,7 +207,7 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if c.job.Hosts <= 1 {
 		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
 	}
-	env := runEnv{replaceAfter: c.replace, timeout: c.rowTimeout}
+	env := runEnv{replaceAfter: c.replace, cutFor: c.cutFor, timeout: c.rowTimeout}
 	if c.job.Hosts > 1 {
 		cfg := hostbed.Config{Hosts: c.job.Hosts + 1, Dir: tmp} // the last: the spare's
 		if c.job.Backend == backendEtcd {

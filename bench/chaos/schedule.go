@@ -30,6 +30,10 @@ const (
 	// TwoRanks SIGKILLs two ranks at the same moment: two faults at once,
 	// by design (the settle window must make them one epoch).
 	TwoRanks Kind = "two-ranks"
+	// LinkCut cuts a host off the network (its bridge port blackholed:
+	// its peers see silence, not resets) and heals the link some seconds
+	// later (-cut-for); the host's agent and workers live on through it.
+	LinkCut Kind = "link-cut"
 	// GrowKill SIGKILLs a rank and then, the moment its respawn says it
 	// is a newcomer (a grow is under way), another rank: a fault during a
 	// grow. Where no newcomer comes within growKillWait (restart rows),
@@ -42,14 +46,14 @@ const (
 var rankKinds = []Kind{RankKill, RankExit, RankHang}
 
 // allKinds are the kinds the harness knows, in a fixed order.
-var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill}
+var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill, LinkCut}
 
 // growKillWait bounds how long a GrowKill waits for the newcomer before
 // its second kill.
 const growKillWait = 5 * time.Second
 
-// hostFault reports whether k takes a host's agent, not one rank.
-func (k Kind) hostFault() bool { return k == AgentKill }
+// hostFault reports whether k strikes a host, not one rank.
+func (k Kind) hostFault() bool { return k == AgentKill || k == LinkCut }
 
 // ScheduleConfig is what a schedule is drawn from.
 type ScheduleConfig struct {

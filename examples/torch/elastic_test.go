@@ -44,6 +44,23 @@ func (w *worker) wait(ctx context.Context) (error, bool) {
 	}
 }
 
+// dumpStacks asks the workers still running to print every thread's
+// Python stack (gorun_ft's GORUN_FT_STACKS, which start sets), and gives
+// them a moment to: where a stuck worker waits, in a failing test's output.
+func dumpStacks(ws ...*worker) {
+	asked := false
+	for _, w := range ws {
+		select {
+		case <-w.exited:
+		default:
+			asked = w.cmd.Process.Signal(syscall.SIGUSR1) == nil || asked
+		}
+	}
+	if asked {
+		time.Sleep(300 * time.Millisecond)
+	}
+}
+
 // storeServer says who serves the workers' store: gorun's TCPStore server
 // (what the agents run) or PyTorch's own (the helper must not depend on
 // gorun's server to be safe).
@@ -122,7 +139,7 @@ func (j job) start(t *testing.T, r int, extra ...string) *worker {
 	w.cmd = exec.Command(j.py, append([]string{"-u", j.script}, j.args...)...)
 	w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
 		"WORLD_SIZE="+strconv.Itoa(j.world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
-		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1")
+		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1", "GORUN_FT_STACKS=1")
 	w.cmd.Env = append(append(w.cmd.Env, j.env...), extra...)
 	w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
 	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

@@ -149,6 +149,11 @@ func finish(ctx context.Context, t *testing.T, final shrink.Epoch, steps int, ms
 	var losses []string
 	// A member that fails often fails for another's doing: show them all.
 	all := func() string {
+		ws := make([]*worker, len(ms))
+		for i, m := range ms {
+			ws[i] = m.w
+		}
+		dumpStacks(ws...)
 		var b strings.Builder
 		for _, m := range ms {
 			fmt.Fprintf(&b, "--- slot %d:\n%s\n", m.slot, m.w.out)
