@@ -178,6 +178,14 @@ type NodeConfig struct {
 	// their probe interval instead.) Default: 2 s.
 	TCPTimeout time.Duration
 
+	// ReconnectInterval is how often a member tries to join again the
+	// members of the current round it holds dead (a TCP join each, bounded
+	// by TCPTimeout), as Serf's reconnect does: after a partition heals
+	// each side holds the other dead, and memberlist alone never merges
+	// them again (push-pull only goes to live members). One that answers
+	// comes back as NodeJoined. 0 disables it. Default: 1 s.
+	ReconnectInterval time.Duration
+
 	// DeadNodeReclaimTime is how long after a member was declared dead
 	// another member may take its name from a different address (an agent
 	// restarted on a new port). 0 never allows it. Default: 1 s.
@@ -206,6 +214,7 @@ func DefaultNodeConfig() NodeConfig {
 		GossipToTheDeadTime:     5 * time.Second,
 		PushPullInterval:        5 * time.Second,
 		TCPTimeout:              2 * time.Second,
+		ReconnectInterval:       time.Second,
 		DeadNodeReclaimTime:     time.Second,
 	}
 }
@@ -261,6 +270,7 @@ func (c NodeConfig) validate() error {
 	check(c.PushPullInterval >= 0, "PushPullInterval %v must not be negative", c.PushPullInterval)
 	check(c.TCPTimeout > 0, "TCPTimeout %v must be positive", c.TCPTimeout)
 	check(c.DeadNodeReclaimTime >= 0, "DeadNodeReclaimTime %v must not be negative", c.DeadNodeReclaimTime)
+	check(c.ReconnectInterval >= 0, "ReconnectInterval %v must not be negative", c.ReconnectInterval)
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("node config: %w", err)
 	}

@@ -56,7 +56,7 @@ type Nodes struct {
 	// Shutdown.
 	life    sync.Mutex
 	closing chan struct{}  // closed by Close
-	sends   sync.WaitGroup // departure announcements in flight
+	sends   sync.WaitGroup // departure announcements in flight, and reconnect
 }
 
 // leaveMsg, followed by the member's name, is the departure announcement a
@@ -98,7 +98,37 @@ func StartNodes(cfg NodeConfig) (*Nodes, error) {
 	local := ml.LocalNode()
 	n.name, n.addr = local.Name, local.Address()
 	logger.Debug("gossip member started", zap.String("addr", n.Addr()))
+	if cfg.ReconnectInterval > 0 {
+		n.sends.Add(1)
+		go n.reconnect(cfg.ReconnectInterval)
+	}
 	return n, nil
+}
+
+// reconnect tries, every interval until Close, to join again the members
+// of the round held dead (NodeConfig.ReconnectInterval).
+func (n *Nodes) reconnect(interval time.Duration) {
+	defer n.sends.Done()
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-n.closing:
+			return
+		case <-t.C:
+		}
+		n.mu.Lock()
+		addrs := n.core.deadAddrs()
+		n.mu.Unlock()
+		for _, addr := range addrs {
+			if n.closed() {
+				return
+			}
+			if _, err := n.ml.Join([]string{addr}); err == nil {
+				n.log.Debug("rejoined a member held dead", zap.String("addr", addr))
+			}
+		}
+	}
 }
 
 func memberlistConfig(cfg NodeConfig, n *Nodes, logger *zap.Logger) *memberlist.Config {

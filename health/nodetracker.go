@@ -2,6 +2,7 @@ package health
 
 import (
 	"fmt"
+	"slices"
 	"time"
 )
 
@@ -140,6 +141,19 @@ func (t *nodeTracker) deadReason(p *peer, n int, now time.Time) string {
 	}
 	return reason + fmt.Sprintf("; last ack to this member %v before (rtt %v)",
 		now.Sub(p.lastAck).Round(time.Millisecond), p.rtt.Round(10*time.Microsecond))
+}
+
+// deadAddrs are the addresses of the peers declared dead that are
+// reported (the current round's): those a reconnect tries, sorted.
+func (t *nodeTracker) deadAddrs() []string {
+	var out []string
+	for name, p := range t.peers {
+		if p.state == nodeDead && t.reported(name) && p.addr != "" {
+			out = append(out, p.addr)
+		}
+	}
+	slices.Sort(out)
+	return out
 }
 
 // acked records that name acked one of this member's probes (memberlist's

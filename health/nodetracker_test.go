@@ -2,6 +2,7 @@ package health
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -216,5 +217,28 @@ func TestParseMemberlistLog(t *testing.T) {
 		if level, msg := parseMemberlistLog(tt.in); level != tt.level || msg != tt.msg {
 			t.Errorf("parseMemberlistLog(%q) = %q, %q; want %q, %q", tt.in, level, msg, tt.level, tt.msg)
 		}
+	}
+}
+
+// TestNodeTrackerDeadAddrs: what a reconnect tries is the round's peers
+// declared dead: not those alive, not those that left, not those of
+// another round, not this member.
+func TestNodeTrackerDeadAddrs(t *testing.T) {
+	now := time.Unix(0, 0)
+	tr := newNodeTracker("self", DefaultNodeConfig())
+	for i, name := range []string{"a", "b", "c", "d"} {
+		tr.joined(name, fmt.Sprintf("10.0.0.%d:1", i+1), now)
+	}
+	tr.gone("a", "10.0.0.1:1", false, now) // declared dead
+	tr.announcedLeave("b")
+	tr.gone("b", "10.0.0.2:1", false, now) // left
+	tr.gone("d", "10.0.0.4:1", false, now) // dead, but not of the round
+	tr.expect([]string{"self", "a", "b", "c"})
+	if got, want := tr.deadAddrs(), []string{"10.0.0.1:1"}; !slices.Equal(got, want) {
+		t.Errorf("deadAddrs = %v, want %v", got, want)
+	}
+	tr.joined("a", "10.0.0.1:1", now.Add(time.Second)) // back
+	if got := tr.deadAddrs(); len(got) != 0 {
+		t.Errorf("deadAddrs after a rejoined = %v, want none", got)
 	}
 }

@@ -46,6 +46,9 @@ const (
 	// evNodeDead: node liveness declared a member of the round dead
 	// (roundEvent.node, roundEvent.why).
 	evNodeDead
+	// evNodeBack: a member of the round node liveness had declared dead
+	// answers again (roundEvent.node, roundEvent.why): a partition healed.
+	evNodeBack
 	// evJobChanged: the rendezvous reports a change of the job
 	// (roundEvent.change).
 	evJobChanged
@@ -163,8 +166,13 @@ func (w *roundWatch) next(ctx context.Context) roundEvent {
 		case ev := <-a.hung:
 			a.stopHung(w.g, ev)
 		case ev := <-a.gossip.eventsOrNil():
-			if id, member := w.p.nodeOfGossip(ev.Node); ev.Kind == health.NodeDead && member {
-				return roundEvent{kind: evNodeDead, node: id, why: ev.Reason}
+			if id, member := w.p.nodeOfGossip(ev.Node); member {
+				switch ev.Kind {
+				case health.NodeDead:
+					return roundEvent{kind: evNodeDead, node: id, why: ev.Reason}
+				case health.NodeJoined:
+					return roundEvent{kind: evNodeBack, node: id, why: ev.Reason}
+				}
 			}
 			a.log.Debug("node liveness", zap.Stringer("event", ev))
 		case <-w.poll:

@@ -83,7 +83,14 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			n, err := sv.nodesLost(ctx, []string{ev.node}, "node liveness: "+ev.why)
 			a.endpoint.FailureReported(ReportNode, n)
 			if err != nil {
-				return fallBack(err.Error())
+				// Not fatal: a node that cannot reach the store to report
+				// the others may be the one cut off, and the epoch that
+				// excludes it will tell it so when its link is back (a
+				// restart here left the job to finish without it). A store
+				// that is gone for good ends the round by the rendezvous
+				// watch ("the rendezvous store stopped answering").
+				a.log.Warn("cannot report the lost node's ranks; this node may be the one cut off: going on",
+					zap.String("node", ev.node), zap.Error(err))
 			}
 			if n > 0 && a.cfg.Regrow && sv.leading {
 				// Out of the rendezvous now, not when its keep-alive
@@ -92,6 +99,8 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 					a.log.Debug("expelling a lost node", zap.String("node", ev.node), zap.Error(err))
 				}
 			}
+		case evNodeBack:
+			sv.nodeBack(ctx, ev.node, ev.why)
 		case evJobChanged:
 			if !ev.change.closed {
 				// Survivors carry on: a lost node's ranks are reported;

@@ -182,6 +182,22 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 		SeenAt: time.Now(), Holds: s.nodes.ranksOf(s.me), Epoch: new(s.epoch.Number)})
 }
 
+// nodeBack records that node id, found lost before, answers again (a
+// partition healed): it counts again for leadership and the exit barrier.
+// What was reported of it stands: an epoch may have excluded its ranks,
+// and then they come back by a grow. Without this, a node cut off and back
+// held the others dead to the end of the job: it took the lead, and did
+// not wait for them at the exit barrier.
+func (s *survivors) nodeBack(ctx context.Context, id, why string) {
+	g := slices.Index(s.nodeIDs, id)
+	if g < 0 || !s.dead[g] {
+		return
+	}
+	s.dead[g] = false
+	s.log.Warn("a node found lost answers again; it counts again", zap.String("node", id), zap.String("why", why))
+	s.updateLeader(ctx)
+}
+
 func (s *survivors) file(ctx context.Context, r shrink.Report) error {
 	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 	defer cancel()
