@@ -96,7 +96,11 @@ PyTorch's watchdog takes the whole process down when a peer fails (seen:
 the survivors killed a minute after the failure), and the survivors are to
 carry on; the helper aborts a failed group itself, and drops it with
 PyTorch's _abort_process_group where it has one (2.5 and later), since
-destroy_process_group waits for ever on a failed NCCL group. GORUN_FT_STACKS=1 makes SIGUSR1 print every
+destroy_process_group waits for ever on a failed NCCL group. On PyTorch 2.x
+the helper's store waits that time out (its watcher's, each second) make
+the C++ TCPStore client log two warnings each (``waitForInput ... timed out
+after 1000ms``): noise, not failures; TORCH_CPP_LOG_LEVEL=ERROR in the
+worker's environment silences them. GORUN_FT_STACKS=1 makes SIGUSR1 print every
 thread's Python stack to stderr (faulthandler), to see where a worker waits.
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
