@@ -51,7 +51,9 @@
 // at once); grow-kill SIGKILLs a rank and, the moment its respawn says it
 // is a newcomer (a grow under way), a second one (a fault during a grow;
 // where no newcomer comes within 5 s, as in restart rows, the second kill
-// strikes the recovery all the same). link-cut blackholes a host's link
+// strikes the recovery all the same). spare-kill SIGKILLs the hot spare's
+// agent while it stands by (the spare row; others skip it), and a new
+// spare starts on its host -replace-after later. link-cut blackholes a host's link
 // (never host 0's) for -cut-for, then heals it: the host's agent and
 // workers live on, silent to the others, and must find their way back or
 // out.
@@ -60,8 +62,8 @@
 // iproute2) agent i runs in host i of a network-namespace bed
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
-// host's --local-addr. Still to come (issue 16): the coordinator's host lost, a spare lost, torchrun 2.14, PyTorch gloo
-// workers, etcd key and lease counts.
+// host's --local-addr. Still to come (issue 16): the coordinator's host
+// lost, torchrun 2.14, PyTorch gloo workers, etcd key and lease counts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
 //	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6

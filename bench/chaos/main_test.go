@@ -150,49 +150,65 @@ func TestSeededSchedule(t *testing.T) {
 	}
 }
 
-// TestLinkCutHealed: a host's link cut for 6 s, then healed, under gorun
-// heal, on two network-namespace hosts (root, iproute2). The cut-off host
-// is excluded; once its link is back, its agent must neither take the
-// others for lost (its own isolation: shrink.Report.Holds) nor leave its
-// ranks out: its workers, excluded, are respawned and grown back in, and
-// the job ends at full size in its first round (epochs 0, 1 and 2 of
-// attempt 0), the result exact, every agent exiting 0. Before the fencing,
-// the healed agent filed the other host as lost and the job fell back to a
-// restart; before the liveness reconnect (health.NodeConfig.
-// ReconnectInterval), the cut-off host held the other dead to the end and
-// one run in five its agent failed at the exit; before a node-loss report
-// that cannot reach the store was let go, the cut-off host restarted and
-// never came back. About 40 s.
-func TestLinkCutHealed(t *testing.T) {
+// TestTwoHostFaults runs host faults on two network-namespace hosts (root,
+// iproute2), the fault-free row and one other, each case with a schedule
+// that brings the faults it names.
+//
+// "link cut and healed": host 1's link cut for 6 s at 8 s, then healed,
+// under gorun heal. The cut-off host is excluded; once its link is back
+// its agent must neither take the others for lost (its own isolation:
+// shrink.Report.Holds) nor leave its ranks out: its workers, excluded,
+// are respawned and grown back in, and the job ends at full size in its
+// first round (epochs 0, 1 and 2 of attempt 0), the result exact, every
+// agent exiting 0. Before the fencing, the healed agent filed the other
+// host as lost and the job fell back to a restart; before the liveness
+// reconnect (health.NodeConfig.ReconnectInterval), the cut-off host held
+// the other dead to the end and one run in five its agent failed at the
+// exit; before a node-loss report that cannot reach the store was let go,
+// the cut-off host restarted and never came back. About 40 s.
+//
+// "spare lost": the hot spare's agent SIGKILLed three times while it
+// stands by (its pre-started workers with it), a new spare started each
+// time: the job must not notice (one epoch, exact) and nothing of the lost
+// spares may be left. About 35 s.
+func TestTwoHostFaults(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds gorun and runs real jobs on a network-namespace bed")
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	c := &config{
-		job: Job{Gorun: testutil.BuildGorun(t), Python: "/usr/bin/python3", Hosts: 2, Nproc: 2, Backend: backendC10d,
-			Steps: 600, StepMs: 40, WorkerTimeout: "15s", HeartbeatTimeout: "2", RespawnBackoff: "0.1", ShutdownTimeout: "2"},
+	for _, tt := range []struct {
+		name    string
+		sched   ScheduleConfig
+		kinds   string
+		cutFor  time.Duration
+		horizon time.Duration
+		row     string
+		faults  int // brought
+		epochs  int // distinct (attempt, epoch) pairs the workers ran
+	}{
 		// Seed 7 draws one fault within 12 s: at 8.0 s, host 1.
-		sched:         ScheduleConfig{Seed: 7, MTBF: 8 * time.Second, MinGap: 6 * time.Second},
-		kinds:         "link-cut",
-		cutFor:        6 * time.Second,
-		horizon:       12 * time.Second,
-		baselineSteps: 100,
-		rows:          "1,4",
-		rowTimeout:    2 * time.Minute,
-		root:          "../..",
-	}
-	results, progress := runRows(ctx, t, c, 2)
-	heal := results[1]
-	for _, v := range heal.Violations {
-		t.Errorf("%s: %s", heal.Row.Name, v)
-	}
-	if heal.Brought() != 1 || heal.Faults[0].Kind != LinkCut {
-		t.Fatalf("faults %v, want the one link cut", heal.Faults)
-	}
-	if !heal.Exact || heal.Epochs != 3 {
-		t.Errorf("%s: exact %v, %d epochs; want exact, epochs 0–2 of the first attempt (shrink, grow back, no restart)\n%s",
-			heal.Row.Name, heal.Exact, heal.Epochs, progress)
+		{"link cut and healed", ScheduleConfig{Seed: 7, MTBF: 8 * time.Second, MinGap: 6 * time.Second},
+			"link-cut", 6 * time.Second, 12 * time.Second, "4", 1, 3},
+		// Seed 11 draws three faults within 20 s.
+		{"spare lost", ScheduleConfig{Seed: 11, MTBF: 6 * time.Second, MinGap: 4 * time.Second},
+			"spare-kill", 0, 20 * time.Second, "6", 3, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			c := &config{
+				job: twoHostJob(t), sched: tt.sched, kinds: tt.kinds, cutFor: tt.cutFor, replace: time.Second,
+				horizon: tt.horizon, baselineSteps: 100, rows: "1," + tt.row, rowTimeout: 2 * time.Minute, root: "../..",
+			}
+			results, progress := runRows(ctx, t, c, 2)
+			r := results[1]
+			for _, v := range r.Violations {
+				t.Errorf("%s: %s", r.Row.Name, v)
+			}
+			if r.Brought() != tt.faults || !r.Exact || r.Epochs != tt.epochs || r.Left != 0 {
+				t.Errorf("%s: %d faults brought, exact %v, %d epochs, %d processes left; want %d, exact, %d, none: %v\n%s",
+					r.Row.Name, r.Brought(), r.Exact, r.Epochs, r.Left, tt.faults, tt.epochs, r.Faults, progress)
+			}
+		})
 	}
 }
 
@@ -210,4 +226,11 @@ func runRows(ctx context.Context, t *testing.T, c *config, want int) ([]RowResul
 		t.Fatalf("%d rows ran, want %d\n%s", len(results), want, progress.String())
 	}
 	return results, progress.String()
+}
+
+// twoHostJob is the job of the two-host tests: 2 network-namespace hosts
+// × 2 Go allreduce ranks, c10d, 600 steps 40 ms apart.
+func twoHostJob(t *testing.T) Job {
+	return Job{Gorun: testutil.BuildGorun(t), Python: "/usr/bin/python3", Hosts: 2, Nproc: 2, Backend: backendC10d,
+		Steps: 600, StepMs: 40, WorkerTimeout: "15s", HeartbeatTimeout: "2", RespawnBackoff: "0.1", ShutdownTimeout: "2"}
 }

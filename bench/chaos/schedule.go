@@ -34,6 +34,11 @@ const (
 	// its peers see silence, not resets) and heals the link some seconds
 	// later (-cut-for); the host's agent and workers live on through it.
 	LinkCut Kind = "link-cut"
+	// SpareKill SIGKILLs the hot spare's agent (the spare row's extra
+	// host), its pre-started workers dying with it: a spare lost while it
+	// stands by. A replacement spare starts on that host, as after an
+	// agent kill. Rows without a spare skip it.
+	SpareKill Kind = "spare-kill"
 	// GrowKill SIGKILLs a rank and then, the moment its respawn says it
 	// is a newcomer (a grow is under way), another rank: a fault during a
 	// grow. Where no newcomer comes within growKillWait (restart rows),
@@ -46,14 +51,14 @@ const (
 var rankKinds = []Kind{RankKill, RankExit, RankHang}
 
 // allKinds are the kinds the harness knows, in a fixed order.
-var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill, LinkCut}
+var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill, LinkCut, SpareKill}
 
 // growKillWait bounds how long a GrowKill waits for the newcomer before
 // its second kill.
 const growKillWait = 5 * time.Second
 
 // hostFault reports whether k strikes a host, not one rank.
-func (k Kind) hostFault() bool { return k == AgentKill || k == LinkCut }
+func (k Kind) hostFault() bool { return k == AgentKill || k == LinkCut || k == SpareKill }
 
 // ScheduleConfig is what a schedule is drawn from.
 type ScheduleConfig struct {
