@@ -81,8 +81,9 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			return fallBack(ev.err.Error())
 		case evNodeDead:
 			n, err := sv.nodesLost(ctx, []string{ev.node}, "node liveness: "+ev.why)
-			a.endpoint.FailureReported(ReportNode, n)
-			if err != nil {
+			if err == nil {
+				a.endpoint.FailureReported(ReportNode, n)
+			} else {
 				// Not fatal: a node that cannot reach the store to report
 				// the others may be the one cut off, and the epoch that
 				// excludes it will tell it so when its link is back (a

@@ -158,8 +158,8 @@ func NewDecider(name string, cfg Config, current Epoch) *Decider {
 func (d *Decider) Current() Epoch { return d.current }
 
 // Report records r, received at now. Ranks already lost, or out of range,
-// are ignored, and so is news out of date (Report.Epoch, Report.Holds). It returns when Decide is due (zero when nothing is
-// pending).
+// are ignored, and so is news out of date (Report.Epoch, Report.Holds).
+// It returns when Decide is due (zero when nothing is pending).
 func (d *Decider) Report(now time.Time, r Report) time.Time {
 	r.Ranks = slices.DeleteFunc(slices.Clone(r.Ranks), func(g int) bool { return d.stale(r, g) })
 	if d.record(d.pending, r.Ranks, r.Reason, d.current.Alive) {

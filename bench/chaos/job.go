@@ -393,13 +393,9 @@ func (ru *runner) bring(ctx context.Context, f Fault) Applied {
 		ru.cut[f.Target] = true
 		return a
 	}
-	if f.Kind == SpareKill {
-		if !ru.r.Spare || ru.env.bed == nil {
-			a.Skipped = "no spare in this row"
-			return a
-		}
-		f.Target = ru.j.Hosts // the bed's extra host
-		a.Fault = f
+	if f.Kind == SpareKill && (!ru.r.Spare || ru.env.bed == nil) {
+		a.Skipped = "no spare in this row"
+		return a
 	}
 	if f.Kind.hostFault() {
 		ag := ru.current(f.Target)

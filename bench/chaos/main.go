@@ -131,7 +131,7 @@ func main() {
 	flag.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
 	flag.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
 	flag.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
-	flag.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated")
+	flag.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill")
 	flag.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
 	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
 	flag.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")

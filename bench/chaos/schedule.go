@@ -82,7 +82,8 @@ type ScheduleConfig struct {
 	// World is the ranks a rank fault's target is drawn from (launch
 	// ranks 0..World-1); Hosts the hosts a host fault's is drawn from,
 	// host 0 excepted (it holds the c10d store: losing it is another
-	// kind, the coordinator's host lost).
+	// kind, the coordinator's host lost); a spare-kill's is host Hosts,
+	// the bed's extra host, where the spare row's spare runs.
 	World, Hosts int
 }
 
@@ -157,6 +158,9 @@ func NewSchedule(c ScheduleConfig) ([]Fault, error) {
 		f := Fault{At: at, Kind: c.Kinds[rng.IntN(len(c.Kinds))]}
 		if f.Kind.hostFault() {
 			f.Target = 1 + rng.IntN(c.Hosts-1)
+			if f.Kind == SpareKill {
+				f.Target = c.Hosts // the spare's: the bed's extra host
+			}
 		} else {
 			f.Target = rng.IntN(c.World)
 		}

@@ -54,7 +54,10 @@ func TestScheduleShape(t *testing.T) {
 					if f.At-prev < c.MinGap || f.At >= c.Horizon {
 						t.Fatalf("seed %d: %v after %v: want ≥ %v later and before %v", seed, f, prev, c.MinGap, c.Horizon)
 					}
-					if f.Kind.hostFault() && (f.Target < 1 || f.Target >= c.Hosts) || !f.Kind.hostFault() && (f.Target < 0 || f.Target >= c.World) {
+					spare := f.Kind == SpareKill // the bed's extra host, Hosts
+					if spare && f.Target != c.Hosts ||
+						!spare && f.Kind.hostFault() && (f.Target < 1 || f.Target >= c.Hosts) ||
+						!f.Kind.hostFault() && (f.Target < 0 || f.Target >= c.World) {
 						t.Fatalf("seed %d: %v: target out of range", seed, f)
 					}
 					kinds[f.Kind]++

@@ -100,8 +100,9 @@ destroy_process_group waits for ever on a failed NCCL group. On PyTorch 2.x
 the helper's store waits that time out (its watcher's, each second) make
 the C++ TCPStore client log two warnings each (``waitForInput ... timed out
 after 1000ms``): noise, not failures; TORCH_CPP_LOG_LEVEL=ERROR in the
-worker's environment silences them. GORUN_FT_STACKS=1 makes SIGUSR1 print every
-thread's Python stack to stderr (faulthandler), to see where a worker waits.
+worker's environment silences them. GORUN_FT_STACKS=1 makes SIGUSR1 print
+every thread's Python stack to stderr (faulthandler), to see where a worker
+waits.
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
