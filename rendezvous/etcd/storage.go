@@ -54,6 +54,12 @@ type StorageConfig struct {
 	// from (rendezvous.DynamicUnwatched lists the rendezvous's). A name
 	// ending in "*" names every key (and queue) that starts with the rest.
 	Unwatched []string
+	// WriteLeaseTTL is how long the chunks of a large value a writer has
+	// begun and not finished are kept after the writer stops renewing its
+	// lease (it died between its chunks and its head): then a sweep
+	// deletes them (see Large values). Default 10 s; etcd rounds it up to
+	// whole seconds.
+	WriteLeaseTTL time.Duration
 }
 
 // Layout under Prefix (the watch covers k/ to m/quiet, and q/):
@@ -68,6 +74,8 @@ type StorageConfig struct {
 //	c/<hex(k)>/<gen>/<i>    chunk i of generation gen of a large value at
 //	                        etcd key k (k/<key> or u/<key>), which holds
 //	                        the value's head (see Large values)
+//	m/w/<hex(k)>/<gen>      generation gen is being written, under the
+//	                        writer's lease (see Large values)
 const (
 	keysDir      = "k/"
 	queuesDir    = "q/"
@@ -77,6 +85,8 @@ const (
 	// unwatchedQueuesDir holds the queues named in Unwatched.
 	unwatchedQueuesDir = "uq/"
 	chunksDir          = "c/"
+	// writesDir is after tokenDir, out of the watch's range.
+	writesDir = "m/w/"
 )
 
 // Large values. etcd refuses a request over its --max-request-bytes (1.5
@@ -90,12 +100,14 @@ const (
 // revision: the value before or after a write, never half of one. A write
 // of a small value, and a delete, remove whatever chunks the key had in
 // the same transaction. So a key's chunks live exactly as long as its
-// head, except the chunks of a writer that died between its chunks and
-// its head: they stay until the key is next written small, deleted, or
-// the store dropped.
+// head, except the chunks of a writer that dies between its chunks and
+// its head. Those are swept (storage_sweep.go): a writer marks its
+// generation in flight under a lease of its own before its first chunk,
+// renews the lease while it writes and revokes it once done; a sweep
+// deletes the generations that no head names and no live mark protects.
 //
-// The watch (storage_watch.go) sees heads, not values: a WATCH_KEY event
-// of a large value carries its head.
+// The watch (storage_watch.go) sees heads, not values: WATCH_KEY's
+// registrations are handed the values the heads stand for.
 const (
 	// chunkSize leaves room under etcd's default request limit for a
 	// chunk's key and the request's framing, and stays under the gRPC
@@ -130,9 +142,11 @@ type Storage struct {
 	cli     *clientv3.Client
 	prefix  string
 	timeout time.Duration
-	log     *zap.Logger
-	id      string // names this Storage's queue elements
-	seq     atomic.Uint64
+	// leaseTTL is StorageConfig.WriteLeaseTTL.
+	leaseTTL time.Duration
+	log      *zap.Logger
+	id       string // names this Storage's queue elements
+	seq      atomic.Uint64
 
 	seed    maphash.Seed
 	stripes [numStripes]stripe
@@ -187,12 +201,16 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	if cfg.BatchInflight <= 0 {
 		cfg.BatchInflight = 2
 	}
+	if cfg.WriteLeaseTTL <= 0 {
+		cfg.WriteLeaseTTL = 10 * time.Second
+	}
 	var id [8]byte
 	_, _ = rand.Read(id[:])
 	s := &Storage{
 		cli:      cli,
 		prefix:   cfg.Prefix,
 		timeout:  cfg.OpTimeout,
+		leaseTTL: cfg.WriteLeaseTTL,
 		log:      cfg.Logger,
 		id:       hex.EncodeToString(id[:]),
 		seed:     maphash.MakeSeed(),
@@ -227,9 +245,10 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		rev = resp.Header.Revision
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.loops.Add(2)
+	s.loops.Add(3)
 	go s.watchLoop(rev+1, watchKeys)
 	go s.watchLoop(rev+1, watchQueues)
+	go s.sweepLoop()
 	return s, nil
 }
 
@@ -397,39 +416,98 @@ func (s *Storage) chunkKey(k, gen string, i int) string {
 	return s.chunkDir(k) + gen + "/" + fmt.Sprintf("%08d", i)
 }
 
-// writeChunks puts value's chunks under a new generation and returns its
-// head.
-func (s *Storage) writeChunks(ctx context.Context, k string, value []byte) (head, error) {
-	h := head{gen: s.id + strconv.FormatUint(s.seq.Add(1), 16), n: (len(value) + chunkSize - 1) / chunkSize, size: len(value)}
-	for i := range h.n {
-		c := value[i*chunkSize : min(len(value), (i+1)*chunkSize)]
-		err := s.retry(ctx, func(ctx context.Context) error {
-			_, err := s.cli.Put(ctx, s.chunkKey(k, h.gen, i), string(c))
-			return err
-		})
-		if err != nil {
-			s.dropChunks(k, h.gen)
-			return head{}, err
-		}
-	}
-	return h, nil
+// chunkWrite is a generation of a large value's chunks, written and not
+// yet named by a head, with the lease its mark in flight lives under.
+type chunkWrite struct {
+	head
+	lease clientv3.LeaseID
 }
 
-// dropChunks deletes one generation's chunks (best effort: a generation
-// left behind costs space, not correctness).
-func (s *Storage) dropChunks(k, gen string) {
+// writeChunks marks a new generation in flight, puts value's chunks under
+// it and returns it. The caller names it in a head (then settle) or drops
+// it (dropChunks).
+func (s *Storage) writeChunks(ctx context.Context, k string, value []byte) (chunkWrite, error) {
+	w := chunkWrite{head: head{gen: s.id + strconv.FormatUint(s.seq.Add(1), 16), n: (len(value) + chunkSize - 1) / chunkSize, size: len(value)}}
+	ttl := int64(max(1, (s.leaseTTL+time.Second-1)/time.Second))
+	err := s.retry(ctx, func(ctx context.Context) error {
+		g, err := s.cli.Grant(ctx, ttl)
+		if err == nil {
+			w.lease = g.ID
+		}
+		return err
+	})
+	if err == nil {
+		err = s.retry(ctx, func(ctx context.Context) error {
+			_, err := s.cli.Put(ctx, s.markKey(k, w.gen), "", clientv3.WithLease(w.lease))
+			return err
+		})
+	}
+	renewed := time.Now()
+	for i := 0; err == nil && i < w.n; i++ {
+		if time.Since(renewed) > s.leaseTTL/3 {
+			// A sweep takes a generation whose mark lapsed for an orphan.
+			if _, err = s.cli.KeepAliveOnce(ctx, w.lease); err != nil {
+				break
+			}
+			renewed = time.Now()
+		}
+		c := value[i*chunkSize : min(len(value), (i+1)*chunkSize)]
+		err = s.retry(ctx, func(ctx context.Context) error {
+			_, err := s.cli.Put(ctx, s.chunkKey(k, w.gen, i), string(c))
+			return err
+		})
+	}
+	if err != nil {
+		s.dropChunks(k, w)
+		return chunkWrite{}, err
+	}
+	return w, nil
+}
+
+// markKey is where generation gen of etcd key k is marked in flight.
+func (s *Storage) markKey(k, gen string) string {
+	return s.prefix + writesDir + hex.EncodeToString([]byte(strings.TrimPrefix(k, s.prefix))) + "/" + gen
+}
+
+// dropChunks deletes a generation that no head names, and its mark (best
+// effort: a generation left behind is swept later, see sweep).
+func (s *Storage) dropChunks(k string, w chunkWrite) {
 	ctx, cancel := s.opCtx()
 	defer cancel()
 	_ = s.retry(ctx, func(ctx context.Context) error {
-		_, err := s.cli.Delete(ctx, s.chunkDir(k)+gen+"/", clientv3.WithPrefix())
+		_, err := s.cli.Delete(ctx, s.chunkDir(k)+w.gen+"/", clientv3.WithPrefix())
 		return err
 	})
+	s.unmark(w)
+}
+
+// unmark revokes a generation's lease, and so its mark in flight (best
+// effort: the lease lapses by itself within WriteLeaseTTL).
+func (s *Storage) unmark(w chunkWrite) {
+	if w.lease == 0 {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(s.ctx), time.Second)
+	defer cancel()
+	_, _ = s.cli.Revoke(ctx, w.lease)
+}
+
+// settle follows a head's write that named w: w is no longer in flight,
+// and the generations that earlier writers of k left behind go.
+func (s *Storage) settle(k string, w chunkWrite) {
+	s.unmark(w)
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	if _, err := s.sweep(ctx, s.chunkDir(k)); err != nil && s.ctx.Err() == nil {
+		s.log.Debug("etcd storage: sweeping a key's chunks", zap.String("key", k), zap.Error(err))
+	}
 }
 
 // headWrite returns what a transaction that puts head h at k (replacing
 // old, the key's current raw value) compares and does: the chunks of h
 // must still be there (a small write or a delete of k since removes every
-// generation), and the chunks of old, if a head, go.
+// generation, a sweep an unmarked one), and the chunks of old, if a head,
+// go.
 func (s *Storage) headWrite(k string, h head, old []byte) ([]clientv3.Cmp, []clientv3.Op) {
 	cmps := []clientv3.Cmp{
 		clientv3.Compare(clientv3.CreateRevision(s.chunkKey(k, h.gen, 0)), ">", 0),
@@ -447,14 +525,14 @@ func (s *Storage) headWrite(k string, h head, old []byte) ([]clientv3.Cmp, []cli
 func (s *Storage) setChunked(k string, value []byte) error {
 	ctx, cancel := s.opCtx()
 	defer cancel()
-	h, err := s.writeChunks(ctx, k, value)
+	w, err := s.writeChunks(ctx, k, value)
 	if err != nil {
 		return err
 	}
 	for {
 		cur, err := s.get(ctx, k)
 		if err != nil {
-			s.dropChunks(k, h.gen)
+			s.dropChunks(k, w)
 			return err
 		}
 		var old []byte
@@ -462,28 +540,31 @@ func (s *Storage) setChunked(k string, value []byte) error {
 		if len(cur.Kvs) > 0 {
 			old, modRev = cur.Kvs[0].Value, cur.Kvs[0].ModRevision
 		}
-		if oh, ok := parseHead(old); ok && oh.gen == h.gen {
-			return nil // an earlier sending applied it (its answer was lost)
+		if oh, ok := parseHead(old); ok && oh.gen == w.gen {
+			s.settle(k, w) // an earlier sending applied it (its answer was lost)
+			return nil
 		}
-		cmps, ops := s.headWrite(k, h, old)
+		cmps, ops := s.headWrite(k, w.head, old)
 		cmps = append(cmps, clientv3.Compare(clientv3.ModRevision(k), "=", modRev))
 		var tx *clientv3.TxnResponse
 		err = s.retry(ctx, func(ctx context.Context) (err error) {
 			tx, err = s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(
-				clientv3.OpGet(s.chunkKey(k, h.gen, 0), clientv3.WithCountOnly()),
-				clientv3.OpGet(s.chunkKey(k, h.gen, h.n-1), clientv3.WithCountOnly())).Commit()
+				clientv3.OpGet(s.chunkKey(k, w.gen, 0), clientv3.WithCountOnly()),
+				clientv3.OpGet(s.chunkKey(k, w.gen, w.n-1), clientv3.WithCountOnly())).Commit()
 			return err
 		})
 		switch {
 		case err != nil:
-			s.dropChunks(k, h.gen)
+			s.dropChunks(k, w)
 			return err
 		case tx.Succeeded:
+			s.settle(k, w)
 			return nil
 		case tx.Responses[0].GetResponseRange().Count == 0 || tx.Responses[1].GetResponseRange().Count == 0:
-			// A small write or a delete took the chunks: write them again.
-			s.dropChunks(k, h.gen)
-			if h, err = s.writeChunks(ctx, k, value); err != nil {
+			// A small write, a delete or a sweep took the chunks: write
+			// them again.
+			s.dropChunks(k, w)
+			if w, err = s.writeChunks(ctx, k, value); err != nil {
 				return err
 			}
 		}
@@ -575,10 +656,10 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 	defer st.mu.Unlock()
 	opID := strconv.FormatUint(s.seq.Add(1), 16) + "."
 	guess, verified := st.cache[k], false
-	var big head // the chunks written for this operation's last large result
+	var big chunkWrite // the chunks written for this operation's last large result
 	defer func() {
 		if big.gen != "" {
-			s.dropChunks(k, big.gen) // not the value stored: see the success paths
+			s.dropChunks(k, big) // not the value stored: see the success paths
 		}
 	}()
 	for attempt := 0; ; attempt++ {
@@ -611,21 +692,24 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		size := len(k) + len(tok) + len(id)
 		cmps := []clientv3.Cmp{clientv3.Compare(clientv3.ModRevision(k), "=", guess.modRev)}
 		stored := ch.result // what k holds if the transaction applies
+		if big.gen != "" && (err != nil || !ch.write || !chunked(ch.result)) {
+			s.dropChunks(k, big) // an earlier attempt's: this one stores no large value
+			big = chunkWrite{}
+		}
 		if err == nil && ch.write {
 			var put []clientv3.Op
 			if chunked(ch.result) {
 				if big.gen != "" {
-					s.dropChunks(k, big.gen)
+					s.dropChunks(k, big)
 				}
 				ctx, cancel := s.opCtx()
 				big, err = s.writeChunks(ctx, k, ch.result)
 				cancel()
 				if err != nil {
-					big = head{}
 					return change{}, s.fail(op, key, err)
 				}
 				var more []clientv3.Cmp
-				more, put = s.headWrite(k, big, guess.val)
+				more, put = s.headWrite(k, big.head, guess.val)
 				cmps = append(cmps, more...)
 				stored = big.bytes()
 			} else {
@@ -656,7 +740,10 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 			}
 			if ch.write {
 				guess = known{val: stored, modRev: rev}
-				big = head{} // stored: its chunks stay
+			}
+			if big.gen != "" {
+				s.settle(k, big) // stored: its chunks stay
+				big = chunkWrite{}
 			}
 			st.remember(k, guess)
 			return ch, nil
@@ -664,7 +751,10 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		now := tx.Responses
 		if kvs := now[1].GetResponseRange().Kvs; len(then) > 0 && len(kvs) > 0 && string(kvs[0].Value) == id {
 			st.remember(k, known{}) // applied at a revision not known: guess afresh
-			big = head{}
+			if big.gen != "" {
+				s.settle(k, big)
+				big = chunkWrite{}
+			}
 			return ch, nil
 		}
 		guess, verified = known{}, true

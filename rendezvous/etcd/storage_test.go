@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os/exec"
 	"slices"
 	"strconv"
 	"strings"
@@ -22,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
+	"github.com/gorunhq/gorun/internal/sidbed"
 	"github.com/gorunhq/gorun/internal/torchtest"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/etcd"
@@ -856,38 +856,63 @@ func TestStorageLargeValueNeverHalf(t *testing.T) {
 	t.Logf("%d whole reads", reads)
 }
 
-// TestStorageTorchLargeValues: PyTorch 1.13 clients on two nodes' servers
-// of one etcd-backed store: a 16 MB value set through one node is read
-// whole through the other, then deleted (no key left).
+// TestStorageTorchLargeValues: PyTorch 1.13 and 2.14 clients on two
+// nodes' servers of one etcd-backed store: values of 16 MB and 100 MB set
+// through one node are read whole through the other, then deleted (no
+// key, no chunk and no mark left).
 func TestStorageTorchLargeValues(t *testing.T) {
-	python := torchtest.Python(t)
+	clients := []struct {
+		name   string
+		python func(t *testing.T) string
+	}{
+		{"1.13", func(t *testing.T) string { return torchtest.Python(t) }},
+		{"2.14", func(t *testing.T) string { return sidbed.Require(t).Python() }},
+	}
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	cli := cluster.Client(t, nil)
+	for _, c := range clients {
+		t.Run(c.name, func(t *testing.T) { testTorchLargeValues(t, c.python(t), cli) })
+	}
+}
+
+func testTorchLargeValues(t *testing.T, python string, cli *clientv3.Client) {
 	ns := startNodes(t, cli, 2)
 	const script = `
-import sys, datetime
+import sys, datetime, time
 import torch.distributed as dist
-T = datetime.timedelta(seconds=60)
+T = datetime.timedelta(seconds=120)
 a = dist.TCPStore("127.0.0.1", int(sys.argv[1]), None, False, timeout=T)
 b = dist.TCPStore("127.0.0.1", int(sys.argv[2]), None, False, timeout=T)
-val = bytes(range(256)) * 62500
-a.set("v16", val)
-got = b.get("v16")
-print(repr((len(got), got == val)), flush=True)
-b.delete_key("v16")
+for key, n in (("v16", 16_000_000), ("v100", 100_000_000)):
+    val = bytes(range(256)) * (n // 256)
+    t0 = time.perf_counter()
+    a.set(key, val)
+    got = b.get(key)
+    print(repr((key, len(got), got == val)), "%.0f ms" % ((time.perf_counter() - t0) * 1e3), flush=True)
+    b.delete_key(key)
 print(repr(("num_keys", a.num_keys())), flush=True)
 `
-	ctx := testCtx(t, 90*time.Second)
+	ctx := testCtx(t, 150*time.Second)
 	port := func(n *node) string { return strconv.Itoa(n.srv.Addr().(*net.TCPAddr).Port) }
-	out, err := exec.CommandContext(ctx, python, "-c", script, port(ns[0]), port(ns[1])).CombinedOutput()
-	if err != nil {
-		t.Fatalf("%v\n%s", err, out)
+	out := torchtest.StartWith(t, python, nil, script, port(ns[0]), port(ns[1])).Wait(t, 140*time.Second)
+	var got []string
+	for _, line := range strings.Split(strings.TrimSpace(out), "\n") {
+		v, ms, _ := strings.Cut(line, ") ")
+		if ms != "" {
+			t.Logf("%s) set through one node, read through the other: %s", v, ms)
+			v += ")"
+		}
+		got = append(got, v)
 	}
-	if want := "(16000000, True)\n('num_keys', 0)\n"; string(out) != want {
-		t.Fatalf("torch clients printed %q, want %q", out, want)
+	want := []string{"('v16', 16000000, True)", "('v100', 100000000, True)", "('num_keys', 0)"}
+	if !slices.Equal(got, want) {
+		t.Fatalf("torch clients printed %q, want %q", got, want)
 	}
-	r, err := cli.Get(ctx, ns[0].st.Prefix()+"c/", clientv3.WithPrefix(), clientv3.WithCountOnly())
-	if err != nil || r.Count != 0 {
-		t.Fatalf("%v chunks left after the delete (%v)", r, err)
+	prefix := ns[0].st.Prefix()
+	for _, dir := range []string{"c/", "m/w/"} {
+		r, err := cli.Get(ctx, prefix+dir, clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil || r.Count != 0 {
+			t.Fatalf("%v keys under %s left after the deletes (%v)", r, dir, err)
+		}
 	}
 }

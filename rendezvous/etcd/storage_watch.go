@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"encoding/hex"
+	"errors"
 	"strconv"
 	"strings"
 	"time"
@@ -243,6 +244,9 @@ func (s *Storage) watchLoop(rev int64, kind watchKind) {
 // registrations they concern: WATCH_KEY's alone with old.
 func (s *Storage) dispatch(evs []*clientv3.Event, old bool) {
 	kdir, qdir := s.prefix+keysDir, s.prefix+queuesDir
+	if old {
+		evs = s.resolveHeads(evs)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i := 0; i < len(evs); {
@@ -269,6 +273,72 @@ func (s *Storage) dispatch(evs []*clientv3.Event, old bool) {
 		}
 		i = j
 	}
+}
+
+// resolveHeads returns evs with the heads of large values that WATCH_KEY
+// registrations will see replaced by the values they stand for: a new
+// value read at the event's revision, an old one just before it (its
+// chunks go in the same transaction as its head). A change whose value is
+// no longer there to read (compacted, and since replaced) is left out and
+// logged, as changes lost to compaction are.
+func (s *Storage) resolveHeads(evs []*clientv3.Event) []*clientv3.Event {
+	kdir := s.prefix + keysDir
+	out := evs[:0:0]
+	for _, ev := range evs {
+		full := string(ev.Kv.Key)
+		newHead := ev.Type == mvccpb.PUT && isHeadValue(ev.Kv.Value)
+		oldHead := ev.PrevKv != nil && isHeadValue(ev.PrevKv.Value)
+		if !strings.HasPrefix(full, kdir) || !newHead && !oldHead || !s.watched(full[len(kdir):]) {
+			out = append(out, ev)
+			continue
+		}
+		resolved := *ev
+		var err error
+		if newHead {
+			kv := *ev.Kv
+			if kv.Value, err = s.valueAt(full, ev.Kv.Value, ev.Kv.ModRevision); err == nil {
+				resolved.Kv = &kv
+			}
+		}
+		if oldHead && err == nil {
+			kv := *ev.PrevKv
+			if kv.Value, err = s.valueAt(full, ev.PrevKv.Value, ev.Kv.ModRevision-1); err == nil {
+				resolved.PrevKv = &kv
+			}
+		}
+		if err != nil {
+			s.log.Warn("etcd storage: a change of a large value is not reported to watch_key: its chunks are gone",
+				zap.String("key", full), zap.Int64("revision", ev.Kv.ModRevision), zap.Error(err))
+			continue
+		}
+		out = append(out, &resolved)
+	}
+	return out
+}
+
+// isHeadValue reports whether an etcd value is a head.
+func isHeadValue(v []byte) bool {
+	_, ok := parseHead(v)
+	return ok
+}
+
+// watched reports whether key has WATCH_KEY registrations.
+func (s *Storage) watched(key string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.watches[key]) > 0
+}
+
+// valueAt is the value head stands for at etcd key k, read at rev; or,
+// once rev is compacted, read now: a generation's chunks never change.
+func (s *Storage) valueAt(k string, head []byte, rev int64) ([]byte, error) {
+	ctx, cancel := s.opCtx()
+	defer cancel()
+	v, err := s.resolve(ctx, k, head, rev)
+	if errors.Is(err, errStale) {
+		v, err = s.resolve(ctx, k, head, 0)
+	}
+	return v, err
 }
 
 // keyEvent releases what one change of key releases; mu held.
