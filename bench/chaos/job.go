@@ -180,6 +180,11 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 		}
 	}
 	witness := ru.agents[0]
+	var ec *etcdCounter
+	if j.Backend == backendEtcd && j.Hosts > 1 && !r.Torchrun {
+		ec = newEtcdCounter(j.EtcdEndpoint, j.RunID)
+		defer ec.close()
+	}
 
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
@@ -248,7 +253,7 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			}
 			// A sample the exiting agent could not answer in full is
 			// not one.
-			s := sample(ctx, j, r, witness.cmd.Process.Pid, ru.healthAddr(0), time.Since(ru.t0), ru.out.nEpochs())
+			s := sample(ctx, j, r, witness.cmd.Process.Pid, ru.healthAddr(0), time.Since(ru.t0), ru.out.nEpochs(), ec)
 			if s.FDs > 0 && s.RSSKiB > 0 && (r.Torchrun || s.Goroutines > 0) {
 				fmt.Fprintf(ru.env.console, "# sample %+v\n", s)
 				res.Samples = append(res.Samples, s)

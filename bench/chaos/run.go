@@ -20,11 +20,14 @@ import (
 
 // Limits are how far an agent's resources may be above their first sample
 // at the end of a run (the invariants "back within a small constant").
-// Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys.
+// Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys; on etcd
+// 64 keys under the job's prefix and 4 leases.
 type Limits struct {
 	FDs, Goroutines int
 	RSSKiB          int
 	Keys            int
+	EtcdKeys        int
+	EtcdLeases      int
 }
 
 func (l Limits) withDefaults() Limits {
@@ -39,6 +42,12 @@ func (l Limits) withDefaults() Limits {
 	}
 	if l.Keys == 0 {
 		l.Keys = 32
+	}
+	if l.EtcdKeys == 0 {
+		l.EtcdKeys = 64
+	}
+	if l.EtcdLeases == 0 {
+		l.EtcdLeases = 4
 	}
 	return l
 }
@@ -65,6 +74,10 @@ type Sample struct {
 	Goroutines int
 	RSSKiB     int
 	Keys       int
+	// EtcdKeys and EtcdLeases: the job's keys in etcd and etcd's leases
+	// (-backend etcd; -1 otherwise).
+	EtcdKeys   int
+	EtcdLeases int
 	Epochs     int    // distinct (attempt, epoch) pairs seen so far
 	Store      string // the workers' store whose keys were counted
 }
@@ -192,6 +205,8 @@ func checkSamples(res *RowResult, r Row, lim Limits, bad func(string, ...any)) {
 		}
 	}
 	grew("store keys", base.Keys, last.Keys, lim.Keys)
+	grew("etcd keys", base.EtcdKeys, least(func(s Sample) int { return s.EtcdKeys }), lim.EtcdKeys)
+	grew("etcd leases", base.EtcdLeases, least(func(s Sample) int { return s.EtcdLeases }), lim.EtcdLeases)
 	if !r.Torchrun && first.Goroutines < 0 {
 		bad("the agent's /metrics had no go_goroutines")
 	}
@@ -225,9 +240,11 @@ func running(pid int) bool {
 
 // sample reads the agent's resources: fds and RSS from /proc, goroutines
 // from its /metrics (gorun), store keys by `gorun store num-keys` on the
-// workers' store (GORUN_STORE, gorun).
-func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, at time.Duration, epochs int) Sample {
-	s := Sample{At: at, FDs: -1, Goroutines: -1, RSSKiB: -1, Keys: -1, Epochs: epochs}
+// workers' store (GORUN_STORE, gorun), and the job's etcd keys and leases
+// where it runs on etcd (ec).
+func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, at time.Duration, epochs int, ec *etcdCounter) Sample {
+	s := Sample{At: at, FDs: -1, Goroutines: -1, RSSKiB: -1, Keys: -1, EtcdKeys: -1, EtcdLeases: -1, Epochs: epochs}
+	s.EtcdKeys, s.EtcdLeases = ec.count(ctx)
 	if fds, err := os.ReadDir("/proc/" + strconv.Itoa(agent) + "/fd"); err == nil {
 		s.FDs = len(fds)
 	}

@@ -13,6 +13,9 @@ func TestCheckSamples(t *testing.T) {
 	s := func(fds, gor, keys, epochs int) Sample {
 		return Sample{FDs: fds, Goroutines: gor, RSSKiB: 1000, Keys: keys, Epochs: epochs}
 	}
+	e := func(keys, leases, epochs int) Sample {
+		return Sample{FDs: 40, Goroutines: 30, RSSKiB: 1000, EtcdKeys: keys, EtcdLeases: leases, Epochs: epochs}
+	}
 	lim := Limits{}.withDefaults()
 	tests := []struct {
 		name    string
@@ -25,6 +28,9 @@ func TestCheckSamples(t *testing.T) {
 		{"goroutine leak", []Sample{s(40, 30, 4, 1), s(40, 90, 4, 2), s(40, 90, 4, 3), s(40, 91, 4, 4)}, []string{"goroutines grew from 30 to 90"}},
 		{"keys after 2 epochs are the base", []Sample{s(40, 30, 0, 1), s(40, 30, 20, 3), s(40, 30, 40, 9)}, nil},
 		{"keys grow with epochs", []Sample{s(40, 30, 0, 1), s(40, 30, 10, 3), s(40, 30, 80, 40)}, []string{"store keys grew from 10 to 80 by epoch 40"}},
+		{"etcd steady", []Sample{e(20, 2, 1), e(60, 2, 3), e(70, 3, 40), e(65, 2, 41), e(66, 2, 42)}, nil},
+		{"etcd keys grow with epochs", []Sample{e(20, 2, 1), e(60, 2, 3), e(200, 2, 40), e(210, 2, 41), e(220, 2, 42)}, []string{"etcd keys grew from 60 to 200"}},
+		{"a lease per epoch", []Sample{e(20, 2, 1), e(60, 2, 3), e(60, 30, 40), e(60, 31, 41), e(60, 32, 42)}, []string{"etcd leases grew from 2 to 30"}},
 		{"no go_goroutines", []Sample{s(40, -1, 4, 1), s(40, -1, 4, 2)}, []string{"no go_goroutines"}},
 	}
 	for _, tt := range tests {

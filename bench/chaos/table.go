@@ -40,10 +40,10 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 		fmt.Fprintf(w, "| %s | %.1f | %.2f | %s | %d (%d) | %s | %d | %d | %t | %s |\n", r.Row.Name, r.Wall.Seconds(),
 			r.Report.Goodput, ratio, r.Brought(), len(r.Faults)-r.Brought(), lost, r.Report.Redone, r.Epochs, r.Exact, inv)
 	}
-	fmt.Fprintln(w, "\nThe agent, first sample → last (once a second; fds and RSS from /proc, goroutines from its /metrics, keys of the workers' store by `gorun store num-keys`; – where the launcher has none):")
+	fmt.Fprintln(w, "\nThe agent, first sample → last (once a second; fds and RSS from /proc, goroutines from its /metrics, keys of the workers' store by `gorun store num-keys`, the job's keys in etcd and etcd's leases with -backend etcd; – where the launcher has none):")
 	fmt.Fprintln(w)
-	fmt.Fprintln(w, "| row | open fds | goroutines | RSS (MiB) | store keys | processes left |")
-	fmt.Fprintln(w, "|---|---|---|---|---|---|")
+	fmt.Fprintln(w, "| row | open fds | goroutines | RSS (MiB) | store keys | etcd keys | etcd leases | processes left |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|")
 	for _, r := range results {
 		if len(r.Samples) == 0 {
 			continue
@@ -59,7 +59,8 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 		if f.RSSKiB >= 0 && l.RSSKiB >= 0 {
 			rss = fmt.Sprintf("%.1f → %.1f", float64(f.RSSKiB)/1024, float64(l.RSSKiB)/1024)
 		}
-		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %d |\n", r.Row.Name, pair(f.FDs, l.FDs), pair(f.Goroutines, l.Goroutines), rss, pair(f.Keys, l.Keys), r.Left)
+		fmt.Fprintf(w, "| %s | %s | %s | %s | %s | %s | %s | %d |\n", r.Row.Name, pair(f.FDs, l.FDs), pair(f.Goroutines, l.Goroutines), rss,
+			pair(f.Keys, l.Keys), pair(f.EtcdKeys, l.EtcdKeys), pair(f.EtcdLeases, l.EtcdLeases), r.Left)
 	}
 	for _, n := range notes {
 		fmt.Fprintf(w, "\n%s.\n", n)
