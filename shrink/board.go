@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -18,32 +19,39 @@ const DefaultPrefix = "gorun/shrink"
 // Board is the agreement's state in a store every agent and worker reaches
 // (the worker store). Its layout, under the prefix:
 //
-//	epoch/<n>     the JSON Epoch n, written once (n ≥ 1)
-//	ack/<n>       counter: survivors that have moved to epoch n
-//	report/next   counter: notices filed so far
-//	respawns      counter: lost slots the agents started again (heal),
-//	              against the job's budget
-//	report/<i>    the JSON Notice i (i ≥ 1): a failure Report, a Join
-//	              (newcomers ready for lost slots), a Joined (a newcomer
-//	              finished joining a grow epoch's group) or a Complete
-//	              (every rank of a grow epoch acknowledged it)
-//	floor         the JSON Floor: where the history kept starts; the
-//	              records a generation below it are collected
+//	epoch/<n>       the JSON Epoch n, written once (n ≥ 1)
+//	ack/<n>/<g>     the JSON Ack: launch slot g has moved to epoch n
+//	ack/<n>         counter: how many have (a hint, see Arrive)
+//	report/<i>      the JSON Notice i (i ≥ 1), written once: a failure
+//	                Report, a Join (newcomers ready for lost slots), a
+//	                Joined (a newcomer finished joining a grow epoch's
+//	                group) or a Complete (every rank of a grow epoch
+//	                acknowledged it)
+//	respawns/<k>    the JSON Ticket k (1 ≤ k ≤ the job's budget), written
+//	                once: the k-th lost slot the agents started again
+//	floor           the JSON Floor: where the history kept starts; the
+//	                records a generation below it are collected
 //
 // Only Set, Get, Add, CompareSet, Check and Wait are used, so a Board works
 // on any c10d store: gorun's, PyTorch's (1.13 included) and a FileStore.
 //
 // Anyone who reaches the store can write to it. An authenticated Board
-// (Authenticated) seals the records it writes (epochs, notices) with a MAC
-// under the job secret and refuses those it reads without a valid one: a
-// forged or replayed epoch is never returned (readers wait on for the
-// genuine one), a forged notice is skipped, and each is reported once to
-// the Auth's onForged. The counters (acks, report/next, respawns) carry no
-// MAC: a store's Add cannot.
+// (Authenticated) seals the records it writes (epochs, notices, acks,
+// tickets) with a MAC under the job secret and refuses those it reads
+// without a valid one: a forged or replayed epoch is never returned
+// (readers wait on for the genuine one), a forged notice is skipped, a
+// forged ack or ticket does not count, and each is reported once to the
+// Auth's onForged. Nothing the Board acts on is a counter, which a store's
+// Add could not seal: the log's indices and the tickets are taken by
+// create-only compare-sets, and the ack counter only says when to look at
+// the sealed acks.
 type Board struct {
 	store rendezvous.Store // under the prefix
 	raw   rendezvous.Store // the whole store: epochs' formation keys (Raise)
 	auth  *Auth            // nil: records are neither sealed nor verified
+	// Hints of where the log and the tickets stand, as far as this Board
+	// has seen: where a filer starts looking for a free index.
+	notices, tickets atomic.Int64
 }
 
 // NewBoard returns a Board on s under prefix (DefaultPrefix when empty).
@@ -69,13 +77,6 @@ func (b *Board) Authenticated(a *Auth) *Board {
 // record, for the genuine one that replaces it: a store wait returns at
 // once on a key that exists, so this polls, only while under attack.
 const forgedPoll = 50 * time.Millisecond
-
-// noticeGrace is how long a reader of notice i that finds a forged record
-// there, once index i has been taken, waits for the genuine notice to
-// replace it before skipping it. A filer writes its notice right after
-// taking the index, so a forgery written ahead of it is replaced within
-// a store round trip; one under an index the forger took itself never is.
-const noticeGrace = time.Second
 
 // seal returns rec, sealed for key when the Board is authenticated.
 func (b *Board) seal(key string, rec []byte) ([]byte, error) {
@@ -104,24 +105,79 @@ func pause(ctx context.Context, d time.Duration) error {
 	}
 }
 
-func epochKey(n int) string  { return "epoch/" + strconv.Itoa(n) }
-func ackKey(n int) string    { return "ack/" + strconv.Itoa(n) }
+func epochKey(n int) string { return "epoch/" + strconv.Itoa(n) }
+func ackKey(n int) string   { return "ack/" + strconv.Itoa(n) }
+func memberAckKey(n, g int) string {
+	return "ack/" + strconv.Itoa(n) + "/" + strconv.Itoa(g)
+}
 func reportKey(i int) string { return "report/" + strconv.Itoa(i) }
+func ticketKey(k int) string { return "respawns/" + strconv.Itoa(k) }
 
-const (
-	reportNext  = "report/next"
-	respawnsKey = "respawns"
-)
+// Ticket is one respawn counted against the job's budget.
+type Ticket struct {
+	Number int       `json:"ticket"`
+	At     time.Time `json:"at"`
+}
 
-// TakeRespawn counts one respawn of a lost slot against the job's budget
-// of max and reports whether it is within it. Every agent counts on the
-// same key, so the budget is the job's, whichever node respawns.
+// TakeRespawn takes one of the job's max respawn tickets and reports
+// whether one was left; n is its number. Every agent takes from the same
+// keys, so the budget is the job's, whichever node respawns. A ticket is a
+// create-only compare-set: a forged one is taken over (it does not spend
+// the budget), and racing agents never take the same one.
 func (b *Board) TakeRespawn(ctx context.Context, max int) (n int, ok bool, err error) {
-	c, err := b.store.Add(ctx, respawnsKey, 1)
-	if err != nil {
-		return 0, false, fmt.Errorf("shrink: count a respawn: %w", err)
+	for k := int(b.tickets.Load()) + 1; k <= max; k++ {
+		key := ticketKey(k)
+		rec, err := json.Marshal(Ticket{Number: k, At: time.Now()})
+		if err == nil {
+			rec, err = b.seal(key, rec)
+		}
+		if err != nil {
+			return 0, false, fmt.Errorf("shrink: encode respawn ticket %d: %w", k, err)
+		}
+		_, won, err := b.claim(ctx, key, rec, func(got []byte) bool {
+			_, err := b.open(key, got)
+			return errors.Is(err, ErrForged)
+		})
+		if err != nil {
+			return 0, false, fmt.Errorf("shrink: take respawn ticket %d: %w", k, err)
+		}
+		b.tickets.Store(int64(k))
+		if won {
+			return k, true, nil
+		}
 	}
-	return int(c), c <= int64(max), nil
+	return max + 1, false, nil
+}
+
+// claim writes rec at key unless a record is there already: a compare-set
+// that only creates, or that replaces a record forged says is forged (from
+// its very bytes, so that a genuine rival written meanwhile is never
+// overwritten). It returns the record the key holds afterwards and
+// whether it is rec.
+func (b *Board) claim(ctx context.Context, key string, rec []byte, forged func([]byte) bool) ([]byte, bool, error) {
+	var expected []byte // nil: create only
+	for {
+		got, err := b.store.CompareSet(ctx, key, expected, rec)
+		if err != nil {
+			return nil, false, err
+		}
+		if bytes.Equal(got, rec) {
+			return got, true, nil
+		}
+		if !forged(got) {
+			return got, false, nil
+		}
+		if bytes.Equal(got, expected) {
+			// c10d's quirk: the key is gone (an absent key with a
+			// non-empty expected answers expected). Create it again.
+			expected = nil
+		} else {
+			expected = got
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, false, fmt.Errorf("%s holds a forged record: %w", key, err)
+		}
+	}
 }
 
 // Publish writes e as epoch e.Number unless one is there already: a
@@ -143,30 +199,18 @@ func (b *Board) Publish(ctx context.Context, e Epoch) (Epoch, bool, error) {
 	if err != nil {
 		return Epoch{}, false, fmt.Errorf("shrink: encode epoch %d: %w", e.Number, err)
 	}
-	var expected []byte // nil: create only
-	for {
-		got, err := b.store.CompareSet(ctx, key, expected, rec)
-		if err != nil {
-			return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d: %w", e.Number, err)
-		}
-		if bytes.Equal(got, rec) {
-			return e, true, nil
-		}
-		held, err := b.decodeEpoch(e.Number, got)
-		if !errors.Is(err, ErrForged) {
-			return held, false, err
-		}
-		if bytes.Equal(got, expected) {
-			// c10d's quirk: the key is gone (an absent key with a
-			// non-empty expected answers expected). Create it again.
-			expected = nil
-		} else {
-			expected = got
-		}
-		if err := ctx.Err(); err != nil {
-			return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d over a forged record: %w", e.Number, err)
-		}
+	got, won, err := b.claim(ctx, key, rec, func(got []byte) bool {
+		_, err := b.decodeEpoch(e.Number, got)
+		return errors.Is(err, ErrForged)
+	})
+	if err != nil {
+		return Epoch{}, false, fmt.Errorf("shrink: publish epoch %d: %w", e.Number, err)
 	}
+	if won {
+		return e, true, nil
+	}
+	held, err := b.decodeEpoch(e.Number, got)
+	return held, false, err
 }
 
 // Await blocks until epoch n is on the board and returns it. It waits
@@ -272,30 +316,79 @@ func (b *Board) lookup(ctx context.Context, n int, read bool) (Epoch, bool, erro
 	return e, true, nil
 }
 
-// Ack records that one survivor has moved to epoch n and returns how many
-// have.
-func (b *Board) Ack(ctx context.Context, n int) (int64, error) {
-	c, err := b.store.Add(ctx, ackKey(n), 1)
-	if err != nil {
-		return 0, fmt.Errorf("shrink: ack epoch %d: %w", n, err)
-	}
-	return c, nil
+// Ack is a member's acknowledgement of an epoch: launch slot Slot has
+// moved to epoch Epoch's group.
+type Ack struct {
+	Epoch int `json:"epoch"`
+	Slot  int `json:"slot"`
 }
 
-// Arrive acknowledges epoch e for one rank that has moved to its group and,
-// when e is a grow and this was its last rank, files the Complete notice
-// that tells the coordinator the grow is done: whoever counts last says so,
-// so nobody polls the counter.
-func (b *Board) Arrive(ctx context.Context, e Epoch) error {
-	n, err := b.Ack(ctx, e.Number)
-	if err != nil || e.Action != ActionGrow || n != int64(e.WorldSize) {
+// Arrive acknowledges epoch e for launch slot g, a rank that has moved to
+// its group, and, when e is a grow and every rank has, files the Complete
+// notice that tells the coordinator the grow is done. The sealed ack is
+// what counts; the counter beside it only says when to look: whoever
+// counts up to the world size reads every member's ack and, when all are
+// there and genuine, files Complete. A count tampered with upwards costs
+// early looks; one tampered with downwards, or a last member that dies
+// before it files, leaves the grow to the coordinator's look at its
+// GrowTimeout (Coordinator, Arrived).
+func (b *Board) Arrive(ctx context.Context, e Epoch, g int) error {
+	key := memberAckKey(e.Number, g)
+	rec, err := json.Marshal(Ack{Epoch: e.Number, Slot: g})
+	if err == nil {
+		rec, err = b.seal(key, rec)
+	}
+	if err != nil {
+		return fmt.Errorf("shrink: encode the ack of epoch %d: %w", e.Number, err)
+	}
+	if err := b.store.Set(ctx, key, rec); err != nil {
+		return fmt.Errorf("shrink: ack epoch %d: %w", e.Number, err)
+	}
+	n, err := b.store.Add(ctx, ackKey(e.Number), 1)
+	if err != nil {
+		return fmt.Errorf("shrink: ack epoch %d: %w", e.Number, err)
+	}
+	if e.Action != ActionGrow || n < int64(e.WorldSize) {
+		return nil
+	}
+	all, err := b.Arrived(ctx, e)
+	if err != nil || !all {
 		return err
 	}
 	_, err = b.file(ctx, Notice{Complete: &Complete{Epoch: e.Number, At: time.Now()}})
 	return err
 }
 
-// Acks returns how many survivors have acknowledged epoch n.
+// Arrived reports whether every member of epoch e has acknowledged it
+// with a genuine ack.
+func (b *Board) Arrived(ctx context.Context, e Epoch) (bool, error) {
+	var keys []string
+	for g, r := range e.Ranks {
+		if r >= 0 {
+			keys = append(keys, memberAckKey(e.Number, g))
+		}
+	}
+	if len(keys) == 0 {
+		return true, nil
+	}
+	ok, err := b.store.Check(ctx, keys...)
+	if err != nil || !ok || b.auth == nil {
+		return ok, err
+	}
+	for _, key := range keys {
+		rec, err := b.store.Get(ctx, key)
+		if err != nil {
+			return false, fmt.Errorf("shrink: read %s: %w", key, err)
+		}
+		if _, err := b.open(key, rec); err != nil {
+			return false, nil
+		}
+	}
+	return true, nil
+}
+
+// Acks returns how many survivors have acknowledged epoch n, by the
+// counter: a hint (see Arrive).
 func (b *Board) Acks(ctx context.Context, n int) (int64, error) {
 	c, err := b.store.Add(ctx, ackKey(n), 0)
 	if err != nil {
@@ -343,51 +436,78 @@ func (b *Board) FileJoined(ctx context.Context, j Joined) (int, error) {
 	return b.file(ctx, Notice{Joined: &j})
 }
 
+// file adds n to the log at the first free index and returns it. An
+// index is taken with its record, by a compare-set that only creates, so
+// the log has no holes and no counter to tamper with; an index that holds
+// a forgery is passed over (readers skip it). The search starts above
+// what this Board has seen and above the Floor's notice: the Floor only
+// collects notices up to a notice a leader has read, so a notice filed
+// above the Floor it finds after filing is never collected unread.
 func (b *Board) file(ctx context.Context, n Notice) (int, error) {
-	rec, err := json.Marshal(n)
+	body, err := json.Marshal(n)
 	if err != nil {
 		return 0, fmt.Errorf("shrink: encode notice: %w", err)
 	}
-	i, err := b.store.Add(ctx, reportNext, 1)
+	f, err := b.Floor(ctx)
 	if err != nil {
-		return 0, fmt.Errorf("shrink: file notice: %w", err)
+		return 0, err
 	}
-	// Sealed for its key, which is known only now.
-	if rec, err = b.seal(reportKey(int(i)), rec); err != nil {
-		return 0, fmt.Errorf("shrink: encode notice %d: %w", i, err)
+	for i := max(int(b.notices.Load()), f.Notice) + 1; ; i++ {
+		key := reportKey(i)
+		rec, err := b.seal(key, body) // sealed for its key
+		if err != nil {
+			return 0, fmt.Errorf("shrink: encode notice %d: %w", i, err)
+		}
+		got, err := b.store.CompareSet(ctx, key, nil, rec)
+		if err != nil {
+			return 0, fmt.Errorf("shrink: file notice %d: %w", i, err)
+		}
+		if !bytes.Equal(got, rec) {
+			continue // taken
+		}
+		if f, err = b.Floor(ctx); err != nil {
+			return 0, err
+		}
+		if i <= f.Notice {
+			// Filed in a stretch being collected (the Floor rose twice
+			// since it was read): file it again above.
+			i = f.Notice
+			continue
+		}
+		b.seen(i)
+		return i, nil
 	}
-	if err := b.store.Set(ctx, reportKey(int(i)), rec); err != nil {
-		return 0, fmt.Errorf("shrink: file notice %d: %w", i, err)
+}
+
+// seen records that notice i exists.
+func (b *Board) seen(i int) {
+	for {
+		cur := b.notices.Load()
+		if int64(i) <= cur || b.notices.CompareAndSwap(cur, int64(i)) {
+			return
+		}
 	}
-	return int(i), nil
 }
 
 // Notices returns the notices filed after index after, and the index of
-// the last one returned (after, when there is none). A notice whose index
-// was taken but whose body is not written yet ends the batch: it is read
-// next time. On an authenticated Board forged notices are skipped, at once:
-// a genuine notice whose filer has taken its index but not yet replaced a
-// forgery written ahead of it is missed, so a reader that must see every
-// notice follows the log with AwaitNotice, which waits for it. Notices
-// collected below the Floor are not returned.
+// the last one returned (after, when there is none): every notice up to
+// the first free index. On an authenticated Board forged notices are
+// skipped. Notices collected below the Floor are not returned.
 func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
-	n, err := b.store.Add(ctx, reportNext, 0)
-	if err != nil {
-		return nil, after, fmt.Errorf("shrink: read notices: %w", err)
-	}
 	f, err := b.Floor(ctx)
 	if err != nil {
 		return nil, after, err
 	}
 	var out []Notice
-	for i := max(after, f.SweptNotice) + 1; i <= int(n); i++ {
+	for i := max(after, f.SweptNotice) + 1; ; i++ {
 		ok, err := b.store.Check(ctx, reportKey(i))
 		if err != nil {
 			return out, i - 1, fmt.Errorf("shrink: read notice %d: %w", i, err)
 		}
 		if !ok {
-			return out, i - 1, nil
+			return out, max(after, i-1), nil
 		}
+		b.seen(i)
 		no, err := b.readNotice(ctx, i)
 		if errors.Is(err, ErrForged) {
 			continue // reported by the Auth
@@ -397,86 +517,20 @@ func (b *Board) Notices(ctx context.Context, after int) ([]Notice, int, error) {
 		}
 		out = append(out, no)
 	}
-	return out, int(n), nil
 }
 
 // AwaitNotice blocks until notice i is filed and returns it: a store wait
 // on its key, like Await, and ErrCollected for a notice collected below
-// the Floor. On an authenticated Board a forged record under
-// the key is waited past while index i is not taken yet (a forgery written
-// ahead of the genuine notice, which replaces it) and for noticeGrace once
-// it is; if still forged then, AwaitNotice returns its Forgery (wrapping
-// ErrForged) and the caller moves on to i+1.
+// the Floor. On an authenticated Board a forged record under the key gives
+// its Forgery (wrapping ErrForged) at once: no filer writes over it (the
+// next genuine notice goes to a later index), and the caller moves on to
+// i+1.
 func (b *Board) AwaitNotice(ctx context.Context, i int) (Notice, error) {
-	if err := b.awaitNoticeKey(ctx, i); err != nil {
+	if err := b.waitKept(ctx, reportKey(i), func(f Floor) bool { return f.noticeCollected(i) }); err != nil {
 		return Notice{}, fmt.Errorf("shrink: await notice %d: %w", i, err)
 	}
-	var giveUp time.Time
-	for {
-		n, err := b.readNotice(ctx, i)
-		if !errors.Is(err, ErrForged) {
-			return n, err
-		}
-		taken, aerr := b.store.Add(ctx, reportNext, 0)
-		if aerr != nil {
-			return Notice{}, fmt.Errorf("shrink: read notices: %w", aerr)
-		}
-		if taken >= int64(i) {
-			if giveUp.IsZero() {
-				giveUp = time.Now().Add(noticeGrace)
-			} else if time.Now().After(giveUp) {
-				return Notice{}, err
-			}
-		}
-		if perr := pause(ctx, forgedPoll); perr != nil {
-			return Notice{}, fmt.Errorf("shrink: await notice %d: %w (the key holds a forged record: %w)", i, perr, err)
-		}
-	}
-}
-
-// ErrAbandoned: a notice's index was taken and its record never written:
-// its filer died between the two (a newcomer killed as it said it was
-// ready). The log goes on past it.
-var ErrAbandoned = errors.New("notice abandoned by its filer")
-
-// noticeLook is how long a reader of the notice log waits on a notice's
-// key before it looks whether a later index was taken (see
-// awaitNoticeKey): a few requests per reader every noticeLook while the
-// log is quiet.
-const noticeLook = 5 * time.Second
-
-// awaitNoticeKey waits until notice i's key exists, in slices of
-// noticeLook: a filer writes its notice right after taking its index, so
-// once a later index is taken, notice i still missing noticeGrace later
-// is abandoned (ErrAbandoned), and the log does not wait on it for ever.
-func (b *Board) awaitNoticeKey(ctx context.Context, i int) error {
-	gone := func(f Floor) bool { return f.noticeCollected(i) }
-	overtaken := false
-	for {
-		slice := noticeLook
-		if overtaken {
-			slice = noticeGrace
-		}
-		wctx, cancel := context.WithTimeout(ctx, slice)
-		err := b.waitKept(wctx, reportKey(i), gone)
-		// The store may time a request out at the slice's deadline a
-		// moment before the context says so.
-		sliceOver := wctx.Err() != nil || errors.Is(err, context.DeadlineExceeded) || errors.Is(err, rendezvous.ErrTimeout)
-		cancel()
-		if err == nil || ctx.Err() != nil || !sliceOver {
-			return err
-		}
-		taken, aerr := b.store.Add(ctx, reportNext, 0)
-		if aerr != nil {
-			return fmt.Errorf("read notices: %w", aerr)
-		}
-		if taken > int64(i) {
-			if overtaken {
-				return fmt.Errorf("index %d of %d: %w", i, taken, ErrAbandoned)
-			}
-			overtaken = true
-		}
-	}
+	b.seen(i)
+	return b.readNotice(ctx, i)
 }
 
 func (b *Board) readNotice(ctx context.Context, i int) (Notice, error) {

@@ -152,10 +152,17 @@ func testAcksReports(t *testing.T, open func() rendezvous.Store) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	b := NewBoard(open(), "acks")
-	for want := int64(1); want <= 3; want++ {
-		if n, err := b.Ack(ctx, 1); err != nil || n != want {
-			t.Fatalf("Ack #%d = %d, %v", want, n, err)
+	e := Epoch{Number: 1, Ranks: []int{0, -1, 1, 2}, WorldSize: 3, Action: ActionShrink}
+	for _, g := range []int{0, 2, 3} {
+		if all, err := b.Arrived(ctx, e); err != nil || all {
+			t.Fatalf("Arrived before slot %d = %v, %v", g, all, err)
 		}
+		if err := b.Arrive(ctx, e, g); err != nil {
+			t.Fatalf("Arrive(slot %d) = %v", g, err)
+		}
+	}
+	if all, err := b.Arrived(ctx, e); err != nil || !all {
+		t.Fatalf("Arrived after every member = %v, %v", all, err)
 	}
 	if n, err := b.Acks(ctx, 1); err != nil || n != 3 {
 		t.Errorf("Acks(1) = %d %v, want 3", n, err)
@@ -199,37 +206,71 @@ func TestPublishRejectsEpochZero(t *testing.T) {
 	}
 }
 
-// TestAwaitNoticePastAbandoned: a filer that took index 1 and died before
-// writing its notice (a newcomer killed as it said it was ready) does not
-// hold the log: once a later notice is filed, AwaitNotice(1) says
-// ErrAbandoned, and notice 2 is read. While no later index is taken it
-// waits on.
-func TestAwaitNoticePastAbandoned(t *testing.T) {
+// TestNoticeLogHasNoHoles: filers racing on their own connections, with
+// nothing but the log to go by, take every index once: the log reads
+// 1..N with no gap and no notice lost, and a reader of the next index
+// waits for it.
+func TestNoticeLogHasNoHoles(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	dial := storeDialer(ctx, t)
+	const filers, each = 6, 5
+	var wg sync.WaitGroup
+	idx := make(chan int, filers*each)
+	for f := range filers {
+		b := NewBoard(dial(), "")
+		wg.Go(func() {
+			for k := range each {
+				i, err := b.File(ctx, Report{Ranks: []int{f*each + k}, Reason: "exited"})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				idx <- i
+			}
+		})
+	}
+	wg.Wait()
+	close(idx)
+	var got []int
+	for i := range idx {
+		got = append(got, i)
+	}
+	slices.Sort(got)
+	for k, i := range got {
+		if i != k+1 {
+			t.Fatalf("indices filed %v, want 1..%d each once", got, filers*each)
+		}
+	}
 	b := NewBoard(dial(), "")
-	raw := rendezvous.NewPrefixStore(DefaultPrefix, dial())
-	if _, err := raw.Add(ctx, reportNext, 1); err != nil { // index 1 taken, never written
+	ns, last, err := b.Notices(ctx, 0)
+	if err != nil || last != filers*each || len(ns) != filers*each {
+		t.Fatalf("Notices = %d notices, last %d, %v; want %d", len(ns), last, err, filers*each)
+	}
+	ranks := map[int]bool{}
+	for _, n := range ns {
+		ranks[n.Failure.Ranks[0]] = true
+	}
+	if len(ranks) != filers*each {
+		t.Fatalf("%d distinct notices, want %d", len(ranks), filers*each)
+	}
+	next := make(chan error, 1)
+	go func() {
+		n, err := b.AwaitNotice(ctx, filers*each+1)
+		if err == nil && n.Join == nil {
+			err = fmt.Errorf("notice %+v, want the join", n)
+		}
+		next <- err
+	}()
+	select {
+	case err := <-next:
+		t.Fatalf("AwaitNotice of the next index returned before it was filed: %v", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	if _, err := NewBoard(dial(), "").FileJoin(ctx, Join{Slots: []int{1}}); err != nil {
 		t.Fatal(err)
 	}
-	early, stop := context.WithTimeout(ctx, 2*time.Second)
-	defer stop()
-	if _, err := b.AwaitNotice(early, 1); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("AwaitNotice(1) with no later index: %v, want it to wait until its context ends", err)
-	}
-	if _, err := b.File(ctx, Report{Ranks: []int{0}, Reason: "killed"}); err != nil {
+	if err := <-next; err != nil {
 		t.Fatal(err)
-	}
-	start := time.Now()
-	if _, err := b.AwaitNotice(ctx, 1); !errors.Is(err, ErrAbandoned) {
-		t.Fatalf("AwaitNotice(1) after notice 2 was filed: %v, want ErrAbandoned", err)
-	}
-	if d := time.Since(start); d > noticeLook+2*noticeGrace {
-		t.Errorf("abandoned after %v, want within %v", d, noticeLook+2*noticeGrace)
-	}
-	n, err := b.AwaitNotice(ctx, 2)
-	if err != nil || n.Failure == nil || n.Failure.Ranks[0] != 0 {
-		t.Fatalf("notice 2: %+v, %v", n, err)
 	}
 }

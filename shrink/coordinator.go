@@ -219,10 +219,6 @@ func (c *Coordinator) watchNotices(ctx context.Context, b *Board, i int) {
 		if errors.Is(err, ErrForged) {
 			continue // never acted on; the Auth reported it
 		}
-		if errors.Is(err, ErrAbandoned) {
-			c.log.Warn("a notice was never written (its filer died as it filed it); going on past it", zap.Int("notice", i))
-			continue
-		}
 		if errors.Is(err, ErrCollected) {
 			f, ferr := b.Floor(ctx)
 			if ferr == nil {
@@ -372,6 +368,25 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 	}
 }
 
+// completeOverdue looks, before a grow that did not complete in time is
+// given up, whether every member acknowledged it after all: the member
+// that counted last died before it filed the Complete notice, or the
+// counter was tampered with. Then it files the Complete notice itself (the
+// other agents' Deciders follow the log) and the grow stands.
+func (c *Coordinator) completeOverdue(ctx context.Context, dec *Decider) (bool, error) {
+	cur := dec.Current()
+	all, err := c.ops.Arrived(ctx, cur)
+	if err != nil || !all {
+		return false, err
+	}
+	c.log.Warn("every rank acknowledged the grow, and nobody said it was complete: saying so", zap.Stringer("epoch", cur))
+	if _, err := c.ops.file(ctx, Notice{Complete: &Complete{Epoch: cur.Number, At: time.Now()}}); err != nil {
+		return false, err
+	}
+	dec.Complete(cur.Number) // at once: the notice comes back through the log
+	return true, nil
+}
+
 // raise hands f to the collector; a floor it has not taken yet is
 // replaced by f, which is higher.
 func (c *Coordinator) raise(f Floor) {
@@ -414,6 +429,12 @@ func (c *Coordinator) collect(ctx context.Context) {
 // watcher then delivers whichever epoch the board holds: this one, or a
 // rival's that won the compare-set.
 func (c *Coordinator) publish(ctx context.Context, dec *Decider) (bool, error) {
+	if now := time.Now(); dec.GrowOverdue(now) {
+		done, err := c.completeOverdue(ctx, dec)
+		if err != nil || done {
+			return false, err
+		}
+	}
 	next, ok, err := dec.Decide(time.Now())
 	if err != nil || !ok {
 		return false, err

@@ -304,6 +304,13 @@ func (d *Decider) news(epoch, g int) {
 // finished joining, sorted.
 func (d *Decider) Awaiting() []int { return sortedKeys(d.awaiting) }
 
+// GrowOverdue reports whether the current epoch is a grow that has not
+// completed within its GrowTimeout by now.
+func (d *Decider) GrowOverdue(now time.Time) bool {
+	due := d.growDue()
+	return !due.IsZero() && !now.Before(due)
+}
+
 // growDue is when the current grow, if it is not complete, is given up
 // (zero when there is none).
 func (d *Decider) growDue() time.Time {

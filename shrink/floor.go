@@ -33,7 +33,7 @@ const floorKey = "floor"
 // and no notice filed until then matters to a Decider that starts from it.
 // Raising it collects the records below the floor before (a generation
 // behind, so a reader that lags by up to a heal cycle still finds what it
-// waits for): epochs and their counters below that floor's epoch, notices
+// waits for): epochs and their acks below that floor's epoch, notices
 // up to its notice, and the group-formation keys of those epochs (Go's
 // under Namespace, gorun_ft.py's under gorun_ft/attempt_<k>/epoch_<n>/)
 // where the store can list its keys.
@@ -143,6 +143,16 @@ func (b *Board) Raise(ctx context.Context, next Floor) error {
 func (b *Board) sweep(ctx context.Context, f Floor) error {
 	var gone []string
 	for n := max(f.SweptEpoch, 1); n < f.Epoch; n++ {
+		// Its members' acks first: the epoch says who they are.
+		e, ok, err := b.Lookup(ctx, n)
+		if err != nil {
+			return fmt.Errorf("shrink: read epoch %d below the floor: %w", n, err)
+		}
+		for g, r := range e.Ranks {
+			if ok && r >= 0 {
+				gone = append(gone, memberAckKey(n, g))
+			}
+		}
 		gone = append(gone, epochKey(n), ackKey(n))
 	}
 	for i := f.SweptNotice + 1; i <= f.Notice; i++ {

@@ -175,7 +175,7 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 			g.Close()
 			return nil, nil, e, err
 		}
-		if err := n.Board.Arrive(ctx, e); err != nil {
+		if err := n.Board.Arrive(ctx, e, n.Slot); err != nil {
 			g.Close()
 			return nil, nil, e, err
 		}
@@ -359,7 +359,7 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 		return nil, e, fmt.Errorf("shrink: epoch %d: %w", e.Number, err)
 	}
 	f.advance(e, ng)
-	if err := f.board.Arrive(ctx, e); err != nil {
+	if err := f.board.Arrive(ctx, e, f.globalRank); err != nil {
 		return ng, e, err
 	}
 	return ng, e, nil

@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/gorunhq/gorun/rendezvous"
 )
 
 // TestEpochGrow: a grow epoch brings lost slots back; survivors keep their
@@ -203,11 +205,7 @@ func TestCoordinatorHeals(t *testing.T) {
 	if _, err := board.FileJoined(ctx, Joined{Epoch: g.Number, Slot: 2}); err != nil {
 		t.Fatal(err)
 	}
-	for range g.WorldSize { // the last of the four files the grow's Complete
-		if err := board.Arrive(ctx, g); err != nil {
-			t.Fatal(err)
-		}
-	}
+	arriveAll(ctx, t, board, g) // the last of the four files the grow's Complete
 	select {
 	case e := <-a.Epochs():
 		t.Fatalf("an epoch after the grow completed: %v", e)
@@ -229,6 +227,74 @@ func TestCoordinatorHeals(t *testing.T) {
 	}, "slot 0 excluded again, back to the group before the grow")
 	if d := out.DecidedAt.Sub(grown.DecidedAt); d < 500*time.Millisecond || d > 5*time.Second {
 		t.Errorf("excluded %v after the grow, want about GrowTimeout (500 ms)", d)
+	}
+}
+
+// arriveAll acknowledges epoch e for each of its members.
+func arriveAll(ctx context.Context, t *testing.T, b *Board, e Epoch) {
+	t.Helper()
+	for g, r := range e.Ranks {
+		if r < 0 {
+			continue
+		}
+		if err := b.Arrive(ctx, e, g); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// TestCoordinatorCompletesATamperedGrow: the ack counter of a grow is
+// tampered with (decremented by someone who reaches the store), so the
+// member that arrives last does not see the count reach the world size and
+// files no Complete. Every member's sealed ack is there, and the leader,
+// looking before it gives the grow up at its GrowTimeout, files the
+// Complete itself: the grow stands, and no epoch excludes the newcomer.
+func TestCoordinatorCompletesATamperedGrow(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	cfg := CoordinatorConfig{Config: Config{SettleWindow: 20 * time.Millisecond, GrowTimeout: 500 * time.Millisecond}, World: 3, Name: "a"}
+	a := agentSide(t, dial, cfg)
+	a.Lead(ctx, true)
+	if err := a.File(ctx, Report{Ranks: []int{1}, Reason: "exited"}); err != nil {
+		t.Fatal(err)
+	}
+	if e := nextEpoch(t, a, 10*time.Second); !slices.Equal(e.Excluded, []int{1}) {
+		t.Fatalf("epoch %v, want rank 1 excluded", e)
+	}
+	if err := a.FileJoin(ctx, Join{Slots: []int{1}}); err != nil {
+		t.Fatal(err)
+	}
+	g := nextEpoch(t, a, 10*time.Second)
+	if g.Action != ActionGrow {
+		t.Fatalf("epoch %v, want the grow of slot 1", g)
+	}
+	raw := rendezvous.NewPrefixStore(DefaultPrefix, dial())
+	if _, err := raw.Add(ctx, ackKey(g.Number), -10); err != nil {
+		t.Fatal(err)
+	}
+	board := NewBoard(dial(), "")
+	if _, err := board.FileJoined(ctx, Joined{Epoch: g.Number, Slot: 1}); err != nil {
+		t.Fatal(err)
+	}
+	arriveAll(ctx, t, board, g)
+	select {
+	case c := <-a.Completions():
+		if c.Epoch != g.Number {
+			t.Fatalf("completion of epoch %d, want %d", c.Epoch, g.Number)
+		}
+		if d := c.At.Sub(g.DecidedAt); d < 500*time.Millisecond {
+			t.Errorf("completed %v after the decision, before the GrowTimeout (500 ms): who filed it?", d)
+		}
+	case e := <-a.Epochs():
+		t.Fatalf("epoch %v; want the grow completed", e)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the grow never completed")
+	}
+	select {
+	case e := <-a.Epochs():
+		t.Fatalf("an epoch after the grow completed: %v", e)
+	case <-time.After(time.Second):
 	}
 }
 

@@ -27,11 +27,7 @@ func healCycle(ctx context.Context, t *testing.T, coord *Coordinator, b *Board, 
 	if !slices.Equal(shrunk.Excluded, []int{victim}) {
 		t.Fatalf("epoch %v, want rank %d excluded", shrunk, victim)
 	}
-	for range shrunk.WorldSize {
-		if err := b.Arrive(ctx, shrunk); err != nil {
-			t.Fatal(err)
-		}
-	}
+	arriveAll(ctx, t, b, shrunk)
 	if err := coord.FileJoin(ctx, Join{Slots: []int{victim}}); err != nil {
 		t.Fatal(err)
 	}
@@ -51,11 +47,7 @@ func healCycle(ctx context.Context, t *testing.T, coord *Coordinator, b *Board, 
 	if _, err := b.FileJoined(ctx, Joined{Epoch: grown.Number, Slot: victim}); err != nil {
 		t.Fatal(err)
 	}
-	for range grown.WorldSize {
-		if err := b.Arrive(ctx, grown); err != nil {
-			t.Fatal(err)
-		}
-	}
+	arriveAll(ctx, t, b, grown)
 	select {
 	case c := <-coord.Completions():
 		if c.Epoch != grown.Number {

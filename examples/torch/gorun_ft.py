@@ -107,9 +107,12 @@ waits.
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
 ``added``, ``ranks``, ``world_size``, ``action``, ``base``, ``reasons``);
-``ack/<n>`` counts the members that moved to epoch n; ``report/next``
-counts the notices and ``report/<i>`` holds notice i, JSON with one of
-``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own);
+``ack/<n>/<slot>`` says that launch slot moved to epoch n (``epoch``,
+``slot``), and ``ack/<n>`` counts those acks (a hint of when to look at
+them, never trusted); ``report/<i>`` holds notice i, JSON with one of
+``join``, ``joined`` or ``complete`` (and ``failure``, the agents' own),
+written once at the first free index by a create-only compare-set;
+``respawns/<k>`` are the agents' respawn tickets;
 ``floor`` says where the history kept starts (``epoch``, ``notice``,
 ``swept_epoch``, ``swept_notice``): the agents collect the epochs below
 ``swept_epoch``, with the keys their groups formed under
@@ -125,8 +128,8 @@ where scope is ``TORCHELASTIC_RUN_ID + "/" + GORUN_GENERATION`` (this round of
 this job), key is relative to the prefix (``epoch/3``, ``report/12``) and
 body is the record without its mac field. The helper verifies every epoch
 it reads (one that fails, forged or replayed from another key or round, is
-logged once and ignored: it waits on for the genuine one) and seals every
-notice it files. Without a secret, records are neither sealed nor checked.
+logged once and ignored: it waits on for the genuine one), and every ack it
+counts, and seals every notice and ack it files. Without a secret, records are neither sealed nor checked.
 """
 import contextlib
 import datetime
@@ -497,6 +500,9 @@ class _KeyWaiter:
         self._store = None
 
 
+# What _peek compare-sets: a value no writer of the board ever stores.
+PEEK_PROBE = "gorun_ft: a probe, never stored"
+
 # How many steps ahead of the leader's current step the switch to a grow's
 # group is set. The leader publishes it in its check() of step t, before
 # that step's collective. Members step in lockstep (every step's
@@ -608,6 +614,7 @@ class ElasticGroup:
         # until its first resync.
         self._synced = not self.newcomer
         self._published = 0  # the highest epoch the watcher has seen
+        self._notice_hint = 0  # the last notice this helper filed
         self._latest = None  # that epoch
         # A grow's group being built (_Build), until the switch to it.
         self._bg = None
@@ -1094,23 +1101,83 @@ class ElasticGroup:
                 return store.compare_set(state, "", "sealed") == b"sealed"
 
     def _arrive(self, e):
-        """Acknowledge epoch e; the member whose acknowledgement completes a
-        grow says so, for the agents."""
+        """Acknowledge epoch e for this slot: a sealed ack under
+        ``ack/<n>/<slot>``, then the ``ack/<n>`` count beside it, which only
+        says when to look (see shrink.Board.Arrive). Whoever counts up to a
+        grow's world size reads every member's ack and, when all are there
+        and genuine, files the ``complete`` notice."""
+        slot = self.global_rank
+        rec = json.dumps({"epoch": e.number, "slot": slot})
+        if self._auth is not None:
+            rec = self._auth.seal(_rel("ack", e.number, slot), rec.encode("ascii")).decode("ascii")
+        self.store.set(_key("ack", e.number, slot), rec)
         n = self.store.add(_key("ack", e.number), 1)
-        if e.action == "grow" and n == e.world_size:
+        if e.action == "grow" and n >= e.world_size and self._arrived(e):
             self._file({"complete": {"epoch": e.number, "at": _now()}})
+
+    def _arrived(self, e):
+        """Whether every member of epoch e has a genuine ack on the board."""
+        for g in range(len(e.ranks)):
+            if not e.alive(g):
+                continue
+            rec = self._peek(_key("ack", e.number, g))
+            if rec is None:
+                return False
+            if self._auth is not None:
+                try:
+                    self._auth.open(_rel("ack", e.number, g), rec)
+                except Forged:
+                    return False
+        return True
 
     def _file_join(self):
         slot = self.global_rank
         self._file({"join": {"slots": [slot], "from": "slot %d" % slot, "seen_at": _now()}})
 
     def _file(self, notice):
-        """Add a notice to the board's log, sealed when the job has a secret."""
-        i = self.store.add(_key("report", "next"), 1)
-        rec = json.dumps(notice)
+        """Add a notice to the board's log, sealed when the job has a secret,
+        at the first free index: a compare-set that only creates, so the log
+        has no holes and no counter anyone could tamper with; an index that
+        holds a forgery is passed over (see shrink.Board's file). The search
+        starts above the floor's notice, and a notice found filed at or
+        below the floor read after it (collected) is filed again above."""
+        body = json.dumps(notice)
+        i = max(self._notice_hint, self._floor_notice()) + 1
+        while True:
+            rec = body
+            if self._auth is not None:
+                rec = self._auth.seal(_rel("report", i), body.encode("ascii")).decode("ascii")
+            if self.store.compare_set(_key("report", i), "", rec) != rec.encode("ascii"):
+                i += 1  # taken
+                continue
+            floor = self._floor_notice()
+            if i <= floor:
+                i = floor + 1
+                continue
+            self._notice_hint = i
+            return i
+
+    def _peek(self, key):
+        """key's value, or None while it does not exist, at once and on the
+        main connection: a compare-set that never matches (c10d answers one
+        on an absent key with the expected value and writes nothing). A
+        timed wait would do on 2.x's check() only: 1.13 has none, and a
+        short wait may time out on a key that is there."""
+        got = self.store.compare_set(key, PEEK_PROBE, PEEK_PROBE + " (never stored)")
+        return None if got == PEEK_PROBE.encode("ascii") else got
+
+    def _floor_notice(self):
+        """The board floor's notice (0 without a floor, or with one that
+        fails the job secret's check)."""
+        rec = self._peek(_key("floor"))
+        if rec is None:
+            return 0
         if self._auth is not None:
-            rec = self._auth.seal(_rel("report", i), rec.encode("ascii")).decode("ascii")
-        self.store.set(_key("report", i), rec)
+            try:
+                rec = self._auth.open(_rel("floor"), rec)
+            except Forged:
+                return 0
+        return json.loads(rec).get("notice", 0)
 
     def _epoch(self, n, rec):
         """Epoch n from the record at its key; Forged when the job has a
