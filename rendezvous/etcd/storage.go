@@ -150,6 +150,7 @@ type Storage struct {
 
 	seed    maphash.Seed
 	stripes [numStripes]stripe
+	tokens  tokenLease // see storage_lease.go
 	batch   batcher
 
 	ctx    context.Context
@@ -217,6 +218,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		waiters:  make(map[string]map[*waiter]struct{}),
 		barriers: make(map[string]map[*barrier]struct{}),
 		watches:  make(map[string]map[*watch]struct{}),
+		tokens:   tokenLease{kept: make(chan clientv3.LeaseID, 1)},
 	}
 	for i := range s.stripes {
 		s.stripes[i].cache = make(map[string]known)
@@ -245,16 +247,17 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		rev = resp.Header.Revision
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.loops.Add(3)
+	s.loops.Add(4)
 	go s.watchLoop(rev+1, watchKeys)
 	go s.watchLoop(rev+1, watchQueues)
 	go s.sweepLoop()
+	go s.keepTokens()
 	return s, nil
 }
 
 // Close stops the watch and deletes this Storage's bookkeeping (the tokens
 // of its read-modify-writes, which no operation needs once none is in
-// flight). Registered waiters are never released afterwards; the data stays
+// flight, and their lease). Registered waiters are never released afterwards; the data stays
 // in etcd (see Drop).
 func (s *Storage) Close() error {
 	s.cancel()
@@ -263,6 +266,7 @@ func (s *Storage) Close() error {
 	// Briefly: an agent leaving a broken etcd should not hang on this.
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
+	s.revokeTokens(ctx)
 	_, err := s.cli.Delete(ctx, s.prefix+tokenDir+s.id+"/", clientv3.WithPrefix())
 	return err
 }
@@ -687,6 +691,12 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 			return ch, nil
 		}
 		id := opID + strconv.Itoa(attempt)
+		lctx, lcancel := s.opCtx()
+		lease, err2 := s.lease(lctx)
+		lcancel()
+		if err2 != nil {
+			return change{}, s.fail(op, key, err2)
+		}
 		var then []clientv3.Op
 		writes := []string{k, tok}
 		size := len(k) + len(tok) + len(id)
@@ -719,7 +729,7 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 				}
 			}
 			then = append(put, ch.extra...)
-			then = append(then, clientv3.OpPut(tok, id))
+			then = append(then, clientv3.OpPut(tok, id, clientv3.WithLease(lease)))
 			writes = append(writes, s.chunkDir(k))
 			for _, e := range ch.extra {
 				writes = append(writes, string(e.KeyBytes()))
@@ -1026,7 +1036,11 @@ func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 			ops = append(ops, clientv3.OpDelete(string(kv.Key)))
 		}
 		id := strconv.FormatUint(s.seq.Add(1), 16)
-		ops = append(ops, clientv3.OpPut(tok, id))
+		lease, err := s.lease(ctx)
+		if err != nil {
+			return nil, 0, s.fail("queue_pop", key, err)
+		}
+		ops = append(ops, clientv3.OpPut(tok, id, clientv3.WithLease(lease)))
 		var popped bool
 		err = s.retry(ctx, func(ctx context.Context) error {
 			tx, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(tok)).Commit()

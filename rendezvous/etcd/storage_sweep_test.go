@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"strings"
@@ -22,7 +23,9 @@ import (
 
 // writerEnv makes the test binary a writer process: "ENDPOINT PREFIX KEY
 // MIB" sets KEY to MIB MiB through a Storage of its own (WriteLeaseTTL 2
-// s), and is killed by the test while it writes the chunks.
+// s), and is killed by the test while it writes the chunks; with MIB 0 it
+// adds 1 to KEY (OpTimeout 2 s: its tokens' lease lives 4 s), says
+// "added", and waits to be killed.
 const writerEnv = "GORUN_ETCD_TEST_WRITER"
 
 func runWriter(spec string) int {
@@ -39,12 +42,24 @@ func runWriter(spec string) int {
 		return 1
 	}
 	defer cli.Close()
-	st, err := etcd.NewStorage(context.Background(), cli, etcd.StorageConfig{Prefix: f[1], WriteLeaseTTL: 2 * time.Second})
+	cfg := etcd.StorageConfig{Prefix: f[1], WriteLeaseTTL: 2 * time.Second}
+	if mib == 0 {
+		cfg.OpTimeout = 2 * time.Second
+	}
+	st, err := etcd.NewStorage(context.Background(), cli, cfg)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
 	}
 	defer st.Close()
+	if mib == 0 {
+		if _, err := st.Add([]byte(f[2]), 1); err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			return 1
+		}
+		fmt.Println("added")
+		select {}
+	}
 	if err := st.Set([]byte(f[2]), bytes.Repeat([]byte("o"), mib<<20)); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		return 1
@@ -253,5 +268,65 @@ func TestStorageWatchLargeValues(t *testing.T) {
 		case <-ctx.Done():
 			t.Fatalf("no event %d", i)
 		}
+	}
+}
+
+// TestStorageTokensOfAKilledAgentLapse: a read-modify-write stamps a token
+// key of its Storage's; an agent SIGKILLed never closes its Storage, and
+// its tokens go with their lease's TTL (OpTimeout plus WriteLeaseTTL)
+// rather than staying for the rest of the round. A Storage closed deletes
+// its own at once.
+func TestStorageTokensOfAKilledAgentLapse(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 60*time.Second)
+	prefix := fmt.Sprintf("/test/%s/", t.Name())
+	tokens := func() int64 { return count(t, ctx, cli, prefix+"m/t/") }
+
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), fmt.Sprintf("%s=%s %s /n 0", writerEnv, cluster.Endpoints()[0], prefix))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	line := make([]byte, len("added\n"))
+	if _, err := io.ReadFull(out, line); err != nil || string(line) != "added\n" {
+		cmd.Process.Kill()
+		cmd.Wait()
+		t.Fatalf("the agent process said %q, %v", line, err)
+	}
+	if n := tokens(); n != 1 {
+		t.Fatalf("%d tokens after an add; want 1", n)
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	cmd.Wait()
+	killed := time.Now()
+	for tokens() != 0 {
+		if time.Since(killed) > 15*time.Second {
+			t.Fatalf("the killed agent's token is still there %v after its death (its lease lives 4 s)", time.Since(killed))
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	t.Logf("the killed agent's token went %v after its death", time.Since(killed).Round(100*time.Millisecond))
+
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: prefix})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := st.Add([]byte("/n"), 1); err != nil || n != 2 {
+		t.Fatalf("add = %d, %v; want 2", n, err)
+	}
+	if err := st.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := tokens(); n != 0 {
+		t.Fatalf("%d tokens after Close; want 0", n)
+	}
+	r, err := cli.Leases(ctx)
+	if err != nil || len(r.Leases) != 0 {
+		t.Fatalf("%d leases left (%v); want none", len(r.Leases), err)
 	}
 }
