@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"strings"
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
@@ -50,4 +51,25 @@ func (c *etcdCounter) close() {
 	if c != nil {
 		c.cli.Close()
 	}
+}
+
+// dirs counts the job's keys in etcd by their first two directories under
+// the job's prefix (rdzv/…, alive/, a round's store/<n>/k/…): where keys
+// that outlive their epochs would be.
+func (c *etcdCounter) dirs(ctx context.Context) map[string]int {
+	if c == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	r, err := c.cli.Get(ctx, c.prefix, clientv3.WithPrefix(), clientv3.WithKeysOnly())
+	if err != nil {
+		return nil
+	}
+	out := map[string]int{}
+	for _, kv := range r.Kvs {
+		parts := strings.SplitN(strings.TrimPrefix(string(kv.Key), c.prefix), "/", 4)
+		out[strings.Join(parts[:min(len(parts), 3)], "/")]++
+	}
+	return out
 }

@@ -257,10 +257,16 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			if s.FDs > 0 && s.RSSKiB > 0 && (r.Torchrun || s.Goroutines > 0) {
 				fmt.Fprintf(ru.env.console, "# sample %+v\n", s)
 				res.Samples = append(res.Samples, s)
+				if ec != nil && len(res.Samples)%15 == 0 {
+					fmt.Fprintf(ru.env.console, "# etcd keys by directory: %v\n", ec.dirs(ctx))
+				}
 			}
 		}
 	}
 	res.Wall = witness.at.Sub(ru.t0)
+	if ec != nil {
+		fmt.Fprintf(ru.env.console, "# etcd keys at the end, by directory: %v\n", ec.dirs(ctx))
+	}
 	waitErr := witness.err
 	// The others finish with it; an agent still standing by (a spare
 	// never admitted) is stopped, which is no failure.
