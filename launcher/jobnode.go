@@ -277,6 +277,8 @@ type roundView struct {
 // has its members read now.
 func (j *jobNode) view(ctx context.Context, round rendezvous.Round) (roundView, error) {
 	if round.Members == nil && round.Summary != nil {
+		j.log.Debug("planning the round from this node's summary; no member list read", zap.Int("round", round.Number),
+			zap.Int("group_rank", round.Rank), zap.Int("nodes", round.Size), zap.Int("world_size", round.Summary.Total))
 		return j.summaryView(round)
 	}
 	if round.Members == nil {

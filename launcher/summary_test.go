@@ -186,7 +186,7 @@ func TestSummaryView(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := DefaultConfig()
 			cfg.JobSecret = tc.mine
-			j := &jobNode{cfg: &cfg, runID: "r"}
+			j := &jobNode{cfg: &cfg, log: zap.NewNop(), runID: "r"}
 			s := &rendezvous.Summary{Offset: 10, Total: 64, First: rendezvous.Member{Node: n0, Data: data(tc.first.check("r"))}}
 			if tc.hasDissent {
 				s.Dissent = &rendezvous.Member{Node: n5, Rank: 5, Data: data(tc.dissent.check("r"))}
