@@ -28,9 +28,9 @@ package rendezvous
 // share of the round (Round.Number, Rank, Size, Late, and with
 // DynamicConfig.Describe its Summary: dynamic_plan.go) and, unless
 // DynamicConfig.ShareOnly, the members (one read of the members key per
-// round: O(N) bytes). Status reads
-// the marker, and the state only when the marker shows a change of the
-// round (a member gone, a node admitted or waiting, the run closed).
+// round: O(N) bytes). Status reads the marker, and the state only when the
+// marker shows a change of the round (a member gone, a node admitted or
+// waiting, the run closed).
 //
 // The state stays the one truth: a view is only ever read, and everything
 // written is decided on the state by whoever writes it. A view older than
