@@ -171,24 +171,24 @@ func (d *dynamicNode) next(ctx context.Context) (*plan, error) {
 // fillPlan turns a completed round into this node's plan. srv is the worker
 // store this node offered; it stays up only on group rank 0.
 func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Round, srv *tcpstore.Server) error {
-	infos, ids, groupRank, rank0, err := d.job.order(round)
+	rv, err := d.job.view(ctx, round)
 	if err != nil {
 		srv.Close()
 		return err
 	}
-	if err := d.job.refuseMixedSecrets(ctx, infos, ids, groupRank); err != nil {
+	if err := d.job.refuseMixedSecrets(ctx, rv); err != nil {
 		srv.Close()
 		if d.storeHost != nil {
-			d.waitOthersSawClose(ctx, len(infos))
+			d.waitOthersSawClose(ctx, rv.size)
 		}
 		return err
 	}
-	if groupRank == 0 {
+	if rv.groupRank == 0 {
 		p.store = srv
 	} else {
 		srv.Close()
 	}
-	vals, err := d.job.store.MultiGet(ctx, d.job.restartsKey(), d.workerStoreKey(rank0))
+	vals, err := d.job.store.MultiGet(ctx, d.job.restartsKey(), d.workerStoreKey(rv.rank0))
 	if err != nil {
 		return fmt.Errorf("reading the restart count and group rank 0's worker store: %w", err)
 	}
@@ -205,23 +205,28 @@ func (d *dynamicNode) fillPlan(ctx context.Context, p *plan, round rendezvous.Ro
 	if err != nil {
 		return fmt.Errorf("group rank 0 published worker store %q: %w", v, err)
 	}
-	layout(p, infos, ids, groupRank)
+	layout(p, rv, d.job.cfg.NProcPerNode)
 	p.late = round.Late
 	p.env = workerEnv(d.job.cfg, d.job.runID, host, port, int(restarts), round.Number)
 	return nil
 }
 
-// layout fills in the plan's members and this node's assignments from the
-// round's infos and node identities, in group-rank order.
-func layout(p *plan, infos []nodeInfo, ids []string, groupRank int) {
-	nodes := make(nodeRanks, len(infos))
-	for i, in := range infos {
+// layout fills in this node's assignments from the round's view, and the
+// plan's members when the view has them (not from a summary: see
+// plan.members). nproc is this node's worker count, what it published.
+func layout(p *plan, v roundView, nproc int) {
+	if v.infos == nil {
+		p.assignments = assignAt(v.offset, v.world, v.groupRank, v.size, nproc)
+		return
+	}
+	nodes := make(nodeRanks, len(v.infos))
+	for i, in := range v.infos {
 		nodes[i].nproc = in.NProc
 		p.members = append(p.members, in.Addr)
 		p.gossip = append(p.gossip, in.Gossip)
 	}
-	p.nodeIDs, p.nodes = ids, nodes
-	p.assignments = assign(nodes, groupRank)
+	p.nodeIDs, p.nodes = v.ids, nodes
+	p.assignments = assign(nodes, v.groupRank)
 }
 
 func nodeRanksOf[T any](xs []T, f func(T) int) []int {

@@ -55,9 +55,17 @@ type etcdNode struct {
 	// view's revision when the round began, and synced says whether the
 	// view has been read since the round completed: only then does a
 	// member absent from it count as lost (see watch).
-	members []string
-	since   int64
-	synced  bool
+	//
+	// A round planned from its summary (queue mode) comes without member
+	// names: members stays nil and size counts them, and watch reads the
+	// names only once the view shows a departure or fewer keys than
+	// members (lazyMembers): O(N) bytes a node only in a round that may
+	// have lost one.
+	members     []string
+	size        int
+	lazyMembers bool
+	since       int64
+	synced      bool
 	// reported are the members whose loss watch has reported this round
 	// (see unreported).
 	reported []string
@@ -259,11 +267,11 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	infos, ids, groupRank, _, err := e.job.order(round)
+	rv, err := e.job.view(ctx, round)
 	if err != nil {
 		return nil, err
 	}
-	if err := e.job.refuseMixedSecrets(ctx, infos, ids, groupRank); err != nil {
+	if err := e.job.refuseMixedSecrets(ctx, rv); err != nil {
 		return nil, err
 	}
 	// Between the round's completion and the workers' start every etcd
@@ -286,15 +294,14 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 		return nil, err
 	}
 	p := &plan{round: round.Number, store: srv, late: round.Late}
-	layout(p, infos, ids, groupRank)
+	layout(p, rv, e.job.cfg.NProcPerNode)
 	// The store serves this node's workers and agent only (etcd holds
 	// what they share with the other nodes): on loopback.
 	p.env = workerEnv(e.job.cfg, e.job.runID, "127.0.0.1", srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
 	e.members, e.since, e.synced, e.reported = e.members[:0], since, false, e.reported[:0]
-	for _, m := range round.Members {
-		e.members = append(e.members, m.Node.String())
-	}
-	if groupRank == 0 && round.Number > 0 {
+	e.size, e.lazyMembers = rv.size, rv.ids == nil
+	e.members = append(e.members, rv.ids...)
+	if rv.groupRank == 0 && round.Number > 0 {
 		e.dropBefore = round.Number
 	}
 	return p, nil
@@ -368,6 +375,18 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 			e.job.log.Debug("reading the etcd presence keys", zap.Error(err))
 		} else {
 			e.synced = true
+		}
+	}
+	if e.lazyMembers {
+		if deleted, present := e.live.Departures(e.since); deleted || e.synced && present < e.size {
+			if ms, err := e.job.dyn.Members(ctx); err != nil {
+				e.job.log.Debug("reading the round's members", zap.Error(err))
+			} else {
+				e.lazyMembers = false
+				for _, m := range ms {
+					e.members = append(e.members, m.Node.String())
+				}
+			}
 		}
 	}
 	if lost := e.unreported(e.live.Lost(e.members, e.since, e.synced)); len(lost) > 0 {

@@ -6,6 +6,7 @@ import (
 	"context"
 	"net"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -303,5 +304,51 @@ func TestParseNodeDesc(t *testing.T) {
 		if got, ok := parseNodeDesc(bad); ok {
 			t.Errorf("parseNodeDesc(%q) = %+v; want no node", bad, got)
 		}
+	}
+}
+
+// TestEtcdQueueModeLazyMembers: 32 nodes (queue mode) plan their round
+// from their summaries, with no member list; their watches of a healthy
+// round read none either, and once a node's lease goes a survivor reads
+// the list (then only) and reports that node lost.
+func TestEtcdQueueModeLazyMembers(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	const n = 32
+	addrs := make([]string, n)
+	for i := range addrs {
+		addrs[i] = "127.0.0." + strconv.Itoa(i+1)
+	}
+	nodes := etcdNodes(t, cluster, addrs...)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	plans := nextAll(t, nodes)
+	for i, p := range plans {
+		if p.members != nil || !nodes[i].lazyMembers || nodes[i].size != n || p.atBarrier() != n {
+			t.Fatalf("node %d: members %v, lazy %v, size %d", i, p.members, nodes[i].lazyMembers, nodes[i].size)
+		}
+	}
+	for _, nd := range nodes {
+		if c, err := nd.watch(ctx); c != nil || err != nil || !nd.lazyMembers {
+			t.Fatalf("watch of a healthy round = %v, %v (lazy %v)", c, err, nd.lazyMembers)
+		}
+	}
+	lost, survivor := nodes[n-1], nodes[0]
+	lost.closeLiveness()
+	start := time.Now()
+	for {
+		c, err := survivor.watch(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c != nil {
+			if !slices.Equal(c.lost, []string{lost.job.me.String()}) || survivor.lazyMembers || len(survivor.members) != n {
+				t.Fatalf("change %v (members %d, lazy %v); want the node lost", c, len(survivor.members), survivor.lazyMembers)
+			}
+			break
+		}
+		if time.Since(start) > 10*time.Second {
+			t.Fatal("the lost node not seen")
+		}
+		time.Sleep(10 * time.Millisecond)
 	}
 }

@@ -87,7 +87,35 @@ func newJobNode(cfg *Config, log *zap.Logger, runID string) (*jobNode, error) {
 	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
 	j.dcfg = cfg.rdzv.dynamic
 	j.dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
+	// In queue mode (large runs) the rendezvous hands each node its
+	// summary of the round (offset, world size, rank 0, the secrets'
+	// agreement), computed once by the node that completes it: this
+	// node's plan needs no member list, which costs O(N) bytes a node
+	// every round. Where the plan does need every member, Next reads
+	// them as before.
+	j.dcfg.Describe = describeNode
+	j.dcfg.ShareOnly = !cfg.needsMembers()
 	return j, nil
+}
+
+// needsMembers reports whether an agent's plan needs every member of each
+// round rather than its summary: static rendezvous (group ranks are the
+// node ranks in the members' data, not the round's ranks), shrink mode
+// (the survivors' agreement names every node and its ranks: leadership,
+// lost nodes, vacant places) and node liveness (the gossip expects every
+// member by name, and maps its news back to rendezvous identities).
+func (c *Config) needsMembers() bool {
+	return c.Rendezvous.Backend == backendStatic || c.OnFailure == OnFailureShrink || c.gossip.Name != ""
+}
+
+// describeNode reads what the round's plan needs of a node's published
+// nodeInfo: its worker count and its job secret's check.
+func describeNode(data []byte) (rendezvous.NodeTraits, error) {
+	var info nodeInfo
+	if err := json.Unmarshal(data, &info); err != nil {
+		return rendezvous.NodeTraits{}, fmt.Errorf("node info %q: %w", data, err)
+	}
+	return rendezvous.NodeTraits{Weight: info.NProc, Check: info.SecretCheck}, nil
 }
 
 // Keys in the rendezvous store, besides the rendezvous's own.
@@ -223,6 +251,80 @@ func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
 	return round, nil
 }
 
+// roundView is what a node's plan takes from a complete round: every
+// member (infos and ids, in group-rank order) when the round came with
+// them, else this node's summary (queue mode, rendezvous.Round.Summary).
+type roundView struct {
+	// infos and ids are the members' published infos and identities by
+	// group rank; nil with a summary.
+	infos []nodeInfo
+	ids   []string
+	// groupRank is this node's, size the number of nodes.
+	groupRank, size int
+	// offset is the first global rank of this node's workers, world the
+	// number of workers of all nodes.
+	offset, world int
+	// rank0 is the node of group rank 0.
+	rank0 rendezvous.NodeDesc
+	// mixed: the round's nodes do not all hold this node's job secret
+	// (sameSecret's error); nil when they do.
+	mixed error
+}
+
+// view reads round as this node's plan needs it: from its summary when
+// the round came without members (a queue-mode round, ShareOnly), else
+// from the members. A round with neither (its folder could not plan it)
+// has its members read now.
+func (j *jobNode) view(ctx context.Context, round rendezvous.Round) (roundView, error) {
+	if round.Members == nil && round.Summary != nil {
+		j.log.Debug("planning the round from this node's summary; no member list read", zap.Int("round", round.Number),
+			zap.Int("group_rank", round.Rank), zap.Int("nodes", round.Size), zap.Int("world_size", round.Summary.Total))
+		return j.summaryView(round)
+	}
+	if round.Members == nil {
+		ms, err := j.dyn.Members(ctx)
+		if err != nil {
+			return roundView{}, fmt.Errorf("rendezvous: the members of round %d: %w", round.Number, err)
+		}
+		round.Members = ms
+	}
+	infos, ids, me, rank0, err := j.order(round)
+	if err != nil {
+		return roundView{}, err
+	}
+	nodes := make(nodeRanks, len(infos))
+	for i, in := range infos {
+		nodes[i].nproc = in.NProc
+	}
+	return roundView{infos: infos, ids: ids, groupRank: me, size: len(infos), offset: nodes.offset(me), world: nodes.world(),
+		rank0: rank0, mixed: sameSecret(infos, ids, me)}, nil
+}
+
+// summaryView is view from the round's summary: O(1) bytes, whatever the
+// number of nodes.
+func (j *jobNode) summaryView(round rendezvous.Round) (roundView, error) {
+	s := round.Summary
+	v := roundView{groupRank: round.Rank, size: round.Size, offset: s.Offset, world: s.Total, rank0: s.First.Node}
+	var first nodeInfo
+	if err := json.Unmarshal(s.First.Data, &first); err != nil {
+		return roundView{}, fmt.Errorf("rendezvous: node %s published %q: %w", s.First.Node, s.First.Data, err)
+	}
+	// What this node published (start): the rendezvous compared every
+	// node's check with rank 0's.
+	mine := j.cfg.JobSecret.check(j.runID)
+	switch {
+	case first.SecretCheck != mine:
+		v.mixed = secretMismatch(mine, first, s.First.Node.String())
+	case s.Dissent != nil:
+		var theirs nodeInfo
+		if err := json.Unmarshal(s.Dissent.Data, &theirs); err != nil {
+			return roundView{}, fmt.Errorf("rendezvous: node %s published %q: %w", s.Dissent.Node, s.Dissent.Data, err)
+		}
+		v.mixed = secretMismatch(mine, theirs, s.Dissent.Node.String())
+	}
+	return v, nil
+}
+
 // order returns the members' published infos and identities in group-rank
 // order and this node's group rank: the round's ranks for c10d, the node
 // ranks for static.
@@ -264,13 +366,13 @@ func (j *jobNode) order(round rendezvous.Round) ([]nodeInfo, []string, int, rend
 }
 
 // refuseMixedSecrets fails when the round's nodes do not all hold this
-// node's job secret (sameSecret). Every node of the round finds that in
-// the round itself and stops with its own clear error; each says it needs
-// the rendezvous store no more (seenClosed), so that the store's host
-// waits for the others to have read the round before it takes the store
-// away with it.
-func (j *jobNode) refuseMixedSecrets(ctx context.Context, infos []nodeInfo, ids []string, me int) error {
-	err := sameSecret(infos, ids, me)
+// node's job secret (v.mixed: sameSecret, or the round's summary). Every
+// node of the round finds that in the round itself and stops with its own
+// clear error; each says it needs the rendezvous store no more
+// (seenClosed), so that the store's host waits for the others to have
+// read the round before it takes the store away with it.
+func (j *jobNode) refuseMixedSecrets(ctx context.Context, v roundView) error {
+	err := v.mixed
 	if err != nil {
 		wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeWritesTimeout)
 		defer cancel()
@@ -286,23 +388,27 @@ func (j *jobNode) refuseMixedSecrets(ctx context.Context, infos []nodeInfo, ids 
 func sameSecret(infos []nodeInfo, ids []string, me int) error {
 	mine := infos[me].SecretCheck
 	for i, info := range infos {
-		theirs := info.SecretCheck
-		if theirs == mine {
-			continue
+		if info.SecretCheck != mine {
+			return secretMismatch(mine, info, ids[i])
 		}
-		var what string
-		switch {
-		case mine == "":
-			what = "holds a job secret and this node none"
-		case theirs == "":
-			what = "holds no job secret, and this node one"
-		default:
-			what = "holds another job secret than this node"
-		}
-		return invalidf("node %s (%s) %s: every agent of a job needs the same secret (--job-secret-file or %s)",
-			ids[i], info.Addr, what, JobSecretEnv)
 	}
 	return nil
+}
+
+// secretMismatch is the error of a node that shows check mine and meets
+// node id, which published theirs with another.
+func secretMismatch(mine string, theirs nodeInfo, id string) error {
+	var what string
+	switch {
+	case mine == "":
+		what = "holds a job secret and this node none"
+	case theirs.SecretCheck == "":
+		what = "holds no job secret, and this node one"
+	default:
+		what = "holds another job secret than this node"
+	}
+	return invalidf("node %s (%s) %s: every agent of a job needs the same secret (--job-secret-file or %s)",
+		id, theirs.Addr, what, JobSecretEnv)
 }
 
 // statusEvery is how often to read the rendezvous state while workers run:

@@ -97,7 +97,9 @@ type plan struct {
 	// store is the worker store this node hosts for the round, or nil.
 	store *tcpstore.Server
 	// members names the nodes of the round, by group rank (for logs and
-	// failure reports).
+	// failure reports). members, nodeIDs, nodes and gossip are nil in a
+	// round planned from its summary (queue mode, where the plan needs no
+	// member list: Config.needsMembers); the assignments have the sizes.
 	members []string
 	// nodeIDs are the members' rendezvous identities, by group rank: the
 	// names a change's lost list uses.
@@ -119,6 +121,9 @@ type plan struct {
 // replace makes the admitted node the round's member of its group rank,
 // in the lost node's place.
 func (p *plan) replace(a admitted) {
+	if a.groupRank >= len(p.nodeIDs) || a.groupRank >= len(p.members) {
+		return // planned from a summary: no member list to mend
+	}
 	p.nodeIDs[a.groupRank] = a.id
 	p.members[a.groupRank] = a.info.Addr
 	if a.groupRank < len(p.gossip) {
@@ -141,6 +146,9 @@ func (p *plan) nodeOfGossip(name string) (string, bool) {
 func (p *plan) atBarrier() int {
 	if p.barrierNodes > 0 {
 		return p.barrierNodes
+	}
+	if len(p.assignments) > 0 {
+		return p.assignments[0].GroupWorldSize
 	}
 	return len(p.members)
 }
@@ -281,12 +289,19 @@ func workerEnv(cfg *Config, runID, host string, port, restarts, generation int) 
 // worker counts; nodes may run different numbers of workers.
 type nodeRanks []struct{ nproc int }
 
-// ranksOf returns the global ranks node groupRank runs.
-func (n nodeRanks) ranksOf(groupRank int) []int {
+// offset is the first global rank node groupRank runs: the workers of the
+// nodes before it.
+func (n nodeRanks) offset(groupRank int) int {
 	base := 0
 	for i := range groupRank {
 		base += n[i].nproc
 	}
+	return base
+}
+
+// ranksOf returns the global ranks node groupRank runs.
+func (n nodeRanks) ranksOf(groupRank int) []int {
+	base := n.offset(groupRank)
 	out := make([]int, n[groupRank].nproc)
 	for i := range out {
 		out[i] = base + i
@@ -306,20 +321,20 @@ func (n nodeRanks) world() int {
 // assign gives the workers of node groupRank their ranks: global ranks are
 // laid out node after node, in group-rank order.
 func assign(nodes nodeRanks, groupRank int) []Assignment {
-	base, world := 0, 0
-	for i, n := range nodes {
-		if i < groupRank {
-			base += n.nproc
-		}
-		world += n.nproc
-	}
-	nproc := nodes[groupRank].nproc
+	return assignAt(nodes.offset(groupRank), nodes.world(), groupRank, len(nodes), nodes[groupRank].nproc)
+}
+
+// assignAt gives the nproc workers of node groupRank of size nodes their
+// ranks, its first global rank being offset and the world world: what
+// assign computes from every node's worker count, and a round's summary
+// carries (queue mode).
+func assignAt(offset, world, groupRank, size, nproc int) []Assignment {
 	as := make([]Assignment, nproc)
 	for i := range as {
 		as[i] = Assignment{
-			LocalRank: i, Rank: base + i, RoleRank: base + i,
+			LocalRank: i, Rank: offset + i, RoleRank: offset + i,
 			LocalWorldSize: nproc, WorldSize: world, RoleWorldSize: world,
-			GroupRank: groupRank, GroupWorldSize: len(nodes),
+			GroupRank: groupRank, GroupWorldSize: size,
 		}
 	}
 	return as

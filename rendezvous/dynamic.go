@@ -115,6 +115,7 @@ type DynamicConfig struct {
 	// ShareOnly: in queue mode (see QueueMinNodes), Next returns only
 	// this node's share of the round (Round.Number, Rank, Size, Late) and
 	// leaves Round.Members nil; Dynamic.Members reads them on demand.
+	// With Describe, Round.Summary holds what a plan needs of them.
 	// Otherwise Next reads the members once per round (O(N) bytes per
 	// node, O(N²) for the run). Below QueueMinNodes, and on a store
 	// without queues, Members are always filled: every node reads the
@@ -129,6 +130,14 @@ type DynamicConfig struct {
 	// be reported that late. It runs on Next's goroutine and must not
 	// block.
 	OnProgress func(Progress)
+	// Describe, when set, reads a node's data (what it gave NewDynamic)
+	// for the round's plan: in queue mode, whoever completes a round
+	// computes each member's Round.Summary from every member's traits
+	// once, so that the nodes need not read the members
+	// (dynamic_plan.go). Every node of a run must give the same function.
+	// It must be pure and fast: it runs on every member's data whenever a
+	// round completes.
+	Describe func(data []byte) (NodeTraits, error)
 }
 
 // Progress is the view of a round in progress that Next reports through
@@ -267,6 +276,10 @@ type dynState struct {
 	// Pub numbers the writes that changed the header, which queue mode
 	// publishes as the marker (dynamic_share.go).
 	Pub uint64 `json:"pub,omitzero"`
+	// Plan is the complete round's plan (dynamic_plan.go), made by the
+	// writer that completed it in queue mode with DynamicConfig.Describe;
+	// nil otherwise.
+	Plan *roundPlan `json:"plan,omitempty"`
 
 	// view: this is a node's view (the marker and its bucket), not the
 	// state: Nodes holds the bucket's nodes only, others counts the
@@ -307,6 +320,9 @@ type nodeState struct {
 	// state (see foldRequest): a later request of the same call must not
 	// take it out again.
 	Call uint64 `json:"call,omitzero"`
+	// offset is a view's: the node's shareEntry.Offset (one more than
+	// its offset in the round's plan, 0 for none). Never written.
+	offset int
 }
 
 func (s *dynState) clone() *dynState {
@@ -815,6 +831,9 @@ func (s *dynState) round(me NodeDesc) (Round, bool) {
 		if e.NodeDesc == me {
 			r.Rank, r.Late = e.Rank, e.Late
 		}
+	}
+	if s.Plan != nil && s.Plan.Round == s.Round {
+		r.Summary = s.Plan.summary(r.Rank)
 	}
 	// Node order is rank order already; sort anyway, ranks are what count.
 	slices.SortFunc(r.Members, func(a, b Member) int { return cmp.Compare(a.Rank, b.Rank) })

@@ -42,6 +42,12 @@ type Round struct {
 	// Late: this node was admitted into the running round in a lost
 	// member's place (Admit), not a member from its start.
 	Late bool
+	// Summary is what this node needs of the others (its offset, the
+	// total weight, rank 0, the check's agreement), when the round was
+	// completed in queue mode with DynamicConfig.Describe
+	// (dynamic_plan.go): O(1) bytes where Members is O(N). Nil otherwise,
+	// or when the members' data could not be described.
+	Summary *Summary
 }
 
 // Store returns a view of s for keys private to this round, under the
@@ -541,6 +547,7 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 	}
 	publish := !d.noQueue.Load()
 	if publish {
+		planRound(st, d.cfg.Describe)
 		numberPublication(snap.st, st, d.cfg)
 	}
 	b, err := json.Marshal(st)

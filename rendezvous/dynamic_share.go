@@ -25,11 +25,12 @@ package rendezvous
 // A node in Next reads the marker and its own bucket (a view: O(1) bytes)
 // and decides on them with the same operations as on the state
 // (dynamic.go); only the folder reads the state. Next hands out the node's
-// share of the round (Round.Number, Rank, Size, Late) and, unless
+// share of the round (Round.Number, Rank, Size, Late, and with
+// DynamicConfig.Describe its Summary: dynamic_plan.go) and, unless
 // DynamicConfig.ShareOnly, the members (one read of the members key per
-// round: O(N) bytes, which the launcher needs for its plan). Status reads
-// the marker, and the state only when the marker shows a change of the
-// round (a member gone, a node admitted or waiting, the run closed).
+// round: O(N) bytes). Status reads the marker, and the state only when the
+// marker shows a change of the round (a member gone, a node admitted or
+// waiting, the run closed).
 //
 // The state stays the one truth: a view is only ever read, and everything
 // written is decided on the state by whoever writes it. A view older than
@@ -96,6 +97,9 @@ type shareEntry struct {
 	Late      bool      `json:"late,omitzero"`
 	Call      uint64    `json:"call,omitzero"`
 	Heartbeat time.Time `json:"heartbeat"`
+	// Offset is one more than the participant's offset in the complete
+	// round's plan (dynamic_plan.go); 0 for none.
+	Offset int `json:"offset,omitzero"`
 }
 
 // shareValue is a share key's value: its bucket's nodes, and the round
@@ -108,17 +112,21 @@ type shareValue struct {
 	Round    int          `json:"round"`
 	Complete bool         `json:"complete,omitzero"`
 	Nodes    []shareEntry `json:"nodes"`
+	// Plan is the round-wide part of the complete round's plan (no
+	// offsets: each entry has its own), when it has one.
+	Plan *roundPlan `json:"plan,omitempty"`
 }
 
 // shareBytes is the share value of nodes, a bucket of s.
 func (s *dynState) shareBytes(nodes []shareEntry) ([]byte, error) {
-	return json.Marshal(shareValue{Round: s.Round, Complete: s.Complete, Nodes: nodes})
+	return json.Marshal(shareValue{Round: s.Round, Complete: s.Complete, Nodes: nodes, Plan: s.Plan.shared()})
 }
 
 // sameShare: a and b differ at most by their heartbeats, which do not make
 // a bucket worth rewriting (the node itself tracks its own: queued.beat).
 func sameShare(a, b shareEntry) bool {
-	return a.NodeDesc == b.NodeDesc && a.Waiting == b.Waiting && a.Rank == b.Rank && a.Late == b.Late && a.Call == b.Call
+	return a.NodeDesc == b.NodeDesc && a.Waiting == b.Waiting && a.Rank == b.Rank && a.Late == b.Late && a.Call == b.Call &&
+		a.Offset == b.Offset
 }
 
 // membersValue is the members key's value.
@@ -204,7 +212,14 @@ func (s *dynState) shares(nb int) [][]shareEntry {
 	out := make([][]shareEntry, nb)
 	for _, e := range s.Nodes {
 		b := bucketOf(e.NodeDesc, nb)
-		out[b] = append(out[b], shareEntry{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call, Heartbeat: e.Heartbeat})
+		// Offset 0 would not tell rank 0 from no plan: shift by one
+		// (0 then means none, and is left out of the JSON).
+		off := 0
+		if s.Complete && !e.Waiting && s.Plan != nil && s.Plan.Round == s.Round && e.Rank < len(s.Plan.Offsets) {
+			off = s.Plan.Offsets[e.Rank] + 1
+		}
+		out[b] = append(out[b], shareEntry{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call,
+			Heartbeat: e.Heartbeat, Offset: off})
 	}
 	return out
 }
@@ -225,12 +240,16 @@ func (s *dynState) members() membersValue {
 // whose Nodes are the bucket's and whose header is the marker's. The
 // operations of dynamic.go decide on it as on the state: a node's own role
 // is exact, and participants() counts the nodes outside the bucket too.
-func viewOf(m marker, bucket []shareEntry) *dynState {
+//
+// plan is the bucket's plan (shareValue.Plan), without offsets: each
+// node's own is in its entry.
+func viewOf(m marker, bucket []shareEntry, plan *roundPlan) *dynState {
 	st := &dynState{view: true, Pub: m.Pub, Round: m.Round, Complete: m.Complete, Closed: m.Closed,
-		Deadline: m.Deadline, Size: m.Size, Wake: m.Wake, Batch: m.Batch}
+		Deadline: m.Deadline, Size: m.Size, Wake: m.Wake, Batch: m.Batch, Plan: plan}
 	in := 0
 	for _, e := range bucket {
-		st.Nodes = append(st.Nodes, nodeState{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call, Heartbeat: e.Heartbeat})
+		st.Nodes = append(st.Nodes, nodeState{NodeDesc: e.NodeDesc, Waiting: e.Waiting, Rank: e.Rank, Late: e.Late, Call: e.Call,
+			Heartbeat: e.Heartbeat, offset: e.Offset})
 		if !e.Waiting {
 			in++
 		}
@@ -247,7 +266,11 @@ func (s *dynState) viewRound(me NodeDesc) (Round, bool) {
 	if !s.Complete || !ok || s.Nodes[i].Waiting {
 		return Round{}, false
 	}
-	return Round{Number: s.Round, Rank: s.Nodes[i].Rank, Size: s.Size, Late: s.Nodes[i].Late}, true
+	r := Round{Number: s.Round, Rank: s.Nodes[i].Rank, Size: s.Size, Late: s.Nodes[i].Late}
+	if off := s.Nodes[i].offset; off > 0 && s.Plan != nil && s.Plan.Round == s.Round {
+		r.Summary = s.Plan.summaryAt(off - 1)
+	}
+	return r, true
 }
 
 func (d *Dynamic) shareKey(b int) string { return d.key + shareSuffix + strconv.Itoa(b) }
@@ -357,15 +380,15 @@ func (d *Dynamic) readView(ctx context.Context) (*snapshot, error) {
 	if err := json.Unmarshal(bb, &sv); err != nil {
 		return nil, fmt.Errorf("share %d of %q is not a gorun rendezvous share: %w", d.bucket, d.key, err)
 	}
-	bucket, stale := sv.Nodes, sv.Round != m.Round || sv.Complete != m.Complete
+	bucket, plan, stale := sv.Nodes, sv.Plan, sv.Round != m.Round || sv.Complete != m.Complete
 	if stale {
 		// Not the marker's round as it is: nothing to decide on (Next
 		// waits, then reads the state: run).
-		bucket = nil
+		bucket, plan = nil, nil
 	}
 	token := make([]byte, 0, len(mb)+1+len(bb))
 	token = append(append(append(token, mb...), 0), bb...)
-	st := viewOf(m, bucket)
+	st := viewOf(m, bucket, plan)
 	st.stale = stale
 	return &snapshot{st: st, token: token}, nil
 }

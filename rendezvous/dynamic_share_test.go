@@ -49,7 +49,7 @@ func TestViewDecidesAsTheState(t *testing.T) {
 			buckets := s.shares(nb)
 			m := s.marker(cfg)
 			for _, e := range s.Nodes {
-				v := viewOf(m, buckets[bucketOf(e.NodeDesc, nb)])
+				v := viewOf(m, buckets[bucketOf(e.NodeDesc, nb)], nil)
 				if v.participants() != s.participants() {
 					t.Fatalf("%v: view counts %d participants, state %d", e.NodeDesc, v.participants(), s.participants())
 				}
@@ -133,13 +133,20 @@ func TestPublishRewritesOnlyWhatChanged(t *testing.T) {
 
 // TestBubbleShareOnly: 40 nodes queue their joins; with ShareOnly each
 // gets its rank and the round's size but no members, which Members then
-// reads; Status answers from the marker until a member is lost, and then
-// names it.
+// reads; with Describe, its summary (dynamic_plan.go: its offset among
+// uneven weights, the total, rank 0), whichever node folded the round.
+// Status answers from the marker until a member is lost, and then names
+// it.
 func TestBubbleShareOnly(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
 		const n = 40
-		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, ShareOnly: true})
+		lws := func(data []byte) (NodeTraits, error) { // bubbleNodes' data: "lws=<i+1>"
+			var w int
+			_, err := fmt.Sscanf(string(data), "lws=%d", &w)
+			return NodeTraits{Weight: w}, err
+		}
+		ds := bubbleNodes(t, m, n, DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, ShareOnly: true, Describe: lws})
 		start := time.Now()
 		chs := make([]<-chan bubbleResult, n)
 		for i := range ds {
@@ -149,6 +156,10 @@ func TestBubbleShareOnly(t *testing.T) {
 			x := <-ch
 			if x.err != nil || x.r.Rank != i || x.r.Size != n || x.r.Members != nil {
 				t.Fatalf("node %d: %+v", i, x)
+			}
+			if s := x.r.Summary; s == nil || s.Offset != i*(i+1)/2 || s.Total != n*(n+1)/2 || s.First.Node != ds[0].Node() ||
+				s.First.Rank != 0 || string(s.First.Data) != "lws=1" || s.Dissent != nil {
+				t.Fatalf("node %d: summary %+v", i, s)
 			}
 		}
 		ms, err := ds[7].Members(context.Background())

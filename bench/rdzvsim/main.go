@@ -13,6 +13,7 @@ import (
 	"bufio"
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -45,6 +46,7 @@ import (
 var (
 	loss     bool         // -loss
 	members  bool         // -members
+	plans    bool         // -plan
 	progress bool         // -progress
 	assigned atomic.Int64 // agents whose Next has returned, for -progress
 )
@@ -93,7 +95,10 @@ func main() {
 	etcdBin := flag.String("etcd-bin", "etcd", "etcd binary (Debian's etcd-server)")
 	etcdClients := flag.Int("etcd-clients", 0, "etcd client connections shared by the agents (0: one per agent)")
 	dataLen := flag.Int("data", 60, "bytes of data each agent publishes with its join (an agent's is ~60)")
-	flag.BoolVar(&members, "members", false, "every agent also reads the round's members, as the launcher does (default: each its own share only)")
+	flag.BoolVar(&members, "members", false, "every agent also reads the round's members, as the launcher did before it planned from summaries "+
+		"(and still does in shrink mode, with node liveness, and with static rendezvous)")
+	flag.BoolVar(&plans, "plan", false, "every agent plans its round from its summary, as the launcher does in restart mode "+
+		"(the folder computes each agent's rank offset, the world size and rank 0 from every agent's nproc; checked)")
 	flag.BoolVar(&progress, "progress", false, "print the marker and the requests so far every second (stderr)")
 	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
@@ -172,6 +177,9 @@ func print(r result) {
 
 func config(n int) rendezvous.DynamicConfig {
 	c := rendezvous.DynamicConfig{RunID: "sim", MinNodes: n, MaxNodes: n, ShareOnly: !members}
+	if plans {
+		c.Describe = describe
+	}
 	if loss && n > 1 {
 		c.MinNodes = n - 1
 	}
@@ -180,6 +188,18 @@ func config(n int) rendezvous.DynamicConfig {
 
 func node(i int) rendezvous.NodeDesc {
 	return rendezvous.NodeDesc{Addr: fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), Pid: 1000 + i}
+}
+
+// describe reads an agent's nproc from its data, as the launcher's
+// Describe reads its nodeInfo.
+func describe(b []byte) (rendezvous.NodeTraits, error) {
+	var v struct {
+		NProc int `json:"nproc"`
+	}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return rendezvous.NodeTraits{}, err
+	}
+	return rendezvous.NodeTraits{Weight: v.NProc}, nil
 }
 
 func data(i, size int) []byte {
@@ -264,6 +284,12 @@ func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, tim
 			if ok && members {
 				ok = len(r.Members) == len(ds) && r.Members[r.Rank].Node == node(i)
 			}
+			if s := r.Summary; ok && plans {
+				// What the launcher's plan takes from it (every agent
+				// runs 8 workers).
+				ok = s != nil && s.Offset == 8*r.Rank && s.Total == 8*len(ds) && s.First.Rank == 0 && s.Dissent == nil &&
+					describeOK(s.First.Data)
+			}
 			switch {
 			case ok:
 				ranks[r.Rank] = true
@@ -290,6 +316,11 @@ func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, tim
 		last = time.Since(start)
 	}
 	return done, last, firstErr
+}
+
+func describeOK(b []byte) bool {
+	t, err := describe(b)
+	return err == nil && t.Weight == 8
 }
 
 func cmpErr(a, b error) error {

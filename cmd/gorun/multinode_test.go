@@ -429,3 +429,75 @@ func TestMultiNodeIPv6Endpoint(t *testing.T) {
 		}
 	}
 }
+
+// TestMultiNodeQueueMode: 32 agents (queue mode) of uneven worker counts
+// start every worker with torchrun's environment, each agent planning its
+// round from its summary (no member list read): every global rank once,
+// each agent's ranks in one run after those of the agents ranked before
+// it, one world size, one MASTER, and the job ends well.
+func TestMultiNodeQueueMode(t *testing.T) {
+	bin := testutil.BuildGorun(t)
+	port := freePort(t)
+	const n = 32
+	worker := `echo "rank=$RANK local=$LOCAL_RANK/$LOCAL_WORLD_SIZE world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE ` +
+		`role=$ROLE_RANK/$ROLE_WORLD_SIZE master=$MASTER_ADDR:$MASTER_PORT"`
+	agents := make([]*agentProc, n)
+	world := 0
+	for i := range agents {
+		nproc := 1 + i%2
+		world += nproc
+		// torchrun's keep-alive (not fastRdzv's): 32 agents starting on
+		// two cores starve some of them for longer than 2 s.
+		agents[i] = startAgent(t, bin, "--nnodes", strconv.Itoa(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:"+strconv.Itoa(port),
+			"--rdzv-id", "job", "--rdzv-conf", "last_call_timeout=1,join_timeout=60", "--local-addr", "127.0.0.1",
+			"--nproc-per-node", strconv.Itoa(nproc), "--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)
+	}
+	line := regexp.MustCompile(`rank=(\d+) local=(\d+)/(\d+) world=(\d+) group=(\d+)/(\d+) role=(\d+)/(\d+) master=(\S+)`)
+	seen := make([]bool, world)
+	groups := make([]int, n) // each agent's group rank
+	first := make([]int, n)  // and its first global rank
+	var master string
+	for i, p := range agents {
+		nproc := 1 + i%2
+		first[i] = world
+		for range nproc {
+			l := p.expectLine(t, "rank=")
+			m := line.FindStringSubmatch(l)
+			if m == nil {
+				t.Fatalf("agent %d: line %q", i, l)
+			}
+			num := func(k int) int { v, _ := strconv.Atoi(m[k]); return v }
+			rank, local, group := num(1), num(2), num(5)
+			if num(3) != nproc || num(4) != world || num(6) != n || num(7) != rank || num(8) != world || rank >= world || seen[rank] {
+				t.Fatalf("agent %d (%d workers): %q (world %d of %d nodes)", i, nproc, l, world, n)
+			}
+			seen[rank] = true
+			groups[i], first[i] = group, min(first[i], rank-local)
+			if master == "" {
+				master = m[9]
+			} else if m[9] != master {
+				t.Fatalf("agent %d: MASTER %s, another's %s", i, m[9], master)
+			}
+		}
+	}
+	for i, p := range agents {
+		if code := p.exitCode(t, 90*time.Second); code != 0 {
+			t.Fatalf("agent %d exit %d; stderr:\n%s", i, code, p.stderr)
+		}
+		if !strings.Contains(p.stderr.String(), "planning the round from this node's summary") {
+			t.Errorf("agent %d read the member list; stderr:\n%s", i, p.stderr)
+		}
+	}
+	// Global ranks run node after node in group-rank order.
+	byGroup := make([]int, n)
+	for i, g := range groups {
+		byGroup[g] = i
+	}
+	next := 0
+	for g, i := range byGroup {
+		if first[i] != next {
+			t.Fatalf("group rank %d (agent %d) starts at rank %d, want %d", g, i, first[i], next)
+		}
+		next += 1 + i%2
+	}
+}

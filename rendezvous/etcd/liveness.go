@@ -195,6 +195,22 @@ func (l *Liveness) Lost(names []string, since int64, absent bool) []string {
 	return lost
 }
 
+// Departures reports whether any node's key was deleted after revision
+// since, and how many keys the view holds present: a caller that does not
+// hold a round's member names (they cost O(N) bytes to read) asks Lost
+// about them only once either says that one of them may be gone.
+func (l *Liveness) Departures(since int64) (deleted bool, present int) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, p := range l.nodes {
+		deleted = deleted || p.deleted > since
+		if p.alive {
+			present++
+		}
+	}
+	return deleted, present
+}
+
 // Close stops renewing the lease and revokes it, so that the node's key
 // goes at once (the others see a departure now, not a TTL later), and
 // stops the watch. It is idempotent.
