@@ -422,7 +422,7 @@ func (a *agent) restartOrFail(ctx context.Context, p *plan, cause string, failur
 // shrink mode) succeeded: the exit barrier, then the closing.
 func (a *agent) succeeded(ctx context.Context, p *plan, sv *survivors) error {
 	if sv != nil {
-		p.barrierNodes = sv.liveNodes()
+		p.barrierRanks = sv.liveNodes()
 	}
 	if err := a.m.finish(ctx, p, true); err != nil {
 		return err

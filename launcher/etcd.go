@@ -278,10 +278,8 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// request counts, each node making them at once: one here (the
 	// counter exists: start created it), and the rest after the workers
 	// started (see watch).
-	v, ok, err := e.rdzv.Get([]byte(e.job.restartsKey()))
-	if err == nil && !ok {
-		err = errors.New("no restart counter")
-	}
+	// Through the sealing layer: the count is sealed with a job secret.
+	v, err := e.job.store.Get(ctx, e.job.restartsKey())
 	if err != nil {
 		return nil, fmt.Errorf("reading the restart count: %w", err)
 	}

@@ -139,6 +139,9 @@ func (j *jobNode) start(ctx context.Context) error {
 	// c10d: fillPlan): the round trips after completion are what a large
 	// job waits for, every node asking the one store at once.
 	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
+		if errors.Is(err, rendezvous.ErrSealedRecord) {
+			return errNoSecret() // the restart count is sealed too
+		}
 		return fmt.Errorf("rendezvous store: %w", err)
 	}
 	data, _ := json.Marshal(nodeInfo{NProc: j.cfg.NProcPerNode, Addr: j.addr, NodeRank: j.cfg.Rendezvous.NodeRank, Gossip: j.cfg.gossip,
@@ -151,9 +154,10 @@ func (j *jobNode) start(ctx context.Context) error {
 }
 
 // isCounter reports whether key is one of the job's counters in the
-// rendezvous store, which Add cannot seal (see seal).
+// rendezvous store, which Add cannot seal (see seal). The restart count
+// is no such counter: it is read and compare-set, and sealed.
 func (j *jobNode) isCounter(key string) bool {
-	return key == j.restartsKey() || key == j.seenClosedKey()
+	return key == j.seenClosedKey()
 }
 
 // seal puts the sealing layer over j.store: with a job secret, every
@@ -164,12 +168,14 @@ func (j *jobNode) isCounter(key string) bool {
 // logged and counted (kind "rendezvous"). A spare's assignment (its
 // admission into a running round) is part of those records.
 //
-// The counters (restart count, seen-closed) stay plain: an Add cannot
-// carry a MAC. A forged increment can spend the restart budget sooner
-// (the job ends at its next genuine failure rather than restarting, and
-// workers see a higher TORCHELASTIC_RESTART_COUNT) or let the store's
-// host leave before the others have read the outcome; it cannot make the
-// job restart, shrink or take in a node.
+// The restart count is sealed like the records (a compare-set of "COUNT
+// ROUND"), so a forger cannot spend the restart budget, and the exit
+// barrier's arrivals are sealed records too (exitBarrier). The seen-closed
+// count stays plain (an Add cannot carry a MAC): a forged increment lets
+// the store's host leave before the others have read the outcome, so they
+// cannot tell the job's end from its loss, as a forger who deletes the
+// outcome can make them; it cannot make the job restart, shrink, take in
+// a node or end.
 //
 // Without a secret the records stay as they were; the layer only turns a
 // sealed record (an agent of the job holds a secret this one does not)
@@ -229,6 +235,13 @@ func (j *jobNode) onRefused(r rendezvous.Refusal) {
 	}
 }
 
+// errNoSecret: this agent found a record sealed under a job secret and
+// holds none.
+func errNoSecret() error {
+	return invalidf("the rendezvous records are sealed under a job secret and this node holds none: "+
+		"every agent of a job needs the same secret (--job-secret-file or %s)", JobSecretEnv)
+}
+
 // join completes the next round, turning the rendezvous's errors into the
 // agent's.
 func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
@@ -238,8 +251,7 @@ func (j *jobNode) join(ctx context.Context) (rendezvous.Round, error) {
 		j.seenClosed(ctx)
 		return round, j.closedError(ctx)
 	case errors.Is(err, rendezvous.ErrSealedRecord):
-		return round, invalidf("the rendezvous records are sealed under a job secret and this node holds none: "+
-			"every agent of a job needs the same secret (--job-secret-file or %s)", JobSecretEnv)
+		return round, errNoSecret()
 	case errors.Is(err, rendezvous.ErrRendezvousTimeout) && j.sealed != nil && j.sealed.Refused() > 0:
 		return round, fmt.Errorf("%w (%d rendezvous record(s) failed the job secret's check and were ignored: "+
 			"does every agent of the job hold the same secret?)", err, j.sealed.Refused())
@@ -567,7 +579,7 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 		bctx, cancel := context.WithTimeout(ctx, j.cfg.ExitBarrierTimeout)
 		deadline, _ := bctx.Deadline()
 		stop := announceWait(j.log, "the other nodes at the exit barrier", deadline, zap.Int("nodes", p.atBarrier()))
-		err := j.round.Store(j.store, j.runID).Barrier(bctx, "exit_barrier", int64(p.atBarrier()))
+		err := j.exitBarrier(bctx, p)
 		stop()
 		cancel()
 		if err != nil {
@@ -590,6 +602,51 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 		j.log.Debug("closing the rendezvous", zap.Error(err))
 	}
 	j.seenClosed(ctx)
+}
+
+// exitBarrier waits for the round's nodes (p.barrierGroup) at the exit
+// barrier. Without a job secret it is the store's barrier, a counter, as
+// torchrun's. With one, a forged increment must not end it early: that
+// would close the job as a success while other nodes' workers still run.
+// So each node's arrival is a sealed record of its own, exit_barrier/<g>,
+// and the counter beside it only says when to look: the node whose count
+// reaches the nodes expected reads every arrival and, when all are there
+// and genuine, seals the barrier's end, which the others wait for (a
+// forged end is waited past by the sealed read). A node's cost stays a few
+// requests; the one that counts last reads the arrivals once.
+func (j *jobNode) exitBarrier(ctx context.Context, p *plan) error {
+	rs := j.round.Store(j.store, j.runID)
+	group := p.barrierGroup()
+	if j.sealed == nil || len(p.assignments) == 0 {
+		return rs.Barrier(ctx, "exit_barrier", int64(len(group)))
+	}
+	const end = "exit_barrier/end"
+	me := p.assignments[0].GroupRank
+	if err := rs.Set(ctx, "exit_barrier/"+strconv.Itoa(me), []byte("arrived")); err != nil {
+		return err
+	}
+	n, err := rs.Add(ctx, "exit_barrier", 1)
+	if err != nil {
+		return err
+	}
+	if n >= int64(len(group)) {
+		keys := make([]string, len(group))
+		for i, g := range group {
+			keys[i] = "exit_barrier/" + strconv.Itoa(g)
+		}
+		all, err := rs.Check(ctx, keys...)
+		if err != nil {
+			return err
+		}
+		if all {
+			return rs.Set(ctx, end, []byte("every node arrived"))
+		}
+	}
+	if err := rs.Wait(ctx, end); err != nil {
+		return err
+	}
+	_, err = rs.Get(ctx, end)
+	return err
 }
 
 // seenClosed tells the store's host that this node has seen the job

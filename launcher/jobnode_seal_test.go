@@ -17,26 +17,15 @@ import (
 )
 
 // TestJobNodeSeal: with a job secret the rendezvous store's records are
-// sealed (the counters stay plain decimals), and a refused record is
+// sealed, the restart count included (the seen-closed counter stays a
+// plain decimal), and a refused record is
 // counted each time (kind "rendezvous") and logged once per source (why,
 // and the secret check claimed), never with the secret. Without one the
 // records stay plain, and a sealed record met is ErrSealedRecord.
 func TestJobNodeSeal(t *testing.T) {
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
-	dial := func() rendezvous.Store {
-		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { c.Close() })
-		return c
-	}
+	dial := storeServer(ctx, t)
 	raw := dial()
 	node := func(secret Secret, refused func(string)) (*jobNode, *observer.ObservedLogs) {
 		core, logs := observer.New(zap.WarnLevel)
@@ -56,10 +45,16 @@ func TestJobNodeSeal(t *testing.T) {
 	if err := j.store.Set(ctx, "gorun.rendezvous.job", []byte(`{"round":1}`)); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := j.store.Add(ctx, j.restartsKey(), 2); err != nil || n != 2 {
-		t.Fatalf("restart counter: %d, %v", n, err)
+	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
+		t.Fatal(err)
 	}
-	for key, sealed := range map[string]bool{"gorun.rendezvous.job": true, j.restartsKey(): false} {
+	if n, err := countRestart(ctx, j.store, j.restartsKey(), 0); err != nil || n != 1 {
+		t.Fatalf("restart count: %d, %v", n, err)
+	}
+	if n, err := j.store.Add(ctx, j.seenClosedKey(), 2); err != nil || n != 2 {
+		t.Fatalf("seen-closed counter: %d, %v", n, err)
+	}
+	for key, sealed := range map[string]bool{"gorun.rendezvous.job": true, j.restartsKey(): true, j.seenClosedKey(): false} {
 		v, err := raw.Get(ctx, key)
 		if err != nil {
 			t.Fatal(err)
@@ -116,5 +111,88 @@ func TestJobNodeSeal(t *testing.T) {
 	}
 	if _, err := plain.store.Get(ctx, "gorun.rendezvous.job"); !errors.Is(err, rendezvous.ErrSealedRecord) {
 		t.Errorf("without a secret, a sealed record read: %v", err)
+	}
+}
+
+// TestExitBarrierForgedArrival: three nodes of a round meet at the exit
+// barrier, and someone who reaches the store arrives there too. Without a
+// job secret that ends the barrier early (the control: the attack is
+// real); with one the first two nodes wait on until the third arrives.
+func TestExitBarrierForgedArrival(t *testing.T) {
+	for _, secret := range []Secret{nil, Secret("s3cr3t-of-the-barrier-test")} {
+		t.Run(fmt.Sprintf("secret %v", secret != nil), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			dial := storeServer(ctx, t)
+			round := rendezvous.Round{Number: 2}
+			node := func() *jobNode {
+				j := &jobNode{cfg: &Config{JobSecret: secret}, log: zap.NewNop(), runID: "job", store: dial(), round: round}
+				if err := j.seal(); err != nil {
+					t.Fatal(err)
+				}
+				return j
+			}
+			arrive := func(g int) <-chan error {
+				done := make(chan error, 1)
+				j := node()
+				p := &plan{assignments: []Assignment{{GroupRank: g, GroupWorldSize: 3}}}
+				go func() { done <- j.exitBarrier(ctx, p) }()
+				return done
+			}
+			first, second := arrive(0), arrive(1)
+			time.Sleep(100 * time.Millisecond)
+			// A forged arrival: the barrier's own request, from a
+			// client without the secret.
+			fctx, fcancel := context.WithTimeout(ctx, 200*time.Millisecond)
+			round.Store(dial(), "job").Barrier(fctx, "exit_barrier", 3)
+			fcancel()
+			early := false
+			select {
+			case err := <-first:
+				if err != nil {
+					t.Fatal(err)
+				}
+				early = true
+			case <-time.After(500 * time.Millisecond):
+			}
+			if early != (secret == nil) {
+				t.Fatalf("the forged increment ended the barrier early: %v; want %v", early, secret == nil)
+			}
+			if secret == nil {
+				return
+			}
+			if err := <-arrive(2); err != nil {
+				t.Fatal(err)
+			}
+			for i, c := range []<-chan error{first, second} {
+				select {
+				case err := <-c:
+					if err != nil {
+						t.Fatalf("node %d: %v", i, err)
+					}
+				case <-ctx.Done():
+					t.Fatalf("node %d still waits after every node arrived", i)
+				}
+			}
+		})
+	}
+}
+
+// storeServer starts a gorun store server for the test and returns how to
+// dial a client of it (closed at cleanup, as the server is).
+func storeServer(ctx context.Context, t *testing.T) func() rendezvous.Store {
+	t.Helper()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	return func() rendezvous.Store {
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
 	}
 }

@@ -110,9 +110,10 @@ type plan struct {
 	// gossip are the members' node-liveness identities, by group rank
 	// (empty names on a single node).
 	gossip []gossipPeer
-	// barrierNodes is how many nodes meet at the exit barrier: the members
-	// less those lost in shrink mode. 0 means all members.
-	barrierNodes int
+	// barrierRanks are the group ranks of the nodes that meet at the exit
+	// barrier: the members less those lost in shrink mode. nil means all
+	// members.
+	barrierRanks []int
 	// late: this node was admitted into the running round in a lost
 	// node's place (heal); its workers join the running group by a grow.
 	late bool
@@ -143,14 +144,23 @@ func (p *plan) nodeOfGossip(name string) (string, bool) {
 }
 
 // atBarrier is the number of nodes the exit barrier waits for.
-func (p *plan) atBarrier() int {
-	if p.barrierNodes > 0 {
-		return p.barrierNodes
+func (p *plan) atBarrier() int { return len(p.barrierGroup()) }
+
+// barrierGroup returns the group ranks of the nodes that meet at the exit
+// barrier.
+func (p *plan) barrierGroup() []int {
+	if p.barrierRanks != nil {
+		return p.barrierRanks
 	}
+	n := len(p.members)
 	if len(p.assignments) > 0 {
-		return p.assignments[0].GroupWorldSize
+		n = p.assignments[0].GroupWorldSize
 	}
-	return len(p.members)
+	out := make([]int, n)
+	for i := range out {
+		out[i] = i
+	}
+	return out
 }
 
 // release stops what the plan holds.

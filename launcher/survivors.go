@@ -279,16 +279,16 @@ func allGone(e shrink.Epoch, ranks []int) bool {
 // settled reports whether every local failure filed has been decided.
 func (s *survivors) settled() bool { return len(s.pending) == 0 }
 
-// liveNodes is the number of round nodes not known lost: who meets at the
+// liveNodes are the group ranks of the round nodes not known lost: who meets at the
 // exit barrier.
-func (s *survivors) liveNodes() int {
-	n := 0
+func (s *survivors) liveNodes() []int {
+	out := []int{}
 	for g := range s.nodeIDs {
 		if !s.gone(g) {
-			n++
+			out = append(out, g)
 		}
 	}
-	return n
+	return out
 }
 
 // summary describes the round's epochs for the job's last log line.

@@ -149,6 +149,9 @@ func (ru *runner) pids() []int {
 func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Duration, lim Limits, env runEnv) (res RowResult, err error) {
 	res.Row = r
 	lim = lim.withDefaults()
+	if j.Backend == backendEtcd {
+		lim = lim.perHost(max(j.Hosts, 1))
+	}
 	ru := &runner{j: j, r: r, env: env, out: newOutput(), cut: map[int]bool{},
 		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}
 	ru.env.console = &procs.LockedWriter{W: env.console}

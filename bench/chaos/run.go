@@ -21,13 +21,25 @@ import (
 // Limits are how far an agent's resources may be above their first sample
 // at the end of a run (the invariants "back within a small constant").
 // Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys; on etcd
-// 64 keys under the job's prefix and 4 leases.
+// 64 keys under the job's prefix and 4 leases beyond their count after 2
+// epochs, plus what each agent holds once it has used its stores (up to 16
+// tokens of its worker store, rendezvous/etcd's numStripes: more keys of
+// the board hash to more stripes as epochs go by) and what a killed agent
+// leaves until its leases lapse (about 70 s: its tokens, its 3 leases):
+// 64 keys and 8 leases more a host.
 type Limits struct {
 	FDs, Goroutines int
 	RSSKiB          int
 	Keys            int
 	EtcdKeys        int
 	EtcdLeases      int
+}
+
+// perHost adds what each of hosts agents may hold in etcd (see Limits).
+func (l Limits) perHost(hosts int) Limits {
+	l.EtcdKeys += 64 * hosts
+	l.EtcdLeases += 8 * hosts
+	return l
 }
 
 func (l Limits) withDefaults() Limits {

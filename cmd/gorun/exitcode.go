@@ -85,10 +85,13 @@ func exitCode(err error) int {
 		return ExitUsage
 	case errors.Is(err, launcher.ErrLocalResource):
 		return ExitLocalResource
+	case errors.Is(err, rendezvous.ErrUnavailable), errors.Is(err, rendezvous.ErrClosed):
+		// Before ErrTimeout: a store reachable once whose reconnection
+		// timed out is one that no longer answers (the README's 4), not a
+		// timed-out operation.
+		return ExitUnavailable
 	case errors.Is(err, rendezvous.ErrTimeout):
 		return ExitTimeout
-	case errors.Is(err, rendezvous.ErrUnavailable), errors.Is(err, rendezvous.ErrClosed):
-		return ExitUnavailable
 	}
 	return ExitStoreError
 }

@@ -21,6 +21,7 @@ import (
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/gorunhq/gorun/launcher"
+	"github.com/gorunhq/gorun/rendezvous"
 )
 
 // cleanEnv hides every variable the launcher's flags read, so that the
@@ -533,6 +534,19 @@ func TestExitCodeForLauncherErrors(t *testing.T) {
 	} {
 		if got := exitCode(err); got != ExitUsage {
 			t.Errorf("exitCode(%v) = %d, want %d", err, got, ExitUsage)
+		}
+	}
+	for _, tc := range []struct {
+		err  error
+		want int
+	}{
+		{fmt.Errorf("get: %w: timeout after 300ms", rendezvous.ErrTimeout), ExitTimeout},
+		// A store reachable once whose reconnection timed out no longer
+		// answers: its host is gone.
+		{fmt.Errorf("COMPARE_SET: %w: reconnect: %w", rendezvous.ErrUnavailable, rendezvous.ErrTimeout), ExitUnavailable},
+	} {
+		if got := exitCode(tc.err); got != tc.want {
+			t.Errorf("exitCode(%v) = %d, want %d", tc.err, got, tc.want)
 		}
 	}
 }
