@@ -233,6 +233,7 @@ func (c *Coordinator) watchNotices(ctx context.Context, b *Board, i int) {
 			c.fail(ctx, err)
 			return
 		}
+		c.ops.seen(i) // where this agent's next filing starts looking
 		select {
 		case c.notices <- indexedNotice{i, n}:
 		case <-ctx.Done():

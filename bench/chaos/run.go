@@ -22,11 +22,11 @@ import (
 // at the end of a run (the invariants "back within a small constant").
 // Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys; on etcd
 // 64 keys under the job's prefix and 4 leases beyond their count after 2
-// epochs, plus what each agent holds once it has used its stores (up to 16
-// tokens of its worker store, rendezvous/etcd's numStripes: more keys of
-// the board hash to more stripes as epochs go by) and what a killed agent
-// leaves until its leases lapse (about 70 s: its tokens, its 3 leases):
-// 64 keys and 8 leases more a host.
+// epochs, plus, a host (perHost), 64 keys and 8 leases: what an agent holds
+// once it has used its stores (a token per stripe of its worker store,
+// rendezvous/etcd's numStripes: the board's keys hash to more stripes as
+// epochs go by) and what a killed agent leaves until its leases lapse
+// (about 70 s).
 type Limits struct {
 	FDs, Goroutines int
 	RSSKiB          int
