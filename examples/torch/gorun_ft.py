@@ -486,22 +486,29 @@ class _KeyWaiter:
         return self._store.get(key)
 
     def peek(self, key):
-        """key's value, or None while it does not exist: without waiting
-        (1.13's store has no check(): a wait of a millisecond, then)."""
+        """key's value, or None while it does not exist, without waiting
+        (see _probe)."""
         if self._store is None:
             self._store = _connect_store(self._timeout)
-        if hasattr(self._store, "check"):
-            there = self._store.check([key])
-        else:
-            there = self.wait([key], 0.001)
-        return self._store.get(key) if there else None
+        return _probe(self._store, key)
 
     def close(self):
         self._store = None
 
 
-# What _peek compare-sets: a value no writer of the board ever stores.
+# What _probe compare-sets: a value no writer of the board ever stores.
 PEEK_PROBE = "gorun_ft: a probe, never stored"
+
+
+def _probe(store, key):
+    """key's value on store, or None while it does not exist, at once: a
+    compare-set that never matches (c10d answers one on an absent key with
+    the expected value, and writes nothing). A timed wait would not do:
+    1.13 has no check(), and a short wait may time out on a key that is
+    there, on a loaded machine (it did: a grow then completed only through
+    the leader's look at its timeout)."""
+    got = store.compare_set(key, PEEK_PROBE, PEEK_PROBE + " (never stored)")
+    return None if got == PEEK_PROBE.encode("ascii") else got
 
 # How many steps ahead of the leader's current step the switch to a grow's
 # group is set. The leader publishes it in its check() of step t, before
@@ -1158,13 +1165,9 @@ class ElasticGroup:
             return i
 
     def _peek(self, key):
-        """key's value, or None while it does not exist, at once and on the
-        main connection: a compare-set that never matches (c10d answers one
-        on an absent key with the expected value and writes nothing). A
-        timed wait would do on 2.x's check() only: 1.13 has none, and a
-        short wait may time out on a key that is there."""
-        got = self.store.compare_set(key, PEEK_PROBE, PEEK_PROBE + " (never stored)")
-        return None if got == PEEK_PROBE.encode("ascii") else got
+        """key's value, or None while it does not exist, on the main
+        connection (see _probe)."""
+        return _probe(self.store, key)
 
     def _floor_notice(self):
         """The board floor's notice (0 without a floor, or with one that

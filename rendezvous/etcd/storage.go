@@ -41,7 +41,8 @@ type StorageConfig struct {
 	BatchInflight int
 	// StartRevision, when positive, is a revision of etcd's that the
 	// caller has seen: the watch starts after it, and NewStorage makes no
-	// request. An older one only makes the watch replay the prefix's
+	// request before it returns (the sweep of orphan chunks, one read-only
+	// request when there are none, follows in the background). An older one only makes the watch replay the prefix's
 	// changes since (none, for a fresh prefix). Default: read etcd's
 	// current revision.
 	StartRevision int64

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -34,8 +35,11 @@ func runWriter(spec string) int {
 		fmt.Fprintf(os.Stderr, "%s=%q: want ENDPOINT PREFIX KEY MIB\n", writerEnv, spec)
 		return 2
 	}
-	var mib int
-	fmt.Sscan(f[3], &mib)
+	mib, err := strconv.Atoi(f[3])
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "%s=%q: MIB: %v\n", writerEnv, spec, err)
+		return 2
+	}
 	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{f[0]}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -192,11 +196,11 @@ func TestStorageOrphanChunksSwept(t *testing.T) {
 	}
 }
 
-// TestStorageSweepsSpareConcurrentWriters: two nodes set one key to large
+// TestStorageSweepsKeepConcurrentWrites: two nodes set one key to large
 // values at once, each write sweeping the key after it: neither sweep takes
 // the other's write in flight (every Set succeeds, every read is whole),
 // and once both stop only the last value's chunks are left.
-func TestStorageSweepsSpareConcurrentWriters(t *testing.T) {
+func TestStorageSweepsKeepConcurrentWrites(t *testing.T) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	cli := cluster.Client(t, nil)
 	ns := startNodes(t, cli, 2)
