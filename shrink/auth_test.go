@@ -143,10 +143,11 @@ func TestAuthFromEnv(t *testing.T) {
 	}
 }
 
-// TestAuthPython holds gorun_ft.py to the Go side's bytes: it seals what Go
-// seals, opens what Go sealed and refuses the same forgeries for the same
-// reasons. torch is stubbed: the MAC helpers need only the standard library.
-func TestAuthPython(t *testing.T) {
+// gorunFT returns a command that runs script after importing gorun_ft.py
+// as the module gorun_ft, with torch stubbed: the parts checked this way
+// (MACs, the board's filing) need only the standard library.
+func gorunFT(ctx context.Context, t *testing.T, script string) *exec.Cmd {
+	t.Helper()
 	py := "/usr/bin/python3"
 	if _, err := os.Stat(py); err != nil {
 		if py, err = exec.LookPath("python3"); err != nil {
@@ -157,6 +158,22 @@ func TestAuthPython(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	cmd := exec.CommandContext(ctx, py, "-c", `
+import sys, types
+torch = types.ModuleType("torch"); torch.__version__ = "0.0"
+torch.distributed = types.ModuleType("torch.distributed")
+sys.modules["torch"], sys.modules["torch.distributed"] = torch, torch.distributed
+sys.path.insert(0, sys.argv[1])
+import gorun_ft
+`+script, helper)
+	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1")
+	return cmd
+}
+
+// TestAuthPython holds gorun_ft.py to the Go side's bytes: it seals what Go
+// seals, opens what Go sealed and refuses the same forgeries for the same
+// reasons. torch is stubbed: the MAC helpers need only the standard library.
+func TestAuthPython(t *testing.T) {
 	type check struct {
 		Secret string `json:"secret"`
 		Scope  string `json:"scope"`
@@ -206,13 +223,8 @@ func TestAuthPython(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, py, "-c", `
-import json, sys, types
-torch = types.ModuleType("torch"); torch.__version__ = "0.0"
-torch.distributed = types.ModuleType("torch.distributed")
-sys.modules["torch"], sys.modules["torch.distributed"] = torch, torch.distributed
-sys.path.insert(0, sys.argv[1])
-import gorun_ft
+	cmd := gorunFT(ctx, t, `
+import json
 out = []
 for c in json.loads(sys.stdin.read()):
     b = lambda s: s.encode("utf-8")
@@ -234,9 +246,9 @@ for _ in range(3):
         pass
 print(json.dumps(out))
 print(json.dumps({"sealed": env, "logs": logs}))
-`, helper)
+`)
 	cmd.Stdin = bytes.NewReader(in)
-	cmd.Env = append(os.Environ(), "PYTHONDONTWRITEBYTECODE=1",
+	cmd.Env = append(cmd.Env,
 		SecretEnv+"="+vectorSecret, "TORCHELASTIC_RUN_ID=job-7", "GORUN_GENERATION=2")
 	var stderr bytes.Buffer
 	cmd.Stderr = &stderr

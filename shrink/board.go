@@ -440,9 +440,10 @@ func (b *Board) FileJoined(ctx context.Context, j Joined) (int, error) {
 // index is taken with its record, by a compare-set that only creates, so
 // the log has no holes and no counter to tamper with; an index that holds
 // a forgery is passed over (readers skip it). The search starts above
-// what this Board has seen and above the Floor's notice: the Floor only
-// collects notices up to a notice a leader has read, so a notice filed
-// above the Floor it finds after filing is never collected unread.
+// what this Board has seen and above the Floor's notice. The Floor only
+// collects notices up to one a leader has read, in order, so a notice
+// found after filing to lie above what the Floor says is swept was read
+// before it could be collected, even when the Floor's notice is this one.
 func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 	body, err := json.Marshal(n)
 	if err != nil {
@@ -468,9 +469,13 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 		if f, err = b.Floor(ctx); err != nil {
 			return 0, err
 		}
-		if i <= f.Notice {
-			// Filed in a stretch being collected (the Floor rose twice
-			// since it was read): file it again above.
+		if f.noticeCollected(i) {
+			// The index was free because a sweep had emptied it (the
+			// Floor rose twice since it was read): readers skip it, so
+			// file it again above. An index at or below f.Notice but not
+			// swept was free when taken, so the log reached it: the
+			// floor settled this very notice (a Complete the leader read
+			// at once) and filing it again would say it twice.
 			i = f.Notice
 			continue
 		}

@@ -1,7 +1,9 @@
 package shrink
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"path/filepath"
@@ -272,5 +274,135 @@ func TestNoticeLogHasNoHoles(t *testing.T) {
 	}
 	if err := <-next; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// raceFloor is a store on which, the moment a notice is filed and before
+// its filer looks at the Floor again, raise runs (a leader raising the
+// Floor) once.
+type raceFloor struct {
+	rendezvous.Store
+	raise  func(ctx context.Context, i int) error
+	raised int // the notice raise ran at
+}
+
+func (s *raceFloor) CompareSet(ctx context.Context, key string, old, new []byte) ([]byte, error) {
+	got, err := s.Store.CompareSet(ctx, key, old, new)
+	var i int
+	if _, scan := fmt.Sscanf(key, DefaultPrefix+"/report/%d", &i); scan == nil && err == nil && s.raise != nil && bytes.Equal(got, new) {
+		raise := s.raise
+		s.raise, s.raised = nil, i
+		if err := raise(ctx, i); err != nil {
+			return nil, err
+		}
+	}
+	return got, err
+}
+
+// TestNoticeSettledByTheFloorIsFiledOnce: a notice the Floor is raised to
+// between its filing and its filer's look at the Floor was read (a leader
+// raises it to notices it read), so it is not filed again; a second copy
+// of a Complete said the grow completed twice (CI's
+// TestBoardKeysBoundedOverEpochs: "complete 10, want 12"). A notice that
+// a sweep collects before its filer looks is filed again above.
+func TestNoticeSettledByTheFloorIsFiledOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	b := NewBoard(dial(), "")
+	if _, err := b.File(ctx, Report{Ranks: []int{1}, Reason: "exited"}); err != nil {
+		t.Fatal(err)
+	}
+	settling := &raceFloor{Store: dial(), raise: func(ctx context.Context, i int) error {
+		return b.Raise(ctx, Floor{Epoch: 3, Notice: i})
+	}}
+	if i, err := NewBoard(settling, "").file(ctx, Notice{Complete: &Complete{Epoch: 2}}); err != nil || i != 2 || settling.raised != 2 {
+		t.Fatalf("file = %d, %v (floor raised at notice %d); want notice 2, raised at 2", i, err, settling.raised)
+	}
+	if ok, err := b.store.Check(ctx, reportKey(3)); err != nil || ok {
+		t.Fatalf("notice 3 exists (%v, %v): the Complete was filed again", ok, err)
+	}
+
+	sweeping := &raceFloor{Store: dial(), raise: func(ctx context.Context, i int) error {
+		if err := b.Raise(ctx, Floor{Epoch: 5, Notice: i}); err != nil {
+			return err
+		}
+		return b.Raise(ctx, Floor{Epoch: 7, Notice: i}) // sweeps notice i
+	}}
+	i, err := NewBoard(sweeping, "").file(ctx, Notice{Join: &Join{Slots: []int{1}}})
+	if err != nil || i != 4 || sweeping.raised != 3 {
+		t.Fatalf("file = %d, %v; want notice 3 swept and the join filed again as 4", i, err)
+	}
+	if n, err := b.readNotice(ctx, 4); err != nil || n.Join == nil {
+		t.Fatalf("notice 4 = %+v, %v; want the join", n, err)
+	}
+}
+
+// TestPythonNoticeSettledByTheFloorIsFiledOnce is
+// TestNoticeSettledByTheFloorIsFiledOnce for gorun_ft.py's filing: the
+// same two floors raised between the filing and the filer's look. torch
+// is stubbed and the store is a double with c10d's compare-set (the real
+// stores are under the heal tests of examples/torch); the filing logic
+// is what is checked.
+func TestPythonNoticeSettledByTheFloorIsFiledOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := gorunFT(ctx, t, `
+import json
+
+class Store:
+    """c10d's compare_set on a dict; raise runs once, after the first
+    notice it creates."""
+    def __init__(self, raise_):
+        self.d, self.raise_, self.raised = {}, raise_, 0
+    def compare_set(self, key, expected, desired):
+        expected, desired = expected.encode(), desired.encode()
+        cur = self.d.get(key)
+        if (cur is None and expected == b"") or (cur is not None and cur == expected):
+            self.d[key] = got = desired
+        else:
+            got = expected if cur is None else cur
+        report = gorun_ft._key("report", "")
+        if self.raise_ and got == desired and key.startswith(report):
+            i = int(key[len(report):])
+            self.raise_(self, i)
+            self.raise_, self.raised = None, i
+        return got
+
+def group(store):
+    g = gorun_ft.ElasticGroup.__new__(gorun_ft.ElasticGroup)
+    g.store, g._auth, g._notice_hint = store, None, 0
+    return g
+
+def floor(store, notice, swept):
+    store.d[gorun_ft._key("floor")] = json.dumps({"epoch": 3, "notice": notice, "swept_notice": swept}).encode()
+
+out = {}
+s = Store(lambda s, i: floor(s, i, 0))
+s.d[gorun_ft._key("report", 1)] = b'{"failure": {}}'
+out["settled"] = [group(s)._file({"complete": {"epoch": 2}}), s.raised, gorun_ft._key("report", 3) in s.d]
+def sweep(s, i):
+    floor(s, i, i)
+    del s.d[gorun_ft._key("report", i)]
+s = Store(sweep)
+s.d[gorun_ft._key("report", 1)] = b'{"failure": {}}'
+out["swept"] = [group(s)._file({"join": {"slots": [1]}}), s.raised, json.loads(s.d[gorun_ft._key("report", 3)])]
+print(json.dumps(out))
+`)
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	if err != nil {
+		t.Fatalf("python: %v\n%s", err, stderr.String())
+	}
+	var got struct{ Settled, Swept []any }
+	if err := json.Unmarshal(out, &got); err != nil {
+		t.Fatalf("python said %s: %v", out, err)
+	}
+	if want := []any{2.0, 2.0, false}; !slices.Equal(got.Settled, want) {
+		t.Errorf("a notice the floor settled at once: filed at, raised at, filed again = %v, want %v", got.Settled, want)
+	}
+	if len(got.Swept) != 3 || got.Swept[0] != 3.0 || got.Swept[1] != 2.0 || fmt.Sprint(got.Swept[2]) != "map[join:map[slots:[1]]]" {
+		t.Errorf("a notice swept before its filer looked: filed at, raised at, notice 3 = %v, want 3, 2, the join", got.Swept)
 	}
 }

@@ -277,6 +277,7 @@ func (c *Coordinator) watchEpochs(ctx context.Context, b *Board, n int) {
 func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 	settle := c.cfg.Config.withDefaults().SettleWindow
 	leading := false
+	completed := 0 // the last grow said complete
 	var decide, giveUp *time.Timer
 	stop := func(t *time.Timer) {
 		if t != nil {
@@ -325,7 +326,12 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 				dec.Join(time.Now(), *n.Join)
 			case n.Joined != nil:
 				dec.Joined(n.Joined.Epoch, n.Joined.Slot)
+			case n.Complete != nil && n.Complete.Epoch <= completed:
+				// Said twice: the leader files one past the grow's
+				// deadline (completeOverdue) while the last member's is
+				// on its way.
 			case n.Complete != nil:
+				completed = n.Complete.Epoch
 				dec.Complete(n.Complete.Epoch)
 				if f, ok := dec.Floor(in.i); ok && leading && n.Complete.Epoch == f.Epoch {
 					c.raise(f)

@@ -117,7 +117,30 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 		slices.Sort(ks)
 		return ks
 	}
-	// The collector raises the floor apart from the loop: wait for it.
+	// swept reports whether the sweep that follows f's raise is done: no
+	// epoch, ack, notice or formation key below f is left.
+	swept := func(f Floor) bool {
+		t.Helper()
+		for _, k := range keys() {
+			var n int
+			if formed, ok := formedIn(k); ok {
+				n = formed
+			} else if _, err := fmt.Sscanf(k, DefaultPrefix+"/epoch/%d", &n); err != nil {
+				if _, err := fmt.Sscanf(k, DefaultPrefix+"/ack/%d", &n); err != nil {
+					if _, err := fmt.Sscanf(k, DefaultPrefix+"/report/%d", &n); err == nil && f.noticeCollected(n) {
+						return false
+					}
+					continue
+				}
+			}
+			if f.collected(n) {
+				return false
+			}
+		}
+		return true
+	}
+	// The collector raises the floor, then sweeps below it, apart from the
+	// loop: wait for both.
 	floorAt := func(epoch int) Floor {
 		t.Helper()
 		for giveUp := time.Now().Add(10 * time.Second); ; {
@@ -125,7 +148,7 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if f.Epoch >= epoch {
+			if f.Epoch >= epoch && swept(f) {
 				return f
 			}
 			if time.Now().After(giveUp) {

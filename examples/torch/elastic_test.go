@@ -139,7 +139,7 @@ func (j job) start(t *testing.T, r int, extra ...string) *worker {
 	w.cmd = exec.Command(j.py, append([]string{"-u", j.script}, j.args...)...)
 	w.cmd.Env = append(os.Environ(), "RANK="+strconv.Itoa(r), "LOCAL_RANK="+strconv.Itoa(r),
 		"WORLD_SIZE="+strconv.Itoa(j.world), "MASTER_ADDR=127.0.0.1", "MASTER_PORT="+port,
-		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1", "GORUN_FT_STACKS=1")
+		"TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_RESTART_COUNT=0", "OMP_NUM_THREADS=1", "GORUN_FT_STACKS=1", "GORUN_FT_DEBUG=1")
 	w.cmd.Env = append(append(w.cmd.Env, j.env...), extra...)
 	w.cmd.Stdout, w.cmd.Stderr = w.out, w.out
 	w.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}

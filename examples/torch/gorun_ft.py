@@ -102,7 +102,8 @@ the C++ TCPStore client log two warnings each (``waitForInput ... timed out
 after 1000ms``): noise, not failures; TORCH_CPP_LOG_LEVEL=ERROR in the
 worker's environment silences them. GORUN_FT_STACKS=1 makes SIGUSR1 print
 every thread's Python stack to stderr (faulthandler), to see where a worker
-waits.
+waits; GORUN_FT_DEBUG=1 prints each group's connections (local and peer
+port) and those a stop shuts down.
 
 Board layout (prefix ``gorun/shrink``), shared with gorun's Go side:
 ``epoch/<n>`` holds epoch n as JSON (``epoch``, ``excluded``, ``lost``,
@@ -668,6 +669,7 @@ class ElasticGroup:
         # its constructor), less any to the store another thread opened
         # meanwhile: what _sever breaks when the group must stop.
         opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+        _debug("rank %d: epoch %d's group holds %s" % (self.global_rank, e.number, " ".join(_ends(fd) for fd in opened.values())))
         with self._lock:
             self._group, self._group_store, self._group_sockets = e, store, set(opened)
             self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
@@ -791,7 +793,9 @@ class ElasticGroup:
             before = _socket_inodes()
             pg = dist.ProcessGroupGloo(dist.PrefixStore(ns + "/pg", store), rank, e.world_size, self.timeout)
             # As in _init: the connections it opened, less the store's.
-            opened = {i for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+            opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+            _debug("rank %d: epoch %d's group (built) holds %s" % (self.global_rank, e.number, " ".join(_ends(fd) for fd in opened.values())))
+            opened = set(opened)
             with self._lock:
                 if b.abandoned:
                     _sever(opened)
@@ -1146,10 +1150,14 @@ class ElasticGroup:
         at the first free index: a compare-set that only creates, so the log
         has no holes and no counter anyone could tamper with; an index that
         holds a forgery is passed over (see shrink.Board's file). The search
-        starts above the floor's notice, and a notice found filed at or
-        below the floor read after it (collected) is filed again above."""
+        starts above the floor's notice. A notice found, by the floor read
+        after it, in the stretch the floor says is swept was filed in a slot
+        a sweep had emptied, which readers skip: it is filed again above.
+        One at or below the floor's notice but not swept was read by the
+        leader before it raised the floor (the floor may even be this
+        notice, a Complete): filing it again would say it twice."""
         body = json.dumps(notice)
-        i = max(self._notice_hint, self._floor_notice()) + 1
+        i = max(self._notice_hint, self._floor()[0]) + 1
         while True:
             rec = body
             if self._auth is not None:
@@ -1157,8 +1165,8 @@ class ElasticGroup:
             if self.store.compare_set(_key("report", i), "", rec) != rec.encode("ascii"):
                 i += 1  # taken
                 continue
-            floor = self._floor_notice()
-            if i <= floor:
+            floor, swept = self._floor()
+            if i <= swept:
                 i = floor + 1
                 continue
             self._notice_hint = i
@@ -1169,18 +1177,19 @@ class ElasticGroup:
         connection (see _probe)."""
         return _probe(self.store, key)
 
-    def _floor_notice(self):
-        """The board floor's notice (0 without a floor, or with one that
-        fails the job secret's check)."""
+    def _floor(self):
+        """The board floor's notice and swept notice ((0, 0) without a
+        floor, or with one that fails the job secret's check)."""
         rec = self._peek(_key("floor"))
         if rec is None:
-            return 0
+            return 0, 0
         if self._auth is not None:
             try:
                 rec = self._auth.open(_rel("floor"), rec)
             except Forged:
-                return 0
-        return json.loads(rec).get("notice", 0)
+                return 0, 0
+        f = json.loads(rec)
+        return f.get("notice", 0), f.get("swept_notice", 0)
 
     def _epoch(self, n, rec):
         """Epoch n from the record at its key; Forged when the job has a
@@ -1333,6 +1342,31 @@ def _to_store(fd):
         s.close()  # the duplicate only
 
 
+# GORUN_FT_DEBUG=1: say which connections each group holds and which a
+# sever shuts down (stderr), to tell a collective that waits on a peer
+# nobody cut off from one the cut did not reach.
+_DEBUG = bool(os.environ.get("GORUN_FT_DEBUG"))
+
+
+def _debug(msg):
+    if _DEBUG:
+        print("gorun_ft[%d]: %s" % (os.getpid(), msg), file=sys.stderr, flush=True)
+
+
+def _ends(fd):
+    """'local port->peer port' of socket fd, for debug lines."""
+    try:
+        s = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return "closed"
+    try:
+        return "%s->%s" % (s.getsockname()[1], s.getpeername()[1])
+    except (OSError, IndexError, TypeError):
+        return "unconnected"
+    finally:
+        s.close()
+
+
 def _sever(inodes):
     """Shut down (both ways) the connected sockets with these inodes that
     are still open: the process group's connections, not its listener. Its
@@ -1341,6 +1375,7 @@ def _sever(inodes):
     to close when it is destroyed."""
     if not inodes:
         return
+    shut = []
     for inode, fd in _socket_inodes().items():
         if inode not in inodes:
             continue
@@ -1352,11 +1387,14 @@ def _sever(inodes):
             # Not a listener: gloo (2.x) treats a failed accept as fatal
             # and aborts the process; a listener fails no collective.
             if not s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                if _DEBUG:
+                    shut.append(_ends(fd))
                 s.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass  # already down
         finally:
             s.close()
+    _debug("severed %d of %d connections: %s" % (len(shut), len(inodes), " ".join(shut)))
 
 
 def _abort_default_group():
