@@ -52,9 +52,11 @@ type etcdNode struct {
 	rdzv *etcd.Storage // under the rendezvous store
 	live *etcd.Liveness
 	// members names the current round's nodes, since is the liveness
-	// view's revision when the round began, and synced says whether the
-	// view has been read since the round completed: only then does a
-	// member absent from it count as lost (see watch).
+	// view's revision when the round began, back its revision once the
+	// round had formed (a member that lapsed and was readmitted before
+	// then is the round's member, not lost: Liveness.Lost), and synced
+	// says whether the view has been read since the round completed: only
+	// then does a member absent from it count as lost (see watch).
 	//
 	// A round planned from its summary (queue mode) comes without member
 	// names: members stays nil and size counts them, and watch reads the
@@ -64,7 +66,7 @@ type etcdNode struct {
 	members     []string
 	size        int
 	lazyMembers bool
-	since       int64
+	since, back int64
 	synced      bool
 	// reported are the members whose loss watch has reported this round
 	// (see unreported).
@@ -267,6 +269,9 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
+	// What the view has seen by now happened while the round formed: a
+	// member that lapsed and came back meanwhile was readmitted into it.
+	back := e.live.Rev()
 	rv, err := e.job.view(ctx, round)
 	if err != nil {
 		return nil, err
@@ -296,7 +301,7 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// The store serves this node's workers and agent only (etcd holds
 	// what they share with the other nodes): on loopback.
 	p.env = workerEnv(e.job.cfg, e.job.runID, "127.0.0.1", srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
-	e.members, e.since, e.synced, e.reported = e.members[:0], since, false, e.reported[:0]
+	e.members, e.since, e.back, e.synced, e.reported = e.members[:0], since, back, false, e.reported[:0]
 	e.size, e.lazyMembers = rv.size, rv.ids == nil
 	e.members = append(e.members, rv.ids...)
 	if rv.groupRank == 0 && round.Number > 0 {
@@ -376,7 +381,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 		}
 	}
 	if e.lazyMembers {
-		if deleted, present := e.live.Departures(e.since); deleted || e.synced && present < e.size {
+		if deleted, present := e.live.Departures(e.since, e.back); deleted || e.synced && present < e.size {
 			if ms, err := e.job.dyn.Members(ctx); err != nil {
 				e.job.log.Debug("reading the round's members", zap.Error(err))
 			} else {
@@ -387,7 +392,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 			}
 		}
 	}
-	if lost := e.unreported(e.live.Lost(e.members, e.since, e.synced)); len(lost) > 0 {
+	if lost := e.unreported(e.live.Lost(e.members, e.since, e.back, e.synced)); len(lost) > 0 {
 		return &change{lost: lost}, nil
 	}
 	if e.dropBefore > 0 {

@@ -435,3 +435,79 @@ func TestEtcdJobRole(t *testing.T) {
 		t.Errorf("another job's agent: exit %d; want 2 and a refusal naming the user and the prefix:\n%s", code, other.stderr)
 	}
 }
+
+// TestEtcdLapseWhileTheRoundForms: a node's lease lapses while the round
+// forms (revoked here, as etcd expires it when a starved agent misses its
+// renewals: 512 agents on 2 cores did) and the node takes a new one and is
+// in the round when it completes. It is the round's member in its new
+// life: nobody counts it lost for the lapse before the round began, and
+// the job runs its one round (--max-restarts 0) to the end.
+func TestEtcdLapseWhileTheRoundForms(t *testing.T) {
+	t.Parallel()
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	bin := testutil.BuildGorun(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	const alive = "/gorun/job/alive/"
+	presence := func() map[string]clientv3.LeaseID {
+		t.Helper()
+		r, err := cli.Get(ctx, alive, clientv3.WithPrefix())
+		if err != nil {
+			t.Fatal(err)
+		}
+		out := map[string]clientv3.LeaseID{}
+		for _, kv := range r.Kvs {
+			out[string(kv.Key)] = clientv3.LeaseID(kv.Lease)
+		}
+		return out
+	}
+	awaitKeys := func(n int) map[string]clientv3.LeaseID {
+		t.Helper()
+		for {
+			if p := presence(); len(p) >= n {
+				return p
+			}
+			if ctx.Err() != nil {
+				t.Fatalf("fewer than %d presence keys under %s", n, alive)
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}
+	// The round completes last_call_timeout (3 s) after the second node
+	// joins: the lapse falls in that window.
+	worker := `echo "round=$GORUN_GENERATION rank=$RANK world=$WORLD_SIZE group=$GROUP_RANK/$GROUP_WORLD_SIZE restarts=$TORCHELASTIC_RESTART_COUNT"; sleep 2`
+	start := func() *agentProc {
+		return startAgent(t, bin, etcdArgs(cluster, "2:3", "last_call_timeout=3,lease_ttl=2", "--max-restarts", "0",
+			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)...)
+	}
+	a := start()
+	first := awaitKeys(1)
+	b := start()
+	var key string
+	var lease clientv3.LeaseID
+	for k, l := range awaitKeys(2) {
+		if _, ok := first[k]; !ok {
+			key, lease = k, l
+		}
+	}
+	if _, err := cli.Revoke(ctx, lease); err != nil {
+		t.Fatal(err)
+	}
+	for presence()[key] == 0 || presence()[key] == lease {
+		if ctx.Err() != nil {
+			t.Fatalf("%s did not take a new lease", key)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	for _, p := range []*agentProc{a, b} {
+		if world, restarts := p.expectRound(t, 0); world != 2 || restarts != 0 {
+			t.Fatalf("round 0: world %d restarts %d; stderr:\n%s", world, restarts, p.stderr)
+		}
+	}
+	for i, p := range []*agentProc{a, b} {
+		if code := p.exitCode(t, 30*time.Second); code != 0 || strings.Contains(p.stderr.String(), "lost node(s)") {
+			t.Fatalf("agent %d: exit %d; want 0 and no node lost:\n%s", i, code, p.stderr)
+		}
+	}
+}

@@ -54,11 +54,57 @@ func dumpStacks(ws ...*worker) {
 		case <-w.exited:
 		default:
 			asked = w.cmd.Process.Signal(syscall.SIGUSR1) == nil || asked
+			fmt.Fprint(w.out, kernelView(w.cmd.Process.Pid))
 		}
 	}
 	if asked {
 		time.Sleep(300 * time.Millisecond)
 	}
+}
+
+// kernelView says what the kernel sees of process pid, which Python's
+// stacks do not show: each thread's state and wait channel (a C++
+// collective's threads) and each TCP socket's ports and state.
+func kernelView(pid int) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "kernel's view of %d:\n", pid)
+	tasks, _ := filepath.Glob(fmt.Sprintf("/proc/%d/task/*", pid))
+	for _, task := range tasks {
+		comm, _ := os.ReadFile(task + "/comm")
+		wchan, _ := os.ReadFile(task + "/wchan")
+		stat, _ := os.ReadFile(task + "/stat")
+		state := ""
+		if _, after, ok := strings.Cut(string(stat), ") "); ok && after != "" {
+			state = after[:1]
+		}
+		fmt.Fprintf(&b, "  thread %s %q %s %s\n", filepath.Base(task), strings.TrimSpace(string(comm)), state, wchan)
+	}
+	// inode → "local->remote state", from the process's network namespace.
+	socks := map[string]string{}
+	for _, table := range []string{"tcp", "tcp6"} {
+		data, _ := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, table))
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			f := strings.Fields(line)
+			if len(f) < 10 {
+				continue
+			}
+			port := func(addr string) string {
+				_, hex, _ := strings.Cut(addr, ":")
+				n, _ := strconv.ParseUint(hex, 16, 16)
+				return strconv.FormatUint(n, 10)
+			}
+			socks[f[9]] = port(f[1]) + "->" + port(f[2]) + " st=" + f[3]
+		}
+	}
+	fds, _ := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", pid))
+	for _, fd := range fds {
+		l, err := os.Readlink(fd)
+		if inode, ok := strings.CutPrefix(l, "socket:["); err == nil && ok {
+			inode = strings.TrimSuffix(inode, "]")
+			fmt.Fprintf(&b, "  fd %s socket %s %s\n", filepath.Base(fd), inode, socks[inode])
+		}
+	}
+	return b.String()
 }
 
 // storeServer says who serves the workers' store: gorun's TCPStore server

@@ -182,28 +182,42 @@ func (l *Liveness) Rev() int64 {
 // those not present either. A node's key put before since but not yet seen
 // by the watch is absent from the view: count absence only once a Sync
 // (or the view's revision) is known to be past the puts in question.
-func (l *Liveness) Lost(names []string, since int64, absent bool) []string {
+//
+// One return is forgiven: a node present again whose deletion the view
+// had seen by revision back left and came back before that mark. A caller
+// that marks since before joining a round and back once the round has
+// formed keeps a node that lapsed and was readmitted while the round
+// formed (it is the round's member in its new life) and still loses one
+// that lapses afterwards.
+func (l *Liveness) Lost(names []string, since, back int64, absent bool) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var lost []string
 	for _, n := range names {
 		p, ok := l.nodes[n]
-		if (ok && p.deleted > since) || (absent && (!ok || !p.alive)) {
+		if (ok && p.departed(since, back)) || (absent && (!ok || !p.alive)) {
 			lost = append(lost, n)
 		}
 	}
 	return lost
 }
 
+// departed reports whether the node's deletion after since counts (see
+// Lost).
+func (p *presence) departed(since, back int64) bool {
+	return p.deleted > since && !(p.alive && p.deleted <= back)
+}
+
 // Departures reports whether any node's key was deleted after revision
-// since, and how many keys the view holds present: a caller that does not
-// hold a round's member names (they cost O(N) bytes to read) asks Lost
-// about them only once either says that one of them may be gone.
-func (l *Liveness) Departures(since int64) (deleted bool, present int) {
+// since (and not forgiven by back, as in Lost), and how many keys the view
+// holds present: a caller that does not hold a round's member names (they
+// cost O(N) bytes to read) asks Lost about them only once either says that
+// one of them may be gone.
+func (l *Liveness) Departures(since, back int64) (deleted bool, present int) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, p := range l.nodes {
-		deleted = deleted || p.deleted > since
+		deleted = deleted || p.departed(since, back)
 		if p.alive {
 			present++
 		}

@@ -37,7 +37,7 @@ func startLiveness(t *testing.T, cluster *etcdtest.Cluster, dir, name string, tt
 func waitLost(t *testing.T, a *etcd.Liveness, name string, since int64, within time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for !slices.Contains(a.Lost([]string{name}, since, true), name) {
+	for !slices.Contains(a.Lost([]string{name}, since, since, true), name) {
 		if time.Since(start) > within {
 			t.Fatalf("%s not reported lost within %v", name, within)
 		}
@@ -64,19 +64,19 @@ func TestLivenessLeaseExpires(t *testing.T) {
 	}
 	// Both alive for several TTLs: renewals keep them.
 	time.Sleep(2500 * time.Millisecond)
-	if lost := a.Lost([]string{"a", "b"}, since, true); len(lost) != 0 {
+	if lost := a.Lost([]string{"a", "b"}, since, since, true); len(lost) != 0 {
 		t.Fatalf("lost %v while both renew", lost)
 	}
-	if lost := a.Lost([]string{"c"}, since, true); !slices.Equal(lost, []string{"c"}) {
+	if lost := a.Lost([]string{"c"}, since, since, true); !slices.Equal(lost, []string{"c"}) {
 		t.Fatalf("a node never seen: lost %v, want [c]", lost)
 	}
-	if lost := a.Lost([]string{"c"}, since, false); len(lost) != 0 {
+	if lost := a.Lost([]string{"c"}, since, since, false); len(lost) != 0 {
 		t.Fatalf("a node never seen, absence not counted: lost %v, want none", lost)
 	}
 	bcli.Close() // b stops renewing, without revoking
 	took := waitLost(t, a, "b", since, 5*time.Second)
 	t.Logf("lease of 1s: node lost after %v", took)
-	if lost := a.Lost([]string{"a"}, since, true); len(lost) != 0 {
+	if lost := a.Lost([]string{"a"}, since, since, true); len(lost) != 0 {
 		t.Fatalf("a lost itself: %v", lost)
 	}
 }
@@ -140,10 +140,26 @@ func TestLivenessLeaseLostAndBack(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if lost := b.Lost([]string{"a", "b"}, now, true); len(lost) != 0 {
+	if lost := b.Lost([]string{"a", "b"}, now, now, true); len(lost) != 0 {
 		t.Fatalf("after a registered again: lost %v since the new mark", lost)
 	}
-	if lost := b.Lost([]string{"a"}, since, false); len(lost) != 1 {
+	if lost := b.Lost([]string{"a"}, since, since, false); len(lost) != 1 {
 		t.Fatalf("a not lost since the old mark: %v", lost)
+	}
+	// Marked back once it had returned (a round that formed while it
+	// lapsed and came back): its return is forgiven, not a later lapse.
+	if lost := b.Lost([]string{"a"}, since, now, false); len(lost) != 0 {
+		t.Fatalf("a lost since the old mark though it was back by %d: %v", now, lost)
+	}
+	if deleted, present := b.Departures(since, now); deleted || present != 2 {
+		t.Fatalf("Departures(since, back) = %v, %d; want none forgiven away and 2 present", deleted, present)
+	}
+	if _, err := acli.Revoke(ctx, a.LeaseID()); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); len(b.Lost([]string{"a"}, since, now, false)) != 1; time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("a lapsed again after the mark back, and is not lost")
+		}
 	}
 }
