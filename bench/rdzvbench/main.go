@@ -48,6 +48,7 @@ func main() {
 	etcdEndpoints := flag.String("etcd", "", "gorun agents meet through etcd at these `HOST:PORT,…` instead of c10d (a fresh run id each time)")
 	flag.BoolVar(&fromFirst, "from-first", false, "start every agent at once and time from the first start (a job's whole bring-up), not from the last agent's join after the others settled")
 	flag.DurationVar(&waitFor, "wait", 120*time.Second, "give up on a job whose workers have not all started this long after the clock started")
+	agentFlags := flag.String("gorun-flags", "", "more flags for every gorun agent, space-separated (e.g. \"--on-failure shrink\": the survivors' agreement and node liveness at scale)")
 	flag.Parse()
 	fmt.Printf("Command: %s\n\n", strings.Join(os.Args, " "))
 
@@ -60,9 +61,10 @@ func main() {
 				// whose state etcd does not hold yet.
 				backend, endpoint, id = "etcd", *etcdEndpoints, "bench"+strconv.Itoa(port)
 			}
-			return append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--nnodes", strconv.Itoa(n), "--nproc-per-node", "1",
+			argv := append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--nnodes", strconv.Itoa(n), "--nproc-per-node", "1",
 				"--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", id,
-				"--local-addr", "127.0.0.1", "--log-dir", logDir, "--no-python"}, worker...)
+				"--local-addr", "127.0.0.1", "--log-dir", logDir}, strings.Fields(*agentFlags)...)
+			return append(append(argv, "--no-python"), worker...)
 		}
 	}
 	torchArgv := func(n int) func(int, string) []string {

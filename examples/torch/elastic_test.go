@@ -103,6 +103,18 @@ func kernelView(pid int) string {
 			inode = strings.TrimSuffix(inode, "]")
 			fmt.Fprintf(&b, "  fd %s socket %s %s\n", filepath.Base(fd), inode, socks[inode])
 		}
+		if l == "anon_inode:[eventpoll]" {
+			// The descriptors an epoll instance (a gloo device's loop)
+			// watches, and for which events.
+			info, _ := os.ReadFile(fmt.Sprintf("/proc/%d/fdinfo/%s", pid, filepath.Base(fd)))
+			var watched []string
+			for _, line := range strings.Split(string(info), "\n") {
+				if f := strings.Fields(line); len(f) >= 4 && f[0] == "tfd:" {
+					watched = append(watched, f[1]+"/"+f[3])
+				}
+			}
+			fmt.Fprintf(&b, "  fd %s epoll watching %v\n", filepath.Base(fd), watched)
+		}
 	}
 	return b.String()
 }
