@@ -93,7 +93,7 @@ func kernelView(pid int) string {
 				n, _ := strconv.ParseUint(hex, 16, 16)
 				return strconv.FormatUint(n, 10)
 			}
-			socks[f[9]] = port(f[1]) + "->" + port(f[2]) + " st=" + f[3]
+			socks[f[9]] = port(f[1]) + "->" + port(f[2]) + " st=" + f[3] + " txq:rxq=" + f[4]
 		}
 	}
 	fds, _ := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", pid))

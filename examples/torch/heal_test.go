@@ -140,6 +140,12 @@ type member struct {
 	w    *worker
 }
 
+// orLine separates the lines of which finish wants one (anyOf).
+const orLine = "\x00"
+
+// anyOf is a want line of finish's that any one of lines satisfies.
+func anyOf(lines ...string) string { return strings.Join(lines, orLine) }
+
 // finish waits for every member to exit 0 and checks that they finished in
 // epoch final, each with its rank there, after steps steps, with the same
 // model, each printing its own process's id (a survivor was never
@@ -170,8 +176,8 @@ func finish(ctx context.Context, t *testing.T, final shrink.Epoch, steps int, ms
 		}
 		out := m.w.out.String()
 		for _, line := range want(m.slot) {
-			if !strings.Contains(out, line) {
-				t.Errorf("slot %d did not print %q:\n%s", m.slot, line, out)
+			if !slices.ContainsFunc(strings.Split(line, orLine), func(l string) bool { return strings.Contains(out, l) }) {
+				t.Errorf("slot %d did not print %q:\n%s", m.slot, strings.ReplaceAll(line, orLine, " or "), out)
 			}
 		}
 		d := doneLine.FindStringSubmatch(out)
@@ -396,7 +402,11 @@ func TestTorchGlooHealIncomplete(t *testing.T) {
 			if slot == 2 {
 				return []string{"grow epoch=2 did not complete: joining again", "grow epoch=4 world=3 added=[2]"}
 			}
-			return []string{"grow epoch=2 did not complete: awaiting the next epoch", "shrink epoch=3 world=2 excluded=[2, 3]",
+			// Epoch 3's group forms, or, when the regrow is published
+			// before the members met in it (a loaded machine), is passed
+			// over for the regrow's: both are right.
+			return []string{"grow epoch=2 did not complete: awaiting the next epoch",
+				anyOf("shrink epoch=3 world=2 excluded=[2, 3]", "shrink epoch=3 did not complete: awaiting the next epoch"),
 				"grow epoch=4 world=3 added=[2]"}
 		})
 		if n, err := h.board.Acks(ctx, 4); err != nil || n != 3 {
