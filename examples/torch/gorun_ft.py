@@ -1090,7 +1090,15 @@ class ElasticGroup:
         rank = e.ranks[self.global_rank]
         store.set("%s/member/%d" % (ns, rank), str(self.global_rank))
         members = ["%s/member/%d" % (ns, r) for r in range(e.world_size)]
-        bound = self._epoch_wait + (self._grow_wait if e.action == "grow" else 0)
+        # A member may still be in the old group's collective: the sever
+        # fails it at once as a rule, but not always (seen under load on
+        # 1.13: a member's own connections shut down, its collective held
+        # to the group's timeout), and then the collective ends at the
+        # group's timeout. Wait for it that long: a member that died
+        # instead is excluded by the next epoch, which ends this wait at
+        # once.
+        bound = max(self._epoch_wait, self.timeout.total_seconds() + DETECTION_SLACK)
+        bound += self._grow_wait if e.action == "grow" else 0
         deadline = time.monotonic() + bound
         # Whether the group is formed is decided once, for every member:
         # the first to find every member there seals the formation, the
