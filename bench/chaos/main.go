@@ -387,13 +387,14 @@ func indexOf(r Row) int {
 	return -1
 }
 
-// build builds gorun and the Go worker into dir unless the job names them.
+// build builds gorun and the Go worker into dir unless the job names them
+// (the Go worker only for its kind).
 func build(ctx context.Context, root, dir string, j *Job) error {
 	for _, b := range []struct {
 		path *string
 		pkg  string
 	}{{&j.Gorun, "./cmd/gorun"}, {&j.Worker, "./examples/allreduce"}} {
-		if *b.path != "" {
+		if *b.path != "" || (b.path == &j.Worker && j.WorkerKind == workerTorch) {
 			continue
 		}
 		*b.path = filepath.Join(dir, filepath.Base(b.pkg))

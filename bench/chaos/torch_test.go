@@ -10,6 +10,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/gorunhq/gorun/internal/sidbed"
+	"github.com/gorunhq/gorun/internal/testutil"
 	"github.com/gorunhq/gorun/internal/torchtest"
 )
 
@@ -246,5 +248,43 @@ func TestReferenceLoss(t *testing.T) {
 	const printed = 3.11247561
 	if d := got - printed; d > lossTolerance*printed || -d > lossTolerance*printed {
 		t.Errorf("reference loss %.17g, want %.9g (within %g)", got, printed, lossTolerance)
+	}
+}
+
+// TestTorchWorkerRows runs the torch worker kind end to end — real PyTorch
+// gloo workers (train_elastic.py through gorun_ft.py), real launchers —
+// under gorun without faults and under torchrun 2.14 (the sid bed) through
+// one SIGKILLed rank: each job completes with the fault-free loss (every
+// step at full world; the restarted one resumed from its checkpoint), with
+// nothing left. CI only (GORUN_CI=1): it builds gorun and runs two short
+// jobs; about 40 s on this 2-core machine at load 3–4, bounded at 60 s.
+func TestTorchWorkerRows(t *testing.T) {
+	if !torchtest.InCI() || testing.Short() {
+		t.Skip("CI only (GORUN_CI=1): two real PyTorch jobs, about 40 s")
+	}
+	py := torchtest.Python(t)
+	bed := sidbed.Require(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	c := &config{
+		job: Job{Gorun: testutil.BuildGorun(t), Python: py, WorkerKind: workerTorch, LR: "0.001", Hosts: 1, Nproc: 2,
+			Steps: 100, StepMs: 30, HeartbeatTimeout: "5", RespawnBackoff: "0.1", WorkerTimeout: "15s"},
+		python214: bed.Python(),
+		// MinGap = MTBF: faults every 6 s exactly; the horizon keeps
+		// the first (while the workers train, on an idle machine).
+		sched: ScheduleConfig{Seed: 1, MTBF: 6 * time.Second, MinGap: 6 * time.Second}, kinds: "rank-kill",
+		horizon: 7 * time.Second, rows: "1,7", rowTimeout: 40 * time.Second, root: "../..",
+	}
+	results, progress := runRows(ctx, t, c, 2)
+	for _, r := range results {
+		for _, v := range r.Violations {
+			t.Errorf("%s: %s", r.Row.Name, v)
+		}
+		if !r.Exact || r.ExactHow != "= fault-free loss" {
+			t.Errorf("%s: exact %t (%s), loss %.9g, want the fault-free %.9g", r.Row.Name, r.Exact, r.ExactHow, r.Result, c.job.RefLoss)
+		}
+		if !r.Row.FaultFree && r.Brought() != 1 {
+			t.Errorf("%s: %d faults brought, want 1\n%s", r.Row.Name, r.Brought(), progress)
+		}
 	}
 }
