@@ -152,6 +152,9 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	if j.Backend == backendEtcd {
 		lim = lim.perHost(max(j.Hosts, 1))
 	}
+	if j.WorkerKind == workerTorch {
+		lim = lim.torchGroups(j.World())
+	}
 	ru := &runner{j: j, r: r, env: env, out: newOutput(), cut: map[int]bool{},
 		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}
 	ru.env.console = &procs.LockedWriter{W: env.console}

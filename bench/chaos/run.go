@@ -21,7 +21,8 @@ import (
 
 // Limits are how far an agent's resources may be above their first sample
 // at the end of a run (the invariants "back within a small constant").
-// Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys; on etcd
+// Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys (with torch
+// workers plus torchKeysPerRank a rank: torchGroups); on etcd
 // 64 keys under the job's prefix and 4 leases beyond their count after 2
 // epochs, plus, a host (perHost), 64 keys and 8 leases: what an agent holds
 // once it has used its stores (a token per stripe of its worker store,
@@ -40,6 +41,23 @@ type Limits struct {
 func (l Limits) perHost(hosts int) Limits {
 	l.EtcdKeys += 64 * hosts
 	l.EtcdLeases += 8 * hosts
+	return l
+}
+
+// torchKeysPerRank is what the torch worker's groups may hold in the
+// workers' store beyond the Go worker's, per rank of the world: gorun_ft
+// keeps the gloo groups of the last three epochs (the older ones are swept
+// with the board's floor) and epoch 0's, each about 5 keys a rank (its
+// member and built marks, gloo's rank and address keys). Seen: 10 keys at
+// the start, 88 after 5 epochs and 89 after 7 at world 4 (BENCHMARKS,
+// "PyTorch gloo workers"): bounded, but more than the 32 the Go worker
+// needs after its first epochs.
+const torchKeysPerRank = 16
+
+// torchGroups adds what the torch worker's groups of world ranks hold in
+// the workers' store (see torchKeysPerRank).
+func (l Limits) torchGroups(world int) Limits {
+	l.Keys += torchKeysPerRank * world
 	return l
 }
 

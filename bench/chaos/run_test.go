@@ -49,3 +49,25 @@ func TestCheckSamples(t *testing.T) {
 		})
 	}
 }
+
+// TestLimitsByWorker: the torch worker's store-key limit adds its kept
+// groups per rank; the Go worker's is the default, and an etcd job's adds
+// its hosts' share.
+func TestLimitsByWorker(t *testing.T) {
+	def := Limits{}.withDefaults()
+	tests := []struct {
+		name string
+		lim  Limits
+		keys int
+	}{
+		{"go", def, 32},
+		{"torch, world 4", def.torchGroups(4), 32 + 4*torchKeysPerRank},
+		{"torch, world 8", def.torchGroups(8), 32 + 8*torchKeysPerRank},
+		{"etcd leaves store keys alone", def.perHost(2), 32},
+	}
+	for _, tt := range tests {
+		if tt.lim.Keys != tt.keys {
+			t.Errorf("%s: key limit %d, want %d", tt.name, tt.lim.Keys, tt.keys)
+		}
+	}
+}
