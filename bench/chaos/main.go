@@ -201,6 +201,9 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if c.baselineSteps == 0 {
 		c.baselineSteps = c.job.Steps
 	}
+	if c.job.WorkerKind == "" {
+		c.job.WorkerKind = workerGo // what every run was before the torch kind
+	}
 	switch {
 	case c.job.Hosts < 1 || c.job.Nproc < 1:
 		return nil, errors.New("-hosts and -nproc must be at least 1")
