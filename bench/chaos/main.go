@@ -24,10 +24,11 @@
 // the final group where steps ran at a smaller one: see exactness).
 // -startup is each worker's start-up cost, a sleep before it starts that
 // stands for imports, device init and checkpoint load (the torch worker's
-// own imports come on top). The fault-free row runs first; its rate is what lost time and the
-// goodput ratio are measured against, and the schedule's horizon is 3× its
-// wall time (or -horizon). The schedule (-seed, -mtbf, -min-gap, -kinds)
-// is the same for every row; a fault's time counts from the job's start.
+// own imports come on top). The fault-free row runs first; its rate is
+// what lost time and the goodput ratio are measured against, and the
+// schedule's horizon is 3× its wall time (or -horizon). The schedule
+// (-seed, -mtbf, -min-gap, -kinds) is the same for every row; a fault's
+// time counts from the job's start.
 //
 // Rows (-rows, by number):
 //
@@ -50,8 +51,9 @@
 //     worker kind (the Go worker is static, copied where the bed sees
 //     it); one host only.
 //
-// Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the worker
-// ends between steps with exit code 1), rank-hang (SIGSTOP: gorun finds it
+// Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the Go worker
+// ends between steps with exit code 1; the torch worker, which has no
+// handler, dies of it), rank-hang (SIGSTOP: gorun finds it
 // by --heartbeat-timeout, torchrun when a peer's collective times out,
 // -worker-timeout), agent-kill (SIGKILL of a host's agent, its workers
 // dying with it; a replacement agent starts on that host -replace-after
@@ -174,7 +176,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.StringVar(&c.job.Python, "python", "/usr/bin/python3", "Python with PyTorch 1.13, for torchrun 1.13 and the torch workers of the other rows")
 	fs.StringVar(&c.python214, "python214", "auto", `Python with PyTorch 2.14 for the torchrun 2.14 row ("auto": the sid bed's, internal/sidbed, when built; "": no such row)`)
 	fs.StringVar(&c.job.WorkerKind, "worker-kind", workerGo, "the workers: go (examples/allreduce, pg/cpu) or torch (examples/torch/train_elastic.py, PyTorch gloo)")
-	fs.DurationVar(&c.job.Startup, "startup", 0, "each worker's start-up cost: a sleep before it starts, standing for imports, device init and checkpoint load (the issue's 0s, 5s, 30s)")
+	fs.DurationVar(&c.job.Startup, "startup", 0, "each worker's start-up cost: a sleep before it starts (a bare -python that sleeps, then execs the worker), standing for imports, device init and checkpoint load (the issue's 0s, 5s, 30s)")
 	fs.StringVar(&c.job.LR, "lr", "0.001", "train_elastic.py's --lr (torch workers): small, so that the final loss stays far above rounding and compares to a fault-free run's")
 	fs.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
 	fs.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")

@@ -229,6 +229,22 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 	return append(append(argv, "--no-python"), worker...)
 }
 
+// agentEnv is what a row's agent adds to its environment (its workers
+// inherit it). The marker finds the job's processes wherever they end up.
+// LOGLEVEL=INFO: torchrun logs its rendezvous' result (the group rank)
+// only at INFO. On the bed's hosts (onBed), torch workers get
+// GLOO_SOCKET_IFNAME=eth0: gloo takes its address from the host name,
+// which every host of the bed shares with the machine, and which resolves
+// to loopback ("connect [127.0.0.1]:…: Connection refused" between hosts);
+// eth0 is each host's one interface besides lo.
+func (j Job) agentEnv(marker string, onBed bool) []string {
+	env := []string{marker, "PYTHON_EXEC=" + j.Python, "LOGLEVEL=INFO"}
+	if onBed && j.WorkerKind == workerTorch {
+		env = append(env, "GLOO_SOCKET_IFNAME=eth0")
+	}
+	return env
+}
+
 // workerArgv is the worker's command line in row r, dir holding its
 // checkpoint. Both kinds print a progress line per step and checkpoint
 // every step (the group's rank 0), so that a restart redoes only the step

@@ -135,6 +135,29 @@ func TestTorchrun214Argv(t *testing.T) {
 	}
 }
 
+// TestAgentEnv: torch workers on the bed's hosts bind gloo to eth0; on one
+// host, and for the Go worker, nothing is added.
+func TestAgentEnv(t *testing.T) {
+	for _, tt := range []struct {
+		kind  string
+		onBed bool
+		gloo  bool
+	}{
+		{workerTorch, true, true},
+		{workerTorch, false, false},
+		{workerGo, true, false},
+	} {
+		j := Job{Python: "/py", WorkerKind: tt.kind}
+		env := j.agentEnv("GORUN_CHAOS_RUN=x", tt.onBed)
+		if !slices.Contains(env, "GORUN_CHAOS_RUN=x") || !slices.Contains(env, "PYTHON_EXEC=/py") {
+			t.Errorf("%s, on the bed %t: %q lacks the marker or PYTHON_EXEC", tt.kind, tt.onBed, env)
+		}
+		if got := slices.Contains(env, "GLOO_SOCKET_IFNAME=eth0"); got != tt.gloo {
+			t.Errorf("%s, on the bed %t: GLOO_SOCKET_IFNAME=eth0 set %t, want %t", tt.kind, tt.onBed, got, tt.gloo)
+		}
+	}
+}
+
 // TestExactness: how each worker kind's result is judged.
 func TestExactness(t *testing.T) {
 	done := func(launch, world, steps int, result float64) doneLine {
