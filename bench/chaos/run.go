@@ -22,10 +22,10 @@ import (
 // Limits are how far an agent's resources may be above their first sample
 // at the end of a run (the invariants "back within a small constant").
 // Defaults: 8 fds, 30 goroutines, 24 MiB of RSS, 32 store keys (with torch
-// workers plus torchKeysPerRank a rank: torchGroups); on etcd
-// 64 keys under the job's prefix and 4 leases beyond their count after 2
-// epochs, plus, a host (perHost), 64 keys and 8 leases: what an agent holds
-// once it has used its stores (a token per stripe of its worker store,
+// workers plus torchFDsPerRank and torchKeysPerRank a rank: torchGroups);
+// on etcd 64 keys under the job's prefix and 4 leases beyond their count
+// after 2 epochs, plus, a host (perHost), 64 keys and 8 leases: what an
+// agent holds once it has used its stores (a token per stripe of its worker store,
 // rendezvous/etcd's numStripes: the board's keys hash to more stripes as
 // epochs go by) and what a killed agent leaves until its leases lapse
 // (about 70 s).
@@ -44,6 +44,14 @@ func (l Limits) perHost(hosts int) Limits {
 	return l
 }
 
+// torchFDsPerRank is how many more of the agent's fds the torch worker may
+// hold, per rank of the world, than at the first sample: once the first
+// epoch has changed, each gorun_ft worker keeps about 2 more connections to
+// the agent's worker store (its watcher's and the board's; 8 each, seen),
+// a plateau that later respawns do not raise (62 → 70 at world 4 after
+// the second heal and flat through a third; 64 → 73 on two hosts).
+const torchFDsPerRank = 3
+
 // torchKeysPerRank is what the torch worker's groups may hold in the
 // workers' store beyond the Go worker's, per rank of the world: gorun_ft
 // keeps the gloo groups of the last three epochs (the older ones are swept
@@ -55,9 +63,11 @@ func (l Limits) perHost(hosts int) Limits {
 const torchKeysPerRank = 16
 
 // torchGroups adds what the torch worker's groups of world ranks hold in
-// the workers' store (see torchKeysPerRank).
+// the workers' store and of the agent's fds (see torchKeysPerRank and
+// torchFDsPerRank).
 func (l Limits) torchGroups(world int) Limits {
 	l.Keys += torchKeysPerRank * world
+	l.FDs += torchFDsPerRank * world
 	return l
 }
 
