@@ -88,10 +88,7 @@ func (ru *runner) start(host int, standby bool) error {
 	} else {
 		cmd = ru.env.bed.Hosts[host].Command(context.Background(), argv[0], argv[1:]...)
 	}
-	// The marker finds the job's processes wherever they end up.
-	// LOGLEVEL=INFO: torchrun logs its rendezvous' result (the group
-	// rank) only at INFO.
-	cmd.Env = append(os.Environ(), ru.marker, "PYTHON_EXEC="+ru.j.Python, "LOGLEVEL=INFO")
+	cmd.Env = append(os.Environ(), ru.j.agentEnv(ru.marker, ru.env.bed != nil)...)
 	// Its own process group, to end the whole tree at once; it dies with
 	// us.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
@@ -151,6 +148,9 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	lim = lim.withDefaults()
 	if j.Backend == backendEtcd {
 		lim = lim.perHost(max(j.Hosts, 1))
+	}
+	if j.WorkerKind == workerTorch {
+		lim = lim.torchGroups(j.World())
 	}
 	ru := &runner{j: j, r: r, env: env, out: newOutput(), cut: map[int]bool{},
 		marker: fmt.Sprintf("GORUN_CHAOS_RUN=%d-%d", os.Getpid(), time.Now().UnixNano())}

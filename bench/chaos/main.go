@@ -12,14 +12,23 @@
 // judges the whole run. They share the process chores (bench/internal/
 // procs) and the arithmetic (bench/internal/stats), not their loops.
 //
-// The work is examples/allreduce: -steps steps, each -step-ms apart, every
-// rank printing a progress line per step (--progress) and the group's
-// rank 0 checkpointing the steps done (--checkpoint, every step), so that a
-// restart resumes where the job was, as a training job that checkpoints
-// does. The fault-free row runs first; its rate is what lost time and the
-// goodput ratio are measured against, and the schedule's horizon is 3× its
-// wall time (or -horizon). The schedule (-seed, -mtbf, -min-gap, -kinds)
-// is the same for every row; a fault's time counts from the job's start.
+// The work is -steps steps, each -step-ms apart, every rank printing a
+// progress line per step (--progress) and the group's rank 0 checkpointing
+// (--checkpoint, every step), so that a restart resumes where the job was,
+// as a training job that checkpoints does. The worker (-worker-kind) is
+// examples/allreduce (go: pg/cpu; the result is the sum over the final
+// group's ranks) or examples/torch/train_elastic.py (torch: PyTorch gloo
+// through gorun_ft.py, -python's PyTorch 1.13, the sid bed's 2.14 under
+// torchrun 2.14; the result is the model's loss, which must equal a
+// fault-free run's where every step ran at full world, and agree across
+// the final group where steps ran at a smaller one: see exactness).
+// -startup is each worker's start-up cost, a sleep before it starts that
+// stands for imports, device init and checkpoint load (the torch worker's
+// own imports come on top). The fault-free row runs first; its rate is
+// what lost time and the goodput ratio are measured against, and the
+// schedule's horizon is 3× its wall time (or -horizon). The schedule
+// (-seed, -mtbf, -min-gap, -kinds) is the same for every row; a fault's
+// time counts from the job's start.
 //
 // Rows (-rows, by number):
 //
@@ -36,9 +45,15 @@
 //  6. gorun heal with a hot spare: a spare agent on the bed's extra host,
 //     its workers pre-started (--spare-prestart), started once the job
 //     runs; several hosts only.
+//  7. torchrun 2.14 restart: the sid bed's torchrun (internal/sidbed;
+//     -python214, root), its workers in the bed too, its default
+//     --monitor_interval (0.1 s), --redirects 1 --tee 1 as row 5; either
+//     worker kind (the Go worker is static, copied where the bed sees
+//     it); one host only.
 //
-// Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the worker
-// ends between steps with exit code 1), rank-hang (SIGSTOP: gorun finds it
+// Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the Go worker
+// ends between steps with exit code 1; the torch worker, which has no
+// handler, dies of it), rank-hang (SIGSTOP: gorun finds it
 // by --heartbeat-timeout, torchrun when a peer's collective times out,
 // -worker-timeout), agent-kill (SIGKILL of a host's agent, its workers
 // dying with it; a replacement agent starts on that host -replace-after
@@ -63,9 +78,10 @@
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
 // host's --local-addr. Still to come (issue 16): the coordinator's host
-// lost, torchrun 2.14, PyTorch gloo workers, etcd key and lease counts.
+// lost; torchrun 2.14 on several hosts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
+//	go run ./bench/chaos -worker-kind torch -startup 5s -steps 1200 -mtbf 25s -kinds rank-kill,rank-exit -rows 1,2,4,5,7
 //	go run ./bench/chaos -hosts 2 -nproc 2 -backend etcd -kinds rank-kill,agent-kill -rows 1,4,6
 //
 // The command exits 1 when a row broke an invariant.
@@ -107,40 +123,21 @@ type config struct {
 	// baselineSteps is the fault-free row's work (0: -steps): its rate is
 	// what is measured, and a shorter run gives it sooner.
 	baselineSteps int
+	// python214 is -python214: "auto" (the sid bed's), "" (none) or a path.
+	python214 string
 }
 
 func main() {
-	var c config
-	flag.IntVar(&c.job.Nproc, "nproc", 4, "ranks per host")
-	flag.IntVar(&c.job.Hosts, "hosts", 1, "hosts: 1 (--standalone), or 2 or more network-namespace hosts (root, iproute2), with a spare host for the hot-spare row")
-	flag.StringVar(&c.job.Backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member on the bed's gateway)")
-	flag.StringVar(&c.job.RdzvConf, "rdzv-conf", "join_timeout=1800,last_call_timeout=1", "every multi-host agent's --rdzv-conf (a spare stands by for up to join_timeout)")
-	flag.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
-	flag.DurationVar(&c.replace, "replace-after", time.Second, "a killed agent's replacement (a replacement node) starts on its host this much later")
-	flag.DurationVar(&c.cutFor, "cut-for", 10*time.Second, "a link cut (link-cut) lasts this long before the link heals")
-	flag.IntVar(&c.baselineSteps, "baseline-steps", 0, "the fault-free row's steps (default -steps)")
-	flag.IntVar(&c.job.Steps, "steps", 1200, "the fixed work: allreduce steps")
-	flag.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
-	flag.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout: how long a collective waits on a silent peer")
-	flag.StringVar(&c.job.HeartbeatTimeout, "heartbeat-timeout", "2", "gorun's --heartbeat-timeout, seconds (a hung rank)")
-	flag.StringVar(&c.job.RespawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff in the heal row, seconds")
-	flag.StringVar(&c.job.ShutdownTimeout, "shutdown-timeout", "", "gorun's --shutdown-timeout, seconds (default gorun's, 30: a hung rank ignores SIGTERM)")
-	flag.StringVar(&c.job.Gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
-	flag.StringVar(&c.job.Worker, "worker", "", "examples/allreduce binary (default: build it)")
-	flag.StringVar(&c.job.Python, "python", "/usr/bin/python3", "Python with PyTorch 1.13, for torchrun")
-	flag.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
-	flag.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
-	flag.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
-	flag.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill")
-	flag.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
-	flag.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
-	flag.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")
-	flag.StringVar(&c.logs, "logs", "", "keep every row's console output in this directory")
-	flag.StringVar(&c.root, "root", ".", "the repository's root")
-	flag.Parse()
+	c, err := parseFlags(os.Args[1:], os.Stderr)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		os.Exit(0)
+	case err != nil:
+		os.Exit(2) // the flag package has said why
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	defer stop()
-	results, err := run(ctx, &c, os.Stdout, os.Stderr)
+	results, err := run(ctx, c, os.Stdout, os.Stderr)
 	if err == nil {
 		for _, r := range results {
 			if len(r.Violations) > 0 {
@@ -154,6 +151,48 @@ func main() {
 	}
 }
 
+// parseFlags reads the command's flags from args; errors and -help go to
+// stderr.
+func parseFlags(args []string, stderr io.Writer) (*config, error) {
+	var c config
+	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.IntVar(&c.job.Nproc, "nproc", 4, "ranks per host")
+	fs.IntVar(&c.job.Hosts, "hosts", 1, "hosts: 1 (--standalone), or 2 or more network-namespace hosts (root, iproute2), with a spare host for the hot-spare row")
+	fs.StringVar(&c.job.Backend, "backend", backendC10d, "the rendezvous of several hosts: c10d (the store on host 0) or etcd (a member on the bed's gateway)")
+	fs.StringVar(&c.job.RdzvConf, "rdzv-conf", "join_timeout=1800,last_call_timeout=1", "every multi-host agent's --rdzv-conf (a spare stands by for up to join_timeout)")
+	fs.StringVar(&c.etcd, "etcd", "etcd", "etcd binary, for -backend etcd")
+	fs.DurationVar(&c.replace, "replace-after", time.Second, "a killed agent's replacement (a replacement node) starts on its host this much later")
+	fs.DurationVar(&c.cutFor, "cut-for", 10*time.Second, "a link cut (link-cut) lasts this long before the link heals")
+	fs.IntVar(&c.baselineSteps, "baseline-steps", 0, "the fault-free row's steps (default -steps)")
+	fs.IntVar(&c.job.Steps, "steps", 1200, "the fixed work: steps (allreduce, or training steps)")
+	fs.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
+	fs.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout: how long a collective waits on a silent peer")
+	fs.StringVar(&c.job.HeartbeatTimeout, "heartbeat-timeout", "2", "gorun's --heartbeat-timeout, seconds (a hung rank)")
+	fs.StringVar(&c.job.RespawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff in the heal row, seconds")
+	fs.StringVar(&c.job.ShutdownTimeout, "shutdown-timeout", "", "gorun's --shutdown-timeout, seconds (default gorun's, 30: a hung rank ignores SIGTERM)")
+	fs.StringVar(&c.job.Gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")
+	fs.StringVar(&c.job.Worker, "worker", "", "examples/allreduce binary (default: build it)")
+	fs.StringVar(&c.job.Python, "python", "/usr/bin/python3", "Python with PyTorch 1.13, for torchrun 1.13 and the torch workers of the other rows")
+	fs.StringVar(&c.python214, "python214", "auto", `Python with PyTorch 2.14 for the torchrun 2.14 row ("auto": the sid bed's, internal/sidbed, when built; "": no such row)`)
+	fs.StringVar(&c.job.WorkerKind, "worker-kind", workerGo, "the workers: go (examples/allreduce, pg/cpu) or torch (examples/torch/train_elastic.py, PyTorch gloo)")
+	fs.DurationVar(&c.job.Startup, "startup", 0, "each worker's start-up cost: a sleep before it starts (a bare -python that sleeps, then execs the worker), standing for imports, device init and checkpoint load (the issue's 0s, 5s, 30s)")
+	fs.StringVar(&c.job.LR, "lr", "0.001", "train_elastic.py's --lr (torch workers): small, so that the final loss stays far above rounding and compares to a fault-free run's")
+	fs.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
+	fs.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
+	fs.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
+	fs.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill")
+	fs.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
+	fs.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
+	fs.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")
+	fs.StringVar(&c.logs, "logs", "", "keep every row's console output in this directory")
+	fs.StringVar(&c.root, "root", ".", "the repository's root")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
 // run runs the selected rows and prints the table on stdout, progress on
 // stderr.
 func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult, error) {
@@ -164,11 +203,18 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if c.baselineSteps == 0 {
 		c.baselineSteps = c.job.Steps
 	}
+	if c.job.WorkerKind == "" {
+		c.job.WorkerKind = workerGo // what every run was before the torch kind
+	}
 	switch {
 	case c.job.Hosts < 1 || c.job.Nproc < 1:
 		return nil, errors.New("-hosts and -nproc must be at least 1")
 	case c.job.Hosts > 1 && c.job.Backend != backendC10d && c.job.Backend != backendEtcd:
 		return nil, fmt.Errorf("-backend %q: want %s or %s", c.job.Backend, backendC10d, backendEtcd)
+	case c.job.WorkerKind != workerGo && c.job.WorkerKind != workerTorch:
+		return nil, fmt.Errorf("-worker-kind %q: want %s or %s", c.job.WorkerKind, workerGo, workerTorch)
+	case c.job.Startup < 0:
+		return nil, fmt.Errorf("-startup %v: want 0 or more", c.job.Startup)
 	}
 	split := strings.Split(c.kinds, ",")
 	if c.sched.Kinds, err = ParseKinds(split); err != nil {
@@ -186,6 +232,22 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if err := build(ctx, c.root, tmp, &c.job); err != nil {
 		return nil, err
 	}
+	refLoss := map[int]float64{} // by steps: the torch rows' reference
+	if c.job.WorkerKind == workerTorch {
+		if !torchAvailable(ctx, c.job.Python) {
+			return nil, fmt.Errorf("-worker-kind torch: %s cannot import torch", c.job.Python)
+		}
+		if c.job.TorchScript, err = stageTorch(c.root, tmp); err != nil {
+			return nil, err
+		}
+		for _, n := range []int{c.baselineSteps, c.job.Steps} {
+			if refLoss[n], err = referenceLoss(ctx, c.job.Python, c.job.TorchScript, n, c.job.World(), c.job.LR); err != nil {
+				return nil, err
+			}
+		}
+		c.job.RefLoss = refLoss[c.job.Steps]
+		fmt.Fprintf(stderr, "chaos: reference loss after %d steps at world %d: %.9g\n", c.job.Steps, c.job.World(), refLoss[c.job.Steps])
+	}
 	if c.logs != "" {
 		if err := os.MkdirAll(c.logs, 0o755); err != nil {
 			return nil, err
@@ -199,12 +261,36 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 			selected = slices.DeleteFunc(selected, drop)
 		}
 	}
-	torchrun := func(r Row) bool { return r.Torchrun }
+	torchrun113 := func(r Row) bool { return r.Torchrun && !r.Torch214 }
+	torchrun214 := func(r Row) bool { return r.Torch214 }
 	switch {
 	case c.job.Hosts > 1 && c.job.Backend != backendC10d:
-		skip(torchrun, "torchrun row skipped: torchrun 1.13's etcd rendezvous speaks etcd's v2 API; it runs with -backend c10d")
+		skip(torchrun113, "torchrun row skipped: torchrun 1.13's etcd rendezvous speaks etcd's v2 API; it runs with -backend c10d")
 	case !torchAvailable(ctx, c.job.Python):
-		skip(torchrun, fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python))
+		skip(torchrun113, fmt.Sprintf("torchrun row skipped: %s cannot import torch", c.job.Python))
+	}
+	if slices.ContainsFunc(selected, torchrun214) {
+		py, why := resolvePython214(c.python214)
+		switch {
+		case c.job.Hosts > 1:
+			// Each host's agent would enter the bed from its network
+			// namespace under its host's name (hostbed.AsHost, then the
+			// bed's enter): not built yet.
+			skip(torchrun214, "torchrun 2.14 row skipped: it runs on one host (-hosts 1) only")
+		case py == "":
+			skip(torchrun214, "torchrun 2.14 row skipped: "+why)
+		case !torchAvailable(ctx, py):
+			skip(torchrun214, fmt.Sprintf("torchrun 2.14 row skipped: %s cannot import torch", py))
+		default:
+			c.job.Python214 = py
+			if c.job.WorkerKind == workerGo {
+				// Its workers run in the bed, which sees the temporary
+				// directory only.
+				if c.job.Worker, err = stageWorker(c.job.Worker, tmp); err != nil {
+					return nil, err
+				}
+			}
+		}
 	}
 	if c.job.Hosts <= 1 {
 		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
@@ -249,6 +335,7 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 		} else {
 			s = sched
 		}
+		j.RefLoss = refLoss[j.Steps]
 		env.console = console
 		res, err := runRow(ctx, j, r, s, stepTime, c.limits, env)
 		switch {
@@ -305,13 +392,14 @@ func indexOf(r Row) int {
 	return -1
 }
 
-// build builds gorun and the Go worker into dir unless the job names them.
+// build builds gorun and the Go worker into dir unless the job names them
+// (the Go worker only for its kind).
 func build(ctx context.Context, root, dir string, j *Job) error {
 	for _, b := range []struct {
 		path *string
 		pkg  string
 	}{{&j.Gorun, "./cmd/gorun"}, {&j.Worker, "./examples/allreduce"}} {
-		if *b.path != "" {
+		if *b.path != "" || (b.path == &j.Worker && j.WorkerKind == workerTorch) {
 			continue
 		}
 		*b.path = filepath.Join(dir, filepath.Base(b.pkg))
@@ -330,4 +418,28 @@ func torchAvailable(ctx context.Context, python string) bool {
 	ctx, cancel := context.WithTimeout(ctx, time.Minute)
 	defer cancel()
 	return exec.CommandContext(ctx, python, "-c", "import torch").Run() == nil
+}
+
+// stageWorker returns the Go worker at a path in dir, copying it there
+// unless it is there already: torchrun 2.14 starts its workers inside the
+// sid bed, which sees the temporary directory at the same path and no
+// other of the host's files. The worker is built static (CGO_ENABLED=0),
+// so it runs on the bed's libraries as well as the host's.
+func stageWorker(worker, dir string) (string, error) {
+	abs, err := filepath.Abs(worker)
+	if err != nil {
+		return "", fmt.Errorf("stage the worker: %w", err)
+	}
+	if filepath.Dir(abs) == dir {
+		return abs, nil
+	}
+	b, err := os.ReadFile(abs)
+	if err != nil {
+		return "", fmt.Errorf("stage the worker: %w", err)
+	}
+	staged := filepath.Join(dir, "staged-"+filepath.Base(abs))
+	if err := os.WriteFile(staged, b, 0o755); err != nil {
+		return "", fmt.Errorf("stage the worker: %w", err)
+	}
+	return staged, nil
 }

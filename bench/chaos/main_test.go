@@ -25,10 +25,11 @@ func TestSelectRows(t *testing.T) {
 		want    []string
 		wantErr bool
 	}{
-		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name, rows[5].Name}, false},
+		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name, rows[5].Name, rows[6].Name}, false},
 		{"4,2,2", []string{rows[1].Name, rows[3].Name}, false},
+		{"7,1", []string{"gorun, no faults", "torchrun 2.14 restart"}, false},
 		{"0", nil, true},
-		{"7", nil, true},
+		{"8", nil, true},
 		{"x", nil, true},
 	}
 	for _, tt := range tests {

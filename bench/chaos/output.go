@@ -19,7 +19,9 @@ var (
 	// gorun's log field, or the "  group_rank=G" line of torchrun's
 	// "Rendezvous complete" (LOGLEVEL=INFO).
 	groupRankRE = regexp.MustCompile(`"group_rank": (\d+)|group_rank=(\d+)`)
-	doneRE      = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) sum=(\S+)`)
+	// A rank's last line: examples/allreduce's sum, train_elastic.py's
+	// loss (then its pid).
+	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) (?:sum|loss)=(\S+)`)
 )
 
 // output is what the run's scanner gathers from the agents' output.
@@ -61,10 +63,11 @@ func (o *output) progress() []Progress {
 }
 
 // doneLine is a rank's last line: its launch rank, the final group's
-// size, the steps it ran and the last step's sum.
+// size, the steps it ran and its result: the last step's sum (Go worker)
+// or the model's loss (torch worker).
 type doneLine struct {
 	launch, world, steps int
-	sum                  float64
+	result               float64
 }
 
 // scan reads the agent's output (its workers' included) to the end,
@@ -114,7 +117,7 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 			d.launch += groupRank * nproc
 			d.world, _ = strconv.Atoi(m[2])
 			d.steps, _ = strconv.Atoi(m[3])
-			d.sum, _ = strconv.ParseFloat(m[4], 64)
+			d.result, _ = strconv.ParseFloat(m[4], 64)
 			o.mu.Lock()
 			o.done = append(o.done, d)
 			o.mu.Unlock()

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/gorunhq/gorun/bench/internal/hostbed"
 )
@@ -20,10 +21,14 @@ const (
 )
 
 // Row is one line of the table: a launcher in a failure mode. Every row
-// runs the same Go worker (examples/allreduce) through the same schedule.
+// runs the same worker (-worker-kind) through the same schedule.
 type Row struct {
 	Name     string
-	Torchrun bool   // torchrun 1.13 instead of gorun
+	Torchrun bool // torchrun instead of gorun: 1.13's, or 2.14's with Torch214
+	// Torch214: torchrun 2.14, the sid bed's (internal/sidbed), whose
+	// workers run in the bed too: with the torch worker kind, PyTorch
+	// 2.14 workers.
+	Torch214 bool
 	Mode     string // modeRestart, modeShrink or modeHeal
 	// FaultFree: the row runs no fault; its goodput is the one the others
 	// are compared with.
@@ -42,6 +47,8 @@ var rows = []Row{
 	{Name: "gorun shrink+heal", Mode: modeHeal},
 	{Name: "torchrun 1.13 restart", Torchrun: true, Mode: modeRestart},
 	{Name: "gorun heal, hot spare", Mode: modeHeal, Spare: true},
+	// Last, so that the rows' numbers stay what earlier runs named.
+	{Name: "torchrun 2.14 restart", Torchrun: true, Torch214: true, Mode: modeRestart},
 }
 
 // selectRows returns the rows named by number (1-based, comma-separated),
@@ -68,10 +75,43 @@ func selectRows(s string) ([]Row, error) {
 	return out, nil
 }
 
+// Worker kinds (-worker-kind).
+const (
+	// workerGo is examples/allreduce: pg/cpu, the exact sum of the ranks.
+	workerGo = "go"
+	// workerTorch is examples/torch/train_elastic.py: PyTorch gloo through
+	// gorun_ft.py, a deterministic regression whose loss is judged.
+	workerTorch = "torch"
+)
+
+// bedPython is the sid bed's interpreter as the bed's own programs see it:
+// torchrun 2.14 runs in the bed, and so do the workers it starts.
+const bedPython = "/usr/bin/python3"
+
 // Job is what every row runs: the binaries and the fixed work.
 type Job struct {
 	Gorun, Worker, Python string
-	Nproc                 int // ranks per host
+	// Python214 is the host path of the sid bed's python3 (torchrun
+	// 2.14's row); "" when there is no bed.
+	Python214 string
+	// WorkerKind is workerGo or workerTorch.
+	WorkerKind string
+	// TorchScript is train_elastic.py where the workers see it: a copy in
+	// the temporary directory, which the sid bed sees at the same path.
+	TorchScript string
+	// LR is train_elastic.py's --lr: small enough that the loss after the
+	// run's steps stays far above float64 rounding, so two runs' losses
+	// compare to 1e-9 (at its default, 0.05, it converges to ~1e-20
+	// within a few hundred steps, where rounding is all that is left).
+	LR string
+	// RefLoss is the loss a fault-free run of Steps steps at full world
+	// ends with (the torch kind; see referenceLoss).
+	RefLoss float64
+	// Startup is each worker's start-up cost: a sleep before the worker
+	// program starts, standing for imports, device init and a checkpoint
+	// load. 0: none.
+	Startup time.Duration
+	Nproc   int // ranks per host
 	// Hosts: 1 runs one agent with --standalone; 2 or more run agent i
 	// on host i of a network-namespace bed, meeting by Backend's
 	// rendezvous.
@@ -131,15 +171,20 @@ func (j Job) World() int { return j.Nproc * max(j.Hosts, 1) }
 // pre-starts its workers.
 func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []string {
 	logs := filepath.Join(dir, "logs", "h"+strconv.Itoa(host))
-	worker := []string{j.Worker, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
-		"--progress", "--checkpoint", filepath.Join(dir, "checkpoint"), "--timeout", j.WorkerTimeout}
+	worker := j.workerArgv(r, dir)
 	// Restarts and respawns are not what ends a run here: the schedule's
 	// faults are many by design.
 	const plenty = "100000"
 	if r.Torchrun {
 		// --redirects 1 --tee 1: torchrun 1.13 crashes on Python 3.11
-		// without them. Its --monitor_interval stays its default (5 s).
-		argv := []string{j.Python, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"}
+		// without them (2.14 takes them too: its lines then carry the
+		// same [defaultN]: prefix). Its --monitor_interval stays its
+		// default (1.13: 5 s; 2.14: 0.1 s).
+		py := j.Python
+		if r.Torch214 {
+			py = j.Python214
+		}
+		argv := []string{py, "-m", "torch.distributed.run", "--redirects", "1", "--tee", "1"}
 		if j.Hosts <= 1 {
 			argv = append(argv, "--standalone")
 		} else {
@@ -183,3 +228,53 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 	}
 	return append(append(argv, "--no-python"), worker...)
 }
+
+// agentEnv is what a row's agent adds to its environment (its workers
+// inherit it). The marker finds the job's processes wherever they end up.
+// LOGLEVEL=INFO: torchrun logs its rendezvous' result (the group rank)
+// only at INFO. On the bed's hosts (onBed), torch workers get
+// GLOO_SOCKET_IFNAME=eth0: gloo takes its address from the host name,
+// which every host of the bed shares with the machine, and which resolves
+// to loopback ("connect [127.0.0.1]:…: Connection refused" between hosts);
+// eth0 is each host's one interface besides lo.
+func (j Job) agentEnv(marker string, onBed bool) []string {
+	env := []string{marker, "PYTHON_EXEC=" + j.Python, "LOGLEVEL=INFO"}
+	if onBed && j.WorkerKind == workerTorch {
+		env = append(env, "GLOO_SOCKET_IFNAME=eth0")
+	}
+	return env
+}
+
+// workerArgv is the worker's command line in row r, dir holding its
+// checkpoint. Both kinds print a progress line per step and checkpoint
+// every step (the group's rank 0), so that a restart redoes only the step
+// it was in. A start-up cost is startupSleeper before the worker.
+func (j Job) workerArgv(r Row, dir string) []string {
+	checkpoint := filepath.Join(dir, "checkpoint")
+	py := j.Python
+	if r.Torch214 {
+		py = bedPython
+	}
+	var argv []string
+	switch j.WorkerKind {
+	case workerTorch:
+		argv = []string{py, j.TorchScript, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
+			"--lr", j.LR, "--progress", "--checkpoint", checkpoint}
+	default:
+		argv = []string{j.Worker, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
+			"--progress", "--checkpoint", checkpoint, "--timeout", j.WorkerTimeout}
+	}
+	if j.Startup <= 0 {
+		return argv
+	}
+	sleep := strconv.FormatFloat(j.Startup.Seconds(), 'f', -1, 64)
+	return append([]string{py, "-c", startupSleeper, sleep}, argv...)
+}
+
+// startupSleeper is the start-up cost: a bare Python (tens of ms: no
+// torch) that sleeps, then execs the worker. One process throughout, so
+// the worker's signals, environment (RANK, a pre-started spare's
+// assignment descriptor) and PID are the sleeper's; a shell's `sleep S &&
+// exec` would fork the sleep, which outlives a shell SIGKILLed during it.
+// argv: seconds, then the worker's command line.
+const startupSleeper = "import os, sys, time; time.sleep(float(sys.argv[1])); os.execvp(sys.argv[2], sys.argv[2:])"

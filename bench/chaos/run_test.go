@@ -49,3 +49,25 @@ func TestCheckSamples(t *testing.T) {
 		})
 	}
 }
+
+// TestLimitsByWorker: the torch worker's store-key and fd limits add its
+// kept groups and store connections per rank; the Go worker's are the
+// defaults, and an etcd job's add only etcd's share.
+func TestLimitsByWorker(t *testing.T) {
+	def := Limits{}.withDefaults()
+	tests := []struct {
+		name      string
+		lim       Limits
+		keys, fds int
+	}{
+		{"go", def, 32, 8},
+		{"torch, world 4", def.torchGroups(4), 32 + 4*torchKeysPerRank, 8 + 4*torchFDsPerRank},
+		{"torch, world 8", def.torchGroups(8), 32 + 8*torchKeysPerRank, 8 + 8*torchFDsPerRank},
+		{"etcd leaves store keys and fds alone", def.perHost(2), 32, 8},
+	}
+	for _, tt := range tests {
+		if tt.lim.Keys != tt.keys || tt.lim.FDs != tt.fds {
+			t.Errorf("%s: key limit %d, fd limit %d; want %d, %d", tt.name, tt.lim.Keys, tt.lim.FDs, tt.keys, tt.fds)
+		}
+	}
+}

@@ -20,10 +20,10 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 	if c.job.Hosts > 1 {
 		where = fmt.Sprintf("%d hosts (network namespaces on one machine) × %d ranks, rendezvous %s, a killed agent replaced on its host %v later", c.job.Hosts, c.job.Nproc, c.job.Backend, c.replace)
 	}
-	fmt.Fprintf(w, "%s, %d CPUs; %d steps (the fault-free row %d), each %d ms apart (Go allreduce, pg/cpu, checkpoint every step); schedule: seed %d, MTBF %v, kinds %s, within %v.\n\n",
-		where, runtime.NumCPU(), c.job.Steps, c.baselineSteps, c.job.StepMs, c.sched.Seed, c.sched.MTBF, c.kinds, c.sched.Horizon)
-	fmt.Fprintln(w, "| row | wall (s) | goodput (rank-steps/s/rank) | vs fault-free | faults (skipped) | lost per fault, median (p90) s | steps redone | epochs | exact | invariants |")
-	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Fprintf(w, "%s, %d CPUs; %d steps (the fault-free row %d), each %d ms apart (%s); schedule: seed %d, MTBF %v, kinds %s, within %v.\n\n",
+		where, runtime.NumCPU(), c.job.Steps, c.baselineSteps, c.job.StepMs, workerDesc(c.job), c.sched.Seed, c.sched.MTBF, c.kinds, c.sched.Horizon)
+	fmt.Fprintln(w, "| row | wall (s) | goodput (rank-steps/s/rank) | vs fault-free | faults (skipped) | lost per fault, median (p90) s | steps redone | epochs | result | exact | invariants |")
+	fmt.Fprintln(w, "|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, r := range results {
 		ratio := "–"
 		if base > 0 {
@@ -37,8 +37,12 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 		if len(r.Violations) > 0 {
 			inv = "**" + strings.Join(r.Violations, "; ") + "**"
 		}
-		fmt.Fprintf(w, "| %s | %.1f | %.2f | %s | %d (%d) | %s | %d | %d | %t | %s |\n", r.Row.Name, r.Wall.Seconds(),
-			r.Report.Goodput, ratio, r.Brought(), len(r.Faults)-r.Brought(), lost, r.Report.Redone, r.Epochs, r.Exact, inv)
+		exact := fmt.Sprint(r.Exact)
+		if r.ExactHow != "" {
+			exact += " (" + r.ExactHow + ")"
+		}
+		fmt.Fprintf(w, "| %s | %.1f | %.2f | %s | %d (%d) | %s | %d | %d | %.9g | %s | %s |\n", r.Row.Name, r.Wall.Seconds(),
+			r.Report.Goodput, ratio, r.Brought(), len(r.Faults)-r.Brought(), lost, r.Report.Redone, r.Epochs, r.Result, exact, inv)
 	}
 	fmt.Fprintln(w, "\nThe agent, first sample → last (once a second; fds and RSS from /proc, goroutines from its /metrics, keys of the workers' store by `gorun store num-keys`, the job's keys in etcd and etcd's leases with -backend etcd; – where the launcher has none):")
 	fmt.Fprintln(w)
@@ -65,4 +69,16 @@ func printTable(w io.Writer, c *config, results []RowResult, notes []string) {
 	for _, n := range notes {
 		fmt.Fprintf(w, "\n%s.\n", n)
 	}
+}
+
+// workerDesc names the job's workers for the table's heading.
+func workerDesc(j Job) string {
+	startup := ""
+	if j.Startup > 0 {
+		startup = fmt.Sprintf(", start-up cost %v", j.Startup)
+	}
+	if j.WorkerKind == workerTorch {
+		return fmt.Sprintf("PyTorch gloo train_elastic.py --lr %s, result: its loss (the fault-free reference %.9g), checkpoint every step%s", j.LR, j.RefLoss, startup)
+	}
+	return "Go allreduce, pg/cpu, result: the sum, checkpoint every step" + startup
 }

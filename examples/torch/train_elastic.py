@@ -31,6 +31,16 @@ imports are done and it waits for its place,
 
     parked unix_ns=T
 
+With --progress every member prints, after every step S (from 0), what
+bench/chaos measures goodput from (the format of examples/allreduce's):
+
+    progress attempt=A epoch=E step=S rank=R world=W unix_ns=T
+
+With --checkpoint FILE the group's rank 0 saves the model and the step count
+to FILE after every step, and a worker that starts (a restart) resumes from
+it: a restarted job redoes only the step it was in, as a training job that
+checkpoints does. A newcomer takes the survivors' state all the same.
+
     gorun --standalone --nproc-per-node 4 --on-failure shrink examples/torch/train_elastic.py --steps 200
 """
 import time
@@ -67,6 +77,14 @@ def eval_loss(w):
     return float(((x @ w - x @ true_weights()) ** 2).mean())
 
 
+def save_checkpoint(path, w, step):
+    """Saves the model and the steps done whole: a reader never sees half a
+    file, however the writer dies."""
+    tmp = "%s.%d" % (path, os.getpid())
+    torch.save({"w": w.cpu(), "step": step}, tmp)
+    os.replace(tmp, path)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=200)
@@ -76,6 +94,11 @@ def main():
     ap.add_argument("--timestamps", action="store_true",
                     help="print 'first-collective attempt=A epoch=E unix_ns=T' after the first "
                          "successful collective of each attempt and epoch")
+    ap.add_argument("--progress", action="store_true",
+                    help="print 'progress attempt=A epoch=E step=S rank=R world=W unix_ns=T' after every step")
+    ap.add_argument("--checkpoint", default="",
+                    help="file where the group's rank 0 saves the model and step after every step, and that a "
+                         "(re)started worker resumes from (default: none)")
     args = ap.parse_args()
     # A pre-started worker (gorun --spare-prestart) waits here, its imports
     # done, for its agent's round: its rank and the rest.
@@ -111,6 +134,10 @@ def main():
     me = group.global_rank
     w = torch.zeros(DIM, dtype=torch.float64, device=dev)
     step = torch.zeros(1, dtype=torch.float64, device=dev)  # a tensor, so resync can broadcast it
+    if args.checkpoint and os.path.exists(args.checkpoint):
+        saved = torch.load(args.checkpoint)
+        w.copy_(saved["w"])
+        step.fill_(saved["step"])
     print("rank %d: training, world %d%s" % (me, group.world_size, " (newcomer)" if group.newcomer else ""),
           flush=True)
     # A newcomer's first collective takes the model and the step from the
@@ -140,6 +167,12 @@ def main():
             collective_done()
             w -= args.lr * grad / group.world_size
             step += 1
+            if args.progress:
+                print("progress attempt=%d epoch=%d step=%d rank=%d world=%d unix_ns=%d"
+                      % (attempt, group.epoch.number, int(step.item()) - 1, group.rank, group.world_size,
+                         time.time_ns()), flush=True)
+            if args.checkpoint and group.rank == 0:
+                save_checkpoint(args.checkpoint, w, int(step.item()))
         except RuntimeError as err:
             stopped()
             group.recover(err)
