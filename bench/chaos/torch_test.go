@@ -283,11 +283,14 @@ func TestReferenceLoss(t *testing.T) {
 // jobs; about 40 s on this 2-core machine at load 3–4, bounded at 60 s.
 func TestTorchWorkerRows(t *testing.T) {
 	if !torchtest.InCI() || testing.Short() {
-		t.Skip("CI only (GORUN_CI=1): two real PyTorch jobs, about 40 s")
+		t.Skip("CI only (GORUN_CI=1): two real PyTorch jobs, about 40 s (up to 4 min under CI's load)")
 	}
 	py := torchtest.Python(t)
 	bed := sidbed.Require(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	// About 40 s on an idle machine; CI runs the other packages beside it
+	// on two cores, where the first CI run took 60 s without finishing
+	// the second row.
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	c := &config{
 		job: Job{Gorun: testutil.BuildGorun(t), Python: py, WorkerKind: workerTorch, LR: "0.001", Hosts: 1, Nproc: 2,
@@ -296,7 +299,7 @@ func TestTorchWorkerRows(t *testing.T) {
 		// MinGap = MTBF: faults every 6 s exactly; the horizon keeps
 		// the first (while the workers train, on an idle machine).
 		sched: ScheduleConfig{Seed: 1, MTBF: 6 * time.Second, MinGap: 6 * time.Second}, kinds: "rank-kill",
-		horizon: 7 * time.Second, rows: "1,7", rowTimeout: 40 * time.Second, root: "../..",
+		horizon: 7 * time.Second, rows: "1,7", rowTimeout: 2 * time.Minute, root: "../..",
 	}
 	results, progress := runRows(ctx, t, c, 2)
 	for _, r := range results {
