@@ -475,7 +475,11 @@ func (b *Board) file(ctx context.Context, n Notice) (int, error) {
 			// file it again above. An index at or below f.Notice but not
 			// swept was free when taken, so the log reached it: the
 			// floor settled this very notice (a Complete the leader read
-			// at once) and filing it again would say it twice.
+			// at once) and filing it again would say it twice. The copy
+			// left below goes now: no later sweep reaches back to it.
+			if _, err := b.store.Delete(ctx, key); err != nil {
+				return 0, fmt.Errorf("shrink: withdraw notice %d below the floor: %w", i, err)
+			}
 			i = f.Notice
 			continue
 		}

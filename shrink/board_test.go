@@ -284,12 +284,23 @@ type raceFloor struct {
 	rendezvous.Store
 	raise  func(ctx context.Context, i int) error
 	raised int // the notice raise ran at
+	// early: raise runs before the compare-set of the first notice tried,
+	// as if the filer had been descheduled just before it.
+	early bool
 }
 
 func (s *raceFloor) CompareSet(ctx context.Context, key string, old, new []byte) ([]byte, error) {
-	got, err := s.Store.CompareSet(ctx, key, old, new)
 	var i int
-	if _, scan := fmt.Sscanf(key, DefaultPrefix+"/report/%d", &i); scan == nil && err == nil && s.raise != nil && bytes.Equal(got, new) {
+	_, scan := fmt.Sscanf(key, DefaultPrefix+"/report/%d", &i)
+	if scan == nil && s.early && s.raise != nil {
+		raise := s.raise
+		s.raise, s.raised = nil, i
+		if err := raise(ctx, i); err != nil {
+			return nil, err
+		}
+	}
+	got, err := s.Store.CompareSet(ctx, key, old, new)
+	if scan == nil && err == nil && s.raise != nil && bytes.Equal(got, new) {
 		raise := s.raise
 		s.raise, s.raised = nil, i
 		if err := raise(ctx, i); err != nil {
@@ -336,6 +347,21 @@ func TestNoticeSettledByTheFloorIsFiledOnce(t *testing.T) {
 	if n, err := b.readNotice(ctx, 4); err != nil || n.Join == nil {
 		t.Fatalf("notice 4 = %+v, %v; want the join", n, err)
 	}
+
+	// A slot a sweep emptied just before the filer's compare-set took
+	// it: the copy below the floor is withdrawn, no sweep would reach it.
+	emptied := &raceFloor{Store: dial(), early: true, raise: func(ctx context.Context, i int) error {
+		if err := b.Raise(ctx, Floor{Epoch: 9, Notice: i}); err != nil {
+			return err
+		}
+		return b.Raise(ctx, Floor{Epoch: 11, Notice: i}) // sweeps up to i
+	}}
+	if i, err := NewBoard(emptied, "").file(ctx, Notice{Join: &Join{Slots: []int{2}}}); err != nil || i != 5 || emptied.raised != 4 {
+		t.Fatalf("file = %d, %v (swept up to %d first); want slot 4 swept, the join filed as 5", i, err, emptied.raised)
+	}
+	if ok, err := b.store.Check(ctx, reportKey(4)); err != nil || ok {
+		t.Fatalf("notice 4 still there (%v, %v): its copy below the floor would never be collected", ok, err)
+	}
 }
 
 // TestPythonNoticeSettledByTheFloorIsFiledOnce is
@@ -352,10 +378,15 @@ import json
 
 class Store:
     """c10d's compare_set on a dict; raise runs once, after the first
-    notice it creates."""
-    def __init__(self, raise_):
-        self.d, self.raise_, self.raised = {}, raise_, 0
+    notice it creates (early: before the first notice's compare_set)."""
+    def __init__(self, raise_, early=False):
+        self.d, self.raise_, self.raised, self.early = {}, raise_, 0, early
     def compare_set(self, key, expected, desired):
+        report = gorun_ft._key("report", "")
+        if self.early and self.raise_ and key.startswith(report):
+            i = int(key[len(report):])
+            self.raise_(self, i)
+            self.raise_, self.raised = None, i
         expected, desired = expected.encode(), desired.encode()
         cur = self.d.get(key)
         if (cur is None and expected == b"") or (cur is not None and cur == expected):
@@ -368,6 +399,9 @@ class Store:
             self.raise_(self, i)
             self.raise_, self.raised = None, i
         return got
+
+    def delete_key(self, key):
+        return self.d.pop(key, None) is not None
 
 def group(store):
     g = gorun_ft.ElasticGroup.__new__(gorun_ft.ElasticGroup)
@@ -387,6 +421,12 @@ def sweep(s, i):
 s = Store(sweep)
 s.d[gorun_ft._key("report", 1)] = b'{"failure": {}}'
 out["swept"] = [group(s)._file({"join": {"slots": [1]}}), s.raised, json.loads(s.d[gorun_ft._key("report", 3)])]
+def emptied(s, i):
+    floor(s, i, i)
+    s.d.pop(gorun_ft._key("report", i), None)
+s = Store(emptied, early=True)
+s.d[gorun_ft._key("report", 1)] = b'{"failure": {}}'
+out["emptied"] = [group(s)._file({"join": {"slots": [2]}}), s.raised, gorun_ft._key("report", 1) in s.d]
 print(json.dumps(out))
 `)
 	var stderr bytes.Buffer
@@ -395,7 +435,7 @@ print(json.dumps(out))
 	if err != nil {
 		t.Fatalf("python: %v\n%s", err, stderr.String())
 	}
-	var got struct{ Settled, Swept []any }
+	var got struct{ Settled, Swept, Emptied []any }
 	if err := json.Unmarshal(out, &got); err != nil {
 		t.Fatalf("python said %s: %v", out, err)
 	}
@@ -404,5 +444,8 @@ print(json.dumps(out))
 	}
 	if len(got.Swept) != 3 || got.Swept[0] != 3.0 || got.Swept[1] != 2.0 || fmt.Sprint(got.Swept[2]) != "map[join:map[slots:[1]]]" {
 		t.Errorf("a notice swept before its filer looked: filed at, raised at, notice 3 = %v, want 3, 2, the join", got.Swept)
+	}
+	if want := []any{2.0, 1.0, false}; !slices.Equal(got.Emptied, want) {
+		t.Errorf("a slot swept just before the filing took it: filed at, swept at, copy left below = %v, want %v", got.Emptied, want)
 	}
 }

@@ -1175,6 +1175,8 @@ class ElasticGroup:
                 continue
             floor, swept = self._floor()
             if i <= swept:
+                # The copy left below goes: no later sweep reaches it.
+                self.store.delete_key(_key("report", i))
                 i = floor + 1
                 continue
             self._notice_hint = i
