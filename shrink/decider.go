@@ -364,7 +364,8 @@ func sortedKeys[V any](m map[int]V) []int {
 // job cannot go on by shrinking.
 func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 	growDue := d.growDue()
-	if (!d.due.IsZero() && !now.Before(d.due)) || (!growDue.IsZero() && !now.Before(growDue)) {
+	overdue := !growDue.IsZero() && !now.Before(growDue)
+	if (!d.due.IsZero() && !now.Before(d.due)) || overdue {
 		exclude := maps.Clone(d.pending)
 		base := d.current.Number
 		if !d.complete {
@@ -373,12 +374,7 @@ func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 				if _, failed := exclude[g]; failed {
 					continue
 				}
-				why := fmt.Sprintf("the grow of epoch %d did not complete", d.current.Number)
-				if d.awaiting[g] {
-					why = fmt.Sprintf("newcomer in slot %d did not finish joining the group of epoch %d within %v",
-						g, d.current.Number, d.cfg.GrowTimeout)
-				}
-				exclude[g] = why
+				exclude[g] = d.newcomerOut(g, overdue, now)
 			}
 		}
 		next, err = d.current.next(exclude, d.cfg.MinWorldSize, base, d.name, now)
@@ -395,6 +391,24 @@ func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 		return next, true, nil
 	}
 	return Epoch{}, false, nil
+}
+
+// newcomerOut is why newcomer g of the current, incomplete grow is
+// excluded: the grow ran out of GrowTimeout, or a failure ended it first
+// (the newcomer may have been on time; it is told so, not blamed).
+func (d *Decider) newcomerOut(g int, overdue bool, now time.Time) string {
+	e := d.current.Number
+	switch {
+	case overdue && d.awaiting[g]:
+		return fmt.Sprintf("newcomer in slot %d did not finish joining the group of epoch %d within %v", g, e, d.cfg.GrowTimeout)
+	case overdue:
+		return fmt.Sprintf("the grow of epoch %d did not complete within %v", e, d.cfg.GrowTimeout)
+	case d.awaiting[g]:
+		return fmt.Sprintf("a failure ended the grow of epoch %d %v after it began, before newcomer in slot %d had joined",
+			e, now.Sub(d.current.DecidedAt).Round(time.Millisecond), g)
+	default:
+		return fmt.Sprintf("a failure ended the grow of epoch %d before it completed", e)
+	}
 }
 
 // Adopt makes e, the epoch the board now holds, current. Pending reports

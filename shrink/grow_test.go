@@ -104,7 +104,7 @@ func TestDeciderGrow(t *testing.T) {
 		s, ok, err := d.Decide(e.DecidedAt.Add(10 * time.Second))
 		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{2, 3}) || s.WorldSize != 2 ||
 			s.Base != lost.Number || !strings.Contains(s.Reasons[3], "did not finish joining") ||
-			!strings.Contains(s.Reasons[2], "did not complete") || !slices.Equal(s.Ranks, lost.Ranks) {
+			!strings.Contains(s.Reasons[2], "did not complete within 10s") || !slices.Equal(s.Ranks, lost.Ranks) {
 			t.Fatalf("Decide = %+v %v %v, want slots 2 and 3 excluded, back to epoch %d's group", s, ok, err, lost.Number)
 		}
 		if got := s.ShrinkList(lost); len(got) != 0 {
@@ -127,6 +127,15 @@ func TestDeciderGrow(t *testing.T) {
 		if err != nil || !ok || s.Action != ActionShrink || !slices.Equal(s.Excluded, []int{0, 2, 3}) || s.Reasons[0] != "exit code 1" ||
 			s.Base != lost.Number || !slices.Equal(s.ShrinkList(lost), []int{0}) {
 			t.Fatalf("Decide = %+v %v %v, want rank 0 (failed) and the newcomers excluded, from epoch %d", s, ok, err, lost.Number)
+		}
+		// The newcomers are not blamed for a grow the failure cut short.
+		for g, want := range map[int]string{
+			2: "a failure ended the grow of epoch 2 1.1s after it began, before newcomer in slot 2 had joined",
+			3: "a failure ended the grow of epoch 2 before it completed",
+		} {
+			if s.Reasons[g] != want {
+				t.Errorf("reason for slot %d: %q, want %q", g, s.Reasons[g], want)
+			}
 		}
 	})
 
