@@ -51,13 +51,20 @@ shrink that excludes its newcomers, from the group before the grow: its
 members re-form a fresh group of themselves, and a newcomer still waiting
 offers its slot again. Every formation of a fresh group waits first, in
 short store waits, for every member to be there, and gives up when the next
-epoch appears, so nobody waits on a member that will not come.
+epoch appears, so nobody waits on a member that will not come. A member
+lost while a group's constructor runs (the first group's included: the
+watcher runs from the start) would hold the others there, waiting for its
+address or its connection, until the group's timeout: the epoch that
+excludes it shuts the constructor's store connection and the connections
+it opened, which fails it at once, and the members move on as from a
+failed collective.
 
 What is tested (examples/torch, in CI): with gloo, shrink and grow with
 PyTorch 1.13 and 2.14 (the survivors stepping while the grown group forms),
-and with 1.13 a grow whose newcomer is killed before it joins and a
-newcomer that joins again after a grow that did not complete, under a real
-coordinator of gorun's. NCCL needs a GPU, which CI does not have:
+a rank lost before the first group forms (1.13 and 2.14), and with 1.13 a
+grow whose newcomer is killed before it joins and a newcomer that joins
+again after a grow that did not complete, under a real coordinator of
+gorun's. NCCL needs a GPU, which CI does not have:
 scripts/gpu-check.sh runs shrink and grow on one (see its RESULT lines and
 README's compatibility table for what ran where).
 
@@ -467,6 +474,12 @@ class _KeyWaiter:
         self._timeout = timeout
         self._store = None
 
+    def open(self):
+        """Connect now rather than at the first wait; returns the waiter."""
+        if self._store is None:
+            self._store = _connect_store(self._timeout)
+        return self
+
     def wait(self, keys, seconds):
         """True once every key exists, False if seconds passed first. Raises
         RuntimeError when the store cannot be reached."""
@@ -550,6 +563,46 @@ def _backend_of_default_group():
     return pg._get_backend(torch.device("cpu")) if hasattr(pg, "_get_backend") else pg
 
 
+def _construct(e, timeout):
+    """A store connection of its own for epoch e's group, and the
+    _Construction that will track the group's constructor."""
+    before = _socket_inodes()
+    store = _connect_store(timeout)
+    mine = {i for i, fd in _socket_inodes().items() if i not in before and _to_store(fd)}
+    return store, _Construction(e, mine)
+
+
+class _Construction:
+    """A group's constructor at work (init_process_group, or a grow's
+    ProcessGroupGloo), which a later epoch may make moot. A constructor
+    waits on every member, for its address in the store and then its
+    connection, up to the group's timeout: one whose member died before
+    the group formed would hold the survivors a minute. Shutting down the
+    group's store connection and the connections opened since the
+    constructor began fails it at once (a RuntimeError), as _sever fails a
+    formed group's collectives."""
+
+    def __init__(self, e, store_sockets):
+        self.epoch = e
+        self.store_sockets = store_sockets  # inodes of the group's store connection
+        self.before = None  # the sockets open when the constructor began
+
+    def begin(self):
+        """Mark the constructor's start: sockets opened from here on are the
+        group's."""
+        self.before = set(_socket_inodes())
+        return self
+
+    def opened(self):
+        """The connections opened since begin(), less any to the store (another
+        thread's): inode → descriptor."""
+        return {i: fd for i, fd in _socket_inodes().items() if i not in self.before and not _to_store(fd)}
+
+    def sever(self):
+        _debug("rank %s: epoch %d's group is moot before it formed" % (os.environ.get("RANK"), self.epoch.number))
+        _sever(self.store_sockets | set(self.opened()))
+
+
 class _Build:
     """A grow's gloo group under construction, not yet the default group:
     built in a thread of its own while the survivors step on the group the
@@ -561,6 +614,7 @@ class _Build:
         self.done = threading.Event()  # set once the build has ended, either way
         self.pg = None  # the built group
         self.store = None  # its store connection
+        self.construction = None  # the _Construction, while its constructor runs
         self.sockets = set()  # inodes of the connections it opened
         self.error = None  # a RestartRequired for the main thread to raise
         self.abandoned = False  # a later epoch came: never switch to it
@@ -618,6 +672,7 @@ class ElasticGroup:
         self._group = None  # the epoch whose group is the default group
         self._group_store = None
         self._group_sockets = set()  # inodes of the connections the group opened
+        self._constructing = None  # the _Construction of the group _init forms
         # Whether this worker's state is the job's: a newcomer's is not
         # until its first resync.
         self._synced = not self.newcomer
@@ -642,12 +697,22 @@ class ElasticGroup:
             self.epoch = Epoch(int(after), [], [], [-1] * world, 0, "shrink")
         else:
             self.epoch = Epoch.initial(world)
-            self._init(self.epoch, "%s/epoch_0" % self._ns)
-        self._watcher = threading.Thread(target=self._watch, args=(self.epoch.number + 1,),
+        # Watching from the start: a member lost before the first group
+        # forms leaves the others in its construction until the epoch
+        # that excludes it comes. Its connection is made here, before the
+        # group's, which a moot construction shuts down (_construct tells
+        # them apart by when they were opened).
+        self._watcher = threading.Thread(target=self._watch, args=(self.epoch.number + 1, _KeyWaiter(timeout).open()),
                                          name="gorun-ft-watch", daemon=True)
         self._watcher.start()
         if self.newcomer:
             self._enter()
+            return
+        try:
+            self._init(self.epoch, "%s/epoch_0" % self._ns)
+        except RuntimeError as err:
+            # As for a failed collective: the agents decide.
+            self.recover(err)
 
     @property
     def rank(self):
@@ -659,18 +724,30 @@ class ElasticGroup:
 
     def _init(self, e, prefix):
         """Initialise epoch e's group as the default group, on a store
-        connection of its own under prefix."""
-        store = _connect_store(self.timeout)
-        before = _socket_inodes()
-        dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
-                                rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout,
-                                **self._device_kw())
+        connection of its own under prefix. Raises RuntimeError when the
+        group does not form, at once when a later epoch makes it moot (see
+        _Construction)."""
+        store, c = _construct(e, self.timeout)
+        with self._lock:
+            self._constructing = c.begin()
+            if self._published > e.number:
+                self._react(self._latest)
+        _debug("rank %d: constructing epoch %d's group" % (self.global_rank, e.number))
+        try:
+            dist.init_process_group(self.backend, store=dist.PrefixStore(prefix, store),
+                                    rank=e.ranks[self.global_rank], world_size=e.world_size, timeout=self.timeout,
+                                    **self._device_kw())
+        except Exception:
+            with self._lock:
+                self._constructing = None
+            raise
         # The connections the group opened (gloo connects every pair in
         # its constructor), less any to the store another thread opened
         # meanwhile: what _sever breaks when the group must stop.
-        opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+        opened = c.opened()
         _debug("rank %d: epoch %d's group holds %s" % (self.global_rank, e.number, " ".join(_ends(fd) for fd in opened.values())))
         with self._lock:
+            self._constructing = None
             self._group, self._group_store, self._group_sockets = e, store, set(opened)
             self._ticks, self._due_at, self._formed_at = 0, None, time.monotonic()
             if self._published > e.number:
@@ -692,13 +769,13 @@ class ElasticGroup:
             return {}
         return {"device_id": torch.device("cuda", torch.cuda.current_device())}
 
-    def _watch(self, n):
+    def _watch(self, n, waiter):
         """Wait on each next epoch's key through a store connection of its own
         (a store wait, not polling); when epoch n appears, record it and,
         unless the group will be shrunk in place, abort the group in use
         where the backend can, so a collective stuck on a dead peer returns
-        to the training loop and, for a grow, every member stops at once."""
-        waiter = _KeyWaiter(self.timeout)
+        to the training loop and, for a grow, every member stops at once.
+        waiter is its own connection."""
         floor_seen = time.monotonic()
         while not self._stop.is_set():
             key = _key("epoch", n)
@@ -736,6 +813,11 @@ class ElasticGroup:
         the group in use; under self._lock. A grow of that group (gloo) is
         built in the background while the members go on stepping; anything
         else stops the group at once, and abandons a grow being built."""
+        c = self._constructing
+        if c is not None and not (self.backend == "gloo" and e.action == "grow" and e.base == c.epoch.number):
+            # The group being initialised will not be used (a grow of it
+            # is built once it has formed: see _init).
+            c.sever()
         if e.number == self.epoch.number + 1 and self._grows_ahead(e):
             self._bg = _Build(e, self._ticks)
             self._bg.before = (self._bg.started - self._formed_at) * 1000
@@ -764,16 +846,19 @@ class ElasticGroup:
     def _abandon(self, b):
         """Give build b up, under self._lock: a later epoch supersedes its
         grow. A group built already has its connections shut down at once
-        (its members may be cut off from each other); one under
-        construction is left to finish, since every member of a sealed
-        formation constructs it (see _formation), and _build then shuts it
-        down. It stays self._bg, so that this member never builds that
+        (its members may be cut off from each other); so are those of one
+        under construction, whose constructor would otherwise wait out the
+        group's timeout on a member that died (every member of a sealed
+        formation constructs it, see _formation, and every one that lives
+        abandons it for the same epoch). It stays self._bg, so that this member never builds that
         epoch's group a second time (the store holds the first one's
         addresses)."""
         b.abandoned = True
         if b.pg is not None:
             _sever(b.sockets)
             b.pg = None
+        elif b.construction is not None:
+            b.construction.sever()
 
     def _build(self, b):
         """Form grow b.epoch's group (the formation rules of _form) and
@@ -786,14 +871,21 @@ class ElasticGroup:
         rank = e.ranks[self.global_rank]
         waiter = _KeyWaiter(self.timeout)
         try:
-            store = _connect_store(self.timeout)
+            store, c = _construct(e, self.timeout)
             b.store = store
             if not self._formation(e, store, waiter):
                 return
-            before = _socket_inodes()
-            pg = dist.ProcessGroupGloo(dist.PrefixStore(ns + "/pg", store), rank, e.world_size, self.timeout)
+            with self._lock:
+                if b.abandoned:
+                    return
+                b.construction = c.begin()
+            try:
+                pg = dist.ProcessGroupGloo(dist.PrefixStore(ns + "/pg", store), rank, e.world_size, self.timeout)
+            finally:
+                with self._lock:
+                    b.construction = None
             # As in _init: the connections it opened, less the store's.
-            opened = {i: fd for i, fd in _socket_inodes().items() if i not in before and not _to_store(fd)}
+            opened = c.opened()
             _debug("rank %d: epoch %d's group (built) holds %s" % (self.global_rank, e.number, " ".join(_ends(fd) for fd in opened.values())))
             opened = set(opened)
             with self._lock:
@@ -908,8 +1000,9 @@ class ElasticGroup:
     def _recover(self, err):
         """recover(), the agent told meanwhile that this worker is blocked."""
         if err is not None:
-            self._log("rank %d: collective failed, awaiting the agents' decision: %s"
-                      % (self.global_rank, str(err).splitlines()[0]))
+            self._log("rank %d: %s failed, awaiting the agents' decision: %s"
+                      % (self.global_rank, "the group" if self._group is None else "a collective",
+                         str(err).splitlines()[0]))
             # The traceback holds the failed collective's frames, and through
             # them the backend's connections: let them go with the group.
             err.__traceback__ = None

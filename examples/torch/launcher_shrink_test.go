@@ -141,15 +141,7 @@ func testGorunHealsTorchGloo(t *testing.T, py, script string, hang bool) {
 	if n, errs := strings.Count(g.Stderr.String(), "worker hung; killing it"), g.Stderr.String(); hang && (n != 1 || !strings.Contains(errs, `"rank": 2, "why": "no heartbeat for`)) {
 		t.Errorf("%d ranks declared hung, want rank 2 alone:\n%s", n, errs)
 	}
-	kept := 0
-	for _, m := range donePID.FindAllStringSubmatch(out, -1) {
-		if survivors[m[1]] {
-			kept++
-		}
-	}
-	if kept != 3 {
-		t.Errorf("%d done lines from the survivors' original processes %v, want 3:\n%s", kept, survivors, out)
-	}
+	expectSurvivorsKept(t, out, survivors)
 	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
 		t.Errorf("gorun's log does not sum up the heal:\n%s", errs)
 	}
@@ -238,6 +230,99 @@ func awaitStderr(ctx context.Context, t *testing.T, g *testutil.Gorun, s string)
 		case <-ctx.Done():
 			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
 		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
+// TestGorunHealsTorchGlooRankLostBeforeTheGroupForms: heal when the fault
+// lands before the first group has formed. gorun --on-failure shrink runs
+// four ranks of train_elastic.py; the test stops rank 2 while it is still
+// importing torch, waits until the other three are inside
+// init_process_group (waiting there for rank 2's address), and kills it.
+// The survivors must leave the construction when the agents' epoch comes,
+// not at the group's 60-s timeout: they shrink to world 3, rank 2 is
+// respawned and grown back, and all four finish at world 4 with the same
+// loss, the survivors in the processes they started in.
+func TestGorunHealsTorchGlooRankLostBeforeTheGroupForms(t *testing.T) {
+	testGorunHealsBeforeTheGroupForms(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"))
+}
+
+// TestGorunHealsTorch214GlooRankLostBeforeTheGroupForms is the same with
+// PyTorch 2.14 (the sid bed).
+func TestGorunHealsTorch214GlooRankLostBeforeTheGroupForms(t *testing.T) {
+	testGorunHealsBeforeTheGroupForms(t, sidbed.Require(t).Python(), copyScripts(t))
+}
+
+func testGorunHealsBeforeTheGroupForms(t *testing.T, py, script string) {
+	gorun := testutil.BuildGorun(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	const steps = 600
+	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py, "GORUN_FT_DEBUG=1"},
+		"--standalone", "--nproc-per-node", "4", "--on-failure", "shrink", "--respawn-backoff", "0.1",
+		"--log-dir", t.TempDir(), script, "--steps", strconv.Itoa(steps), "--step-ms", "15")
+	// Rank 2, stopped as soon as it exists: still in its imports.
+	victim := awaitRankPID(ctx, t, g, 2)
+	if err := syscall.Kill(victim, syscall.SIGSTOP); err != nil {
+		t.Fatal(err)
+	}
+	survivors := map[string]bool{}
+	for _, r := range []int{0, 1, 3} {
+		survivors[strconv.Itoa(awaitRankPID(ctx, t, g, r))] = true
+	}
+	for strings.Count(g.Stderr.String(), "constructing epoch 0's group") < 3 {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("the other ranks never began forming the group\n%s", g.Output())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // well inside init_process_group
+	if strings.Contains(g.Stdout.String(), ": training, world") {
+		t.Fatalf("a rank began training without rank 2\n%s", g.Output())
+	}
+	killed := time.Now()
+	if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	g.AwaitLines(ctx, t, "shrink epoch=1 world=3 excluded=[2]", 3)
+	if took := time.Since(killed); took > 30*time.Second {
+		t.Errorf("the survivors shrank %v after the kill: they waited out the group's timeout", took.Round(time.Millisecond))
+	}
+	t.Logf("rank lost while the group formed → the survivors at world 3: %v", time.Since(killed).Round(time.Millisecond))
+	g.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2]", 4)
+	g.Wait(ctx, t)
+	out := expectTrained(t, g, 4, steps)
+	expectSurvivorsKept(t, out, survivors)
+}
+
+// expectSurvivorsKept checks that the three survivors (PIDs) printed their
+// done lines in out: they finished in the processes they started in.
+func expectSurvivorsKept(t *testing.T, out string, survivors map[string]bool) {
+	t.Helper()
+	kept := 0
+	for _, m := range donePID.FindAllStringSubmatch(out, -1) {
+		if survivors[m[1]] {
+			kept++
+		}
+	}
+	if kept != 3 {
+		t.Errorf("%d done lines from the survivors' original processes %v, want 3:\n%s", kept, survivors, out)
+	}
+}
+
+// awaitRankPID waits for gorun's worker of global rank r to exist and
+// returns its PID.
+func awaitRankPID(ctx context.Context, t *testing.T, g *testutil.Gorun, r int) int {
+	t.Helper()
+	for {
+		if pid, err := testutil.ChildWithEnv(g.Cmd.Process.Pid, "RANK", strconv.Itoa(r)); err == nil {
+			return pid
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("rank %d never started\n%s", r, g.Output())
+		case <-time.After(time.Millisecond):
 		}
 	}
 }
