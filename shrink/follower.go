@@ -186,17 +186,9 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 // join forms the newcomer's side of grow epoch e, given up when the epoch
 // after e comes first (the grow did not complete for someone).
 func (n Newcomer) join(ctx context.Context, e Epoch) (pg.ProcessGroup, error) {
-	jctx, stop := context.WithCancel(ctx)
-	ahead := make(chan struct{})
-	go func() {
-		defer close(ahead)
-		if _, err := n.Watch.Await(jctx, e.Number+1); err == nil {
-			stop()
-		}
-	}()
-	g, err := n.Join(jctx, e.Ranks[n.Slot], e.WorldSize, pg.GrowSpec{Added: len(e.Added), Namespace: Namespace(e.Number)})
-	stop()
-	<-ahead // the watch connection is the Follower's from here
+	g, _, err := formUnlessSuperseded(ctx, n.Watch, e, func(ctx context.Context) (pg.ProcessGroup, error) {
+		return n.Join(ctx, e.Ranks[n.Slot], e.WorldSize, pg.GrowSpec{Added: len(e.Added), Namespace: Namespace(e.Number)})
+	})
 	return g, err
 }
 

@@ -15,22 +15,53 @@ import (
 	"github.com/gorunhq/gorun/shrink"
 )
 
-// follow starts following the shrink epochs that gorun's agents publish on
-// the Board in the worker store (at shrink.DefaultPrefix), authenticated by
-// auth when the job has a secret. The follower's watcher gets a store
-// connection of its own, because a store wait holds its connection until
-// the epoch appears; acknowledgements share the worker's. stop stops the
-// watcher and closes its connection.
-func follow(ctx context.Context, e workerEnv, store rendezvous.Store, g pg.ProcessGroup, timeout time.Duration, auth *shrink.Auth) (f *shrink.Follower, stop func(), err error) {
-	watch, err := dialStore(ctx, e, timeout)
+// start forms a launched worker's first group in shrink mode and follows
+// the shrink epochs that gorun's agents publish on the Board in the worker
+// store (at shrink.DefaultPrefix), authenticated by w.auth when the job
+// has a secret: epoch 0's group, as launched, unless an epoch comes while
+// it forms (a rank lost before the group formed), and then the group of
+// the first epoch that keeps this rank (shrink.Launched). The watcher gets
+// a store connection of its own, because a store wait holds its
+// connection until the epoch appears; acknowledgements share the worker's.
+// The returned function stops the follower and closes its connection.
+func (w *worker) start(ctx context.Context, e workerEnv, store rendezvous.Store) (stop func(), err error) {
+	watch, err := dialStore(ctx, e, w.opt.timeout)
 	if err != nil {
-		return nil, nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
+		return nil, fmt.Errorf("worker store, for the shrink watcher: %w", err)
 	}
-	f = shrink.NewFollower(board(store, auth), board(watch, auth), e.rank, e.world, g)
-	return f, func() {
+	// The formation, and, if an epoch comes first, the wait for it and the
+	// next formation: as a newcomer's wait for its grow, bounded.
+	sctx, cancel := context.WithTimeout(ctx, w.opt.timeout+shrink.DefaultGrowTimeout)
+	defer cancel()
+	unblocked := health.Blocked() // waiting on the peers
+	f, g, ep, err := shrink.Launched{
+		Board: board(store, w.auth), Watch: board(watch, w.auth), GlobalRank: e.rank, World: e.world,
+		Form: func(ctx context.Context, rank, size int, namespace string) (pg.ProcessGroup, error) {
+			if namespace == "" {
+				namespace = e.namespace()
+			}
+			return w.be.newGroup(ctx, pg.Bootstrap{Store: store, Namespace: namespace, Rank: rank, Size: size, Timeout: w.opt.timeout}, e)
+		},
+	}.Start(sctx)
+	unblocked()
+	if err != nil {
+		watch.Close()
+		return nil, fmt.Errorf("form the %s group: %w", w.opt.backend, err)
+	}
+	stop = func() {
 		f.Close()
 		watch.Close()
-	}, nil
+	}
+	w.follower, w.epoch = f, ep
+	if err := w.use(g); err != nil {
+		return stop, err // w.close closes g
+	}
+	fmt.Fprintf(w.out, "start rank=%d world=%d backend=%s shrink=true\n", e.rank, e.world, w.opt.backend)
+	if ep.Number > 0 {
+		// Formed afresh for this epoch, as every member of it was.
+		fmt.Fprintln(w.out, epochLine(ep))
+	}
+	return stop, nil
 }
 
 // board is the shrink Board on a connection to the worker store.

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -184,5 +186,61 @@ func TestUnderGorunHealFailureDuringGrow(t *testing.T) {
 	}
 	if len(done) < 2 {
 		t.Errorf("%d ranks finished\n%s", len(done), j.g.Output())
+	}
+}
+
+// TestUnderGorunHealRankLostBeforeTheGroupForms: rank 2 is lost before the
+// first group has formed. A wrapper holds launched rank 2 in a long
+// start-up (a sleep, standing for imports and device init) while ranks 0,
+// 1 and 3 start at once and wait for it in the formation; the test kills
+// rank 2 there. The three must leave the formation on the agents' epoch
+// (not at the group's timeout), form epoch 1's group among themselves,
+// take the respawned rank 2 back by a grow, and finish at world 4.
+func TestUnderGorunHealRankLostBeforeTheGroupForms(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	gorun, bin := testutil.BuildGorun(t), buildExample(t)
+	wrapper := filepath.Join(t.TempDir(), "slow-rank-2.sh")
+	// A newcomer (the respawn) starts at once.
+	script := "#!/bin/sh\nif [ \"$RANK\" = 2 ] && [ -z \"$GORUN_SHRINK_NEWCOMER\" ]; then sleep 60; fi\nexec \"$@\"\n"
+	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	const steps = 400
+	g := testutil.StartGorun(t, gorun, nil, "--standalone", "--nproc-per-node", "4", "--on-failure", "shrink",
+		"--respawn-backoff", "0.1", "--log-dir", t.TempDir(), "--no-python", wrapper, bin,
+		"--steps", strconv.Itoa(steps), "--step-ms", "5", "--timeout", "60s")
+	j := &healJob{g: g, steps: steps}
+	// Ranks 0, 1 and 3 in the allreduce binary, forming; rank 2 asleep.
+	for _, r := range []int{0, 1, 3} {
+		for {
+			if pid, err := testutil.ChildWithEnv(g.Cmd.Process.Pid, "RANK", strconv.Itoa(r)); err == nil {
+				if exe, err := os.Readlink("/proc/" + strconv.Itoa(pid) + "/exe"); err == nil && exe == bin {
+					break
+				}
+			}
+			select {
+			case <-ctx.Done():
+				t.Fatalf("rank %d never started the worker\n%s", r, g.Output())
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}
+	time.Sleep(500 * time.Millisecond) // well inside the formation
+	if strings.Contains(g.Stdout.String(), "start rank=") {
+		t.Fatalf("a rank formed a group without rank 2\n%s", g.Output())
+	}
+	killed := time.Now()
+	g.KillRank(t, 2)
+	g.AwaitLines(ctx, t, "]:shrink epoch=1 world=3 excluded=[2]", 3)
+	if took := time.Since(killed); took > 20*time.Second {
+		t.Errorf("the survivors moved to epoch 1 %v after the kill: they waited out the formation", took.Round(time.Millisecond))
+	}
+	t.Logf("rank lost before the group formed → the survivors at world 3: %v", time.Since(killed).Round(time.Millisecond))
+	g.AwaitLines(ctx, t, "]:grow epoch=2 world=4 added=[2]", 4)
+	g.Wait(ctx, t)
+	j.expectDone(t, 4, 10)
+	if errs := g.Stderr.String(); !strings.Contains(errs, "lost ranks [2] in 2 epoch(s), world 4 -> 4, grown back [2]") {
+		t.Errorf("gorun's summary does not say rank 2 was grown back:\n%s", errs)
 	}
 }

@@ -75,6 +75,18 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 		defer stop()
 		return w.run(ctx, w.joinedStep)
 	}
+	first, err := readCheckpoint(opt.checkpoint, opt.steps)
+	if err != nil {
+		return res, err
+	}
+	if opt.shrink {
+		stop, err := w.start(ctx, e, store)
+		if err != nil {
+			return res, err
+		}
+		defer stop() // before w.close, as above
+		return w.run(ctx, first)
+	}
 	g, err := be.newGroup(setupCtx, pg.Bootstrap{
 		Store: store, Namespace: e.namespace(), Rank: e.rank, Size: e.world, Timeout: opt.timeout,
 	}, e)
@@ -83,18 +95,6 @@ func train(ctx context.Context, e workerEnv, be backend, opt options, out io.Wri
 	}
 	if err := w.use(g); err != nil {
 		return res, err // w.close closes g
-	}
-	if opt.shrink {
-		f, stop, err := follow(setupCtx, e, store, g, opt.timeout, auth)
-		if err != nil {
-			return res, err
-		}
-		defer stop() // before w.close, as above
-		w.follower = f
-	}
-	first, err := readCheckpoint(opt.checkpoint, opt.steps)
-	if err != nil {
-		return res, err
 	}
 	fmt.Fprintf(out, "start rank=%d world=%d backend=%s shrink=%t\n", e.rank, e.world, opt.backend, opt.shrink)
 	return w.run(ctx, first)
