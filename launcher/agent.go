@@ -428,8 +428,9 @@ func (a *agent) succeeded(ctx context.Context, p *plan, sv *survivors) error {
 		return err
 	}
 	if sv != nil && len(sv.epochs) > 0 {
+		sv.settleGrow(ctx)
 		msg := "the surviving workers succeeded"
-		if len(sv.epoch.Lost) == 0 {
+		if sv.allBack() {
 			msg = "all workers succeeded, the lost ones grown back in"
 		}
 		a.log.Warn(msg, zap.String("run_id", a.runID), zap.Int("round", p.round), zap.String("shrink", sv.summary()))

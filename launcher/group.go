@@ -39,11 +39,14 @@ type worker struct {
 	// hung says why the agent killed it for a lack of heartbeats.
 	hung string
 	// excluded: a shrink epoch excluded it while it ran, and the agent
-	// killed it.
-	excluded bool
+	// killed it. dropped: a newcomer the agent stopped because the job
+	// finished before its grow completed.
+	excluded, dropped bool
 	// newcomer: heal respawned it into a lost slot (or a node admitted
-	// late started it), to be grown back in; grown once a grow epoch has.
-	newcomer, grown bool
+	// late started it), to be grown back in; grown once a grow epoch has
+	// (grownIn, that epoch's number), joined once that grow completed.
+	newcomer, grown, joined bool
+	grownIn                 int
 	// since is the shrink epoch after which it was started
 	// (GORUN_SHRINK_NEWCOMER; 0 for a round's workers).
 	since int

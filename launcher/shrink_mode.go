@@ -42,8 +42,11 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			return ev.stopped
 		case evWorkerExit:
 			if ev.exit.e.Code() == 0 {
-				a.finishedHere(w, sv)
+				a.finishedHere(w)
 				continue
+			}
+			if ev.exit.w.dropped {
+				continue // stopped here: its slot was lost before, and the job is done
 			}
 			f := a.failure(ev.exit)
 			if !sv.epoch.Alive(f.Rank) {
@@ -76,7 +79,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		case evRespawnDue:
 			a.respawn(ctx, w, sv, ev.slot)
 		case evGrown:
-			a.grown(sv, ev.grown)
+			a.grown(w.g, sv, ev.grown)
 		case evAgreementFailed:
 			return fallBack(ev.err.Error())
 		case evNodeDead:
@@ -147,7 +150,7 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 		for _, w := range g.workers {
 			if e.Newcomer(w.a.Rank) {
 				added = append(added, w.a.Rank)
-				w.grown = true
+				w.grown, w.grownIn = true, e.Number
 			}
 		}
 		a.log.Warn(fmt.Sprintf("grow epoch=%d world=%d added=%v", e.Number, e.WorldSize, e.Added),
@@ -278,8 +281,15 @@ func (a *agent) respawn(ctx context.Context, w *roundWatch, sv *survivors, slot 
 		zap.Int("respawn", n), zap.Int("max_respawns", a.cfg.MaxRespawns))
 }
 
-// grown logs that a grow completed: every rank of it is in the grown group.
-func (a *agent) grown(sv *survivors, c shrink.Complete) {
+// grown logs that a grow completed: every rank of it is in the grown
+// group, the local newcomers it added included.
+func (a *agent) grown(g *group, sv *survivors, c shrink.Complete) {
+	sv.completed[c.Epoch] = true
+	for _, wk := range g.workers {
+		if wk.grown && wk.grownIn == c.Epoch {
+			wk.joined = true
+		}
+	}
 	for _, e := range sv.epochs {
 		if e.Number == c.Epoch {
 			a.endpoint.GrowComplete(e.DecidedAt, c.At)
@@ -290,25 +300,25 @@ func (a *agent) grown(sv *survivors, c shrink.Complete) {
 	}
 }
 
-// finishedHere ends heal on this node once no local member of the current
-// epoch runs and one has succeeded: the job is done here, so a pending
-// respawn is dropped and newcomers still waiting to be grown in are
-// stopped (they could not join a group that has finished).
-func (a *agent) finishedHere(w *roundWatch, sv *survivors) {
+// finishedHere ends heal on this node once a local worker has succeeded:
+// the job is done here, and no grow can complete any more, since that
+// worker will not take part in one. A pending respawn is dropped, and
+// newcomers not in a completed grow are stopped: they could not join a
+// group that has finished. (Stopped only once every local member had
+// ended, a newcomer whose grow was under way when the members finished
+// kept the job going, grow after grow timing out and respawn after
+// respawn, until the budget was spent: seen with PyTorch workers, which
+// step on while a grow's group is built, and finished first.)
+func (a *agent) finishedHere(w *roundWatch) {
 	if w.respawns == nil {
 		return
-	}
-	for _, wk := range w.g.workers {
-		if !wk.exited && sv.epoch.Alive(wk.a.Rank) {
-			return
-		}
 	}
 	w.respawns.cancel()
 	w.respawns = nil
 	for _, wk := range w.g.workers {
-		if !wk.exited {
+		if !wk.exited && wk.newcomer && !wk.joined {
 			a.log.Info("stopping a newcomer: the group it was to join has finished", zap.Int("rank", wk.a.Rank))
-			wk.excluded = true
+			wk.dropped = true
 			syscall.Kill(-wk.proc.Pid, syscall.SIGTERM)
 		}
 	}

@@ -38,6 +38,9 @@ type survivors struct {
 
 	epoch   shrink.Epoch   // the latest epoch
 	epochs  []shrink.Epoch // every epoch of the round, in order
+	// completed holds the grow epochs whose every rank is in the grown
+	// group (the Coordinator's Complete notices).
+	completed map[int]bool
 	pending map[int]string // local global ranks reported and not yet excluded
 	// since is when the first of the pending reports was filed: the start
 	// of the failure-to-epoch latency.
@@ -55,7 +58,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, 
 	me := p.assignments[0].GroupRank
 	s := &survivors{
 		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
-		dead: map[int]bool{}, pending: map[int]string{},
+		dead: map[int]bool{}, pending: map[int]string{}, completed: map[int]bool{},
 		epoch: shrink.Initial(p.nodes.world()),
 	}
 	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
@@ -291,6 +294,36 @@ func (s *survivors) liveNodes() []int {
 	return out
 }
 
+// growUnfinished reports whether the latest epoch is a grow that has not
+// completed: its newcomers never made it into the group.
+func (s *survivors) growUnfinished() bool {
+	return s.epoch.Action == shrink.ActionGrow && !s.completed[s.epoch.Number]
+}
+
+// settleGrow, at the end, reads whether the latest epoch, a grow whose
+// completion this node has not heard of, did complete (every rank
+// acknowledged it): its Complete notice may still be on its way.
+func (s *survivors) settleGrow(ctx context.Context) {
+	if !s.growUnfinished() {
+		return
+	}
+	if all, err := s.board.Arrived(ctx, s.epoch); err == nil && all {
+		s.completed[s.epoch.Number] = true
+	}
+}
+
+// back reports whether launch slot g is in the job at the end: alive in
+// the latest epoch, and not only as a newcomer of a grow that did not
+// complete.
+func (s *survivors) back(g int) bool {
+	return s.epoch.Alive(g) && !(s.growUnfinished() && s.epoch.Newcomer(g))
+}
+
+// allBack reports whether every lost slot was grown back in for good.
+func (s *survivors) allBack() bool {
+	return len(s.epoch.Lost) == 0 && !s.growUnfinished()
+}
+
 // summary describes the round's epochs for the job's last log line.
 func (s *survivors) summary() string {
 	if len(s.epochs) == 0 {
@@ -299,20 +332,32 @@ func (s *survivors) summary() string {
 	var lost, grown []int
 	for _, e := range s.epochs {
 		lost = append(lost, e.Excluded...)
-		grown = append(grown, e.Added...)
+		for _, g := range e.Added {
+			if s.back(g) { // back for good, not a grow undone
+				grown = append(grown, g)
+			}
+		}
 	}
 	slices.Sort(lost)
 	slices.Sort(grown)
+	world := s.epoch.WorldSize
+	if s.growUnfinished() {
+		world -= len(s.epoch.Added)
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "lost ranks %v in %d epoch(s), world %d -> %d", slices.Compact(lost), len(s.epochs),
-		len(s.epoch.Ranks), s.epoch.WorldSize)
+		len(s.epoch.Ranks), world)
 	if len(grown) > 0 {
 		fmt.Fprintf(&b, ", grown back %v", slices.Compact(grown))
 	}
 	b.WriteString(":")
 	for _, e := range s.epochs {
 		if e.Action == shrink.ActionGrow {
-			fmt.Fprintf(&b, " epoch %d (grow) added %v;", e.Number, e.Added)
+			fmt.Fprintf(&b, " epoch %d (grow) added %v", e.Number, e.Added)
+			if e.Number == s.epoch.Number && s.growUnfinished() {
+				b.WriteString(", did not complete before the job finished")
+			}
+			b.WriteString(";")
 			continue
 		}
 		fmt.Fprintf(&b, " epoch %d (%s) excluded %v", e.Number, e.Action, e.Excluded)

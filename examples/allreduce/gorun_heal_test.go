@@ -244,3 +244,57 @@ func TestUnderGorunHealRankLostBeforeTheGroupForms(t *testing.T) {
 		t.Errorf("gorun's summary does not say rank 2 was grown back:\n%s", errs)
 	}
 }
+
+// TestUnderGorunHealEndsWhenTheJobFinishes: heal stops once the job is
+// done. Of two ranks, rank 1 fails at once and is respawned (the Go
+// worker, a newcomer), and its grow is published; rank 0, a stand-in
+// that never joins a grow, finishes (exit 0) while the newcomer waits in
+// it. No grow can complete after that: the agent must stop the newcomer
+// and respawn nothing more, and gorun ends with success at once — not
+// loop, grow after grow timing out, until the respawn budget is spent.
+func TestUnderGorunHealEndsWhenTheJobFinishes(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	gorun, bin := testutil.BuildGorun(t), buildExample(t)
+	wrapper := filepath.Join(t.TempDir(), "job.sh")
+	script := "#!/bin/sh\n" +
+		"if [ -n \"$GORUN_SHRINK_NEWCOMER\" ]; then exec " + bin + " --steps 100 --step-ms 5; fi\n" +
+		"if [ \"$RANK\" = 0 ]; then sleep 4; exit 0; fi\n" +
+		"exit 1\n"
+	if err := os.WriteFile(wrapper, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	start := time.Now()
+	g := testutil.StartGorun(t, gorun, nil, "--standalone", "--nproc-per-node", "2", "--on-failure", "shrink",
+		"--respawn-backoff", "0.1", "--grow-timeout", "20", "--max-respawns", "5", "--log-dir", t.TempDir(),
+		"--no-python", wrapper)
+	g.AwaitLines(ctx, t, "]:newcomer slot=1 after epoch=1", 1)
+	awaitLog(ctx, t, g, "grow epoch=2 world=2 added=[1]")
+	g.Wait(ctx, t)
+	if took := time.Since(start); took > 15*time.Second {
+		t.Errorf("gorun ended %v after it started: the finished job waited on its grow", took.Round(time.Millisecond))
+	}
+	errs := g.Stderr.String()
+	if n := strings.Count(errs, "respawned a lost rank"); n != 1 {
+		t.Errorf("%d respawns, want 1: none after the job finished\n%s", n, errs)
+	}
+	if !strings.Contains(errs, "stopping a newcomer: the group it was to join has finished") {
+		t.Errorf("the log does not say why the newcomer was stopped:\n%s", errs)
+	}
+	// The stopped newcomer is no failure, and its slot was not grown back.
+	if !strings.Contains(errs, "lost ranks [1] in 2 epoch(s), world 2 -> 1:") {
+		t.Errorf("gorun's summary: want rank 1 lost, two epochs, world 1 at the end:\n%s", errs)
+	}
+}
+
+// awaitLog waits until gorun's log holds s.
+func awaitLog(ctx context.Context, t *testing.T, g *testutil.Gorun, s string) {
+	t.Helper()
+	for !strings.Contains(g.Stderr.String(), s) {
+		select {
+		case <-ctx.Done():
+			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
