@@ -36,12 +36,12 @@ type survivors struct {
 	dead    map[int]bool // group ranks of nodes whose agents were found lost
 	leading bool
 
-	epoch   shrink.Epoch   // the latest epoch
-	epochs  []shrink.Epoch // every epoch of the round, in order
+	epoch  shrink.Epoch   // the latest epoch
+	epochs []shrink.Epoch // every epoch of the round, in order
 	// completed holds the grow epochs whose every rank is in the grown
 	// group (the Coordinator's Complete notices).
 	completed map[int]bool
-	pending map[int]string // local global ranks reported and not yet excluded
+	pending   map[int]string // local global ranks reported and not yet excluded
 	// since is when the first of the pending reports was filed: the start
 	// of the failure-to-epoch latency.
 	since time.Time

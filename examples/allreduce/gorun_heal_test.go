@@ -269,7 +269,7 @@ func TestUnderGorunHealEndsWhenTheJobFinishes(t *testing.T) {
 		"--respawn-backoff", "0.1", "--grow-timeout", "20", "--max-respawns", "5", "--log-dir", t.TempDir(),
 		"--no-python", wrapper)
 	g.AwaitLines(ctx, t, "]:newcomer slot=1 after epoch=1", 1)
-	awaitLog(ctx, t, g, "grow epoch=2 world=2 added=[1]")
+	g.AwaitLog(ctx, t, "grow epoch=2 world=2 added=[1]")
 	g.Wait(ctx, t)
 	if took := time.Since(start); took > 15*time.Second {
 		t.Errorf("gorun ended %v after it started: the finished job waited on its grow", took.Round(time.Millisecond))
@@ -284,17 +284,5 @@ func TestUnderGorunHealEndsWhenTheJobFinishes(t *testing.T) {
 	// The stopped newcomer is no failure, and its slot was not grown back.
 	if !strings.Contains(errs, "lost ranks [1] in 2 epoch(s), world 2 -> 1:") {
 		t.Errorf("gorun's summary: want rank 1 lost, two epochs, world 1 at the end:\n%s", errs)
-	}
-}
-
-// awaitLog waits until gorun's log holds s.
-func awaitLog(ctx context.Context, t *testing.T, g *testutil.Gorun, s string) {
-	t.Helper()
-	for !strings.Contains(g.Stderr.String(), s) {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
-		case <-time.After(10 * time.Millisecond):
-		}
 	}
 }

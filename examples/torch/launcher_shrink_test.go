@@ -192,15 +192,15 @@ func TestGorunHealsTorchGlooWithPrestartedSpare(t *testing.T) {
 			script, "--steps", strconv.Itoa(steps), "--step-ms", "15", "--timestamps")
 	}
 	nodes := []*testutil.Gorun{agent()}
-	awaitStderr(ctx, t, nodes[0], "hosting the rendezvous store")
+	nodes[0].AwaitLog(ctx, t, "hosting the rendezvous store")
 	nodes = append(nodes, agent())
 	for _, n := range nodes {
 		n.AwaitLines(ctx, t, ": training, world 4", 2)
 	}
 	spare := agent()
-	awaitStderr(ctx, t, spare, "pre-started the workers")
-	awaitStderr(ctx, t, spare, "rendezvous complete") // standing by
-	spare.AwaitLines(ctx, t, "]:parked unix_ns=", 2)  // torch imported
+	spare.AwaitLog(ctx, t, "pre-started the workers")
+	spare.AwaitLog(ctx, t, "rendezvous complete")    // standing by
+	spare.AwaitLines(ctx, t, "]:parked unix_ns=", 2) // torch imported
 	lost := time.Now()
 	nodes[1].Cmd.Process.Kill()
 	spare.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2, 3]", 2)
@@ -219,18 +219,6 @@ func TestGorunHealsTorchGlooWithPrestartedSpare(t *testing.T) {
 	}
 	if !strings.Contains(spare.Stderr.String(), "assigning the pre-started workers") {
 		t.Errorf("the spare's workers were not the pre-started ones:\n%s", spare.Stderr.String())
-	}
-}
-
-// awaitStderr waits until g's log holds s.
-func awaitStderr(ctx context.Context, t *testing.T, g *testutil.Gorun, s string) {
-	t.Helper()
-	for !strings.Contains(g.Stderr.String(), s) {
-		select {
-		case <-ctx.Done():
-			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
-		case <-time.After(10 * time.Millisecond):
-		}
 	}
 }
 

@@ -63,6 +63,22 @@ func (g *Gorun) AwaitLines(ctx context.Context, t *testing.T, s string, n int) {
 	}
 }
 
+// AwaitLog waits until gorun's own log (stderr) holds s.
+func (g *Gorun) AwaitLog(ctx context.Context, t *testing.T, s string) {
+	t.Helper()
+	for !strings.Contains(g.Stderr.String(), s) {
+		select {
+		case <-g.exited:
+			if !strings.Contains(g.Stderr.String(), s) {
+				t.Fatalf("gorun exited before it logged %q: %v\n%s", s, g.err, g.Output())
+			}
+		case <-ctx.Done():
+			t.Fatalf("gorun never logged %q\n%s", s, g.Output())
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+}
+
 // KillRank SIGKILLs gorun's worker of global rank r.
 func (g *Gorun) KillRank(t *testing.T, r int) {
 	t.Helper()
