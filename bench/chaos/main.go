@@ -216,6 +216,9 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	case c.job.Startup < 0:
 		return nil, fmt.Errorf("-startup %v: want 0 or more", c.job.Startup)
 	}
+	if d, err := time.ParseDuration(c.job.WorkerTimeout); err != nil || d <= 0 {
+		return nil, fmt.Errorf("-worker-timeout %q: want a duration above 0, such as 15s", c.job.WorkerTimeout)
+	}
 	split := strings.Split(c.kinds, ",")
 	if c.sched.Kinds, err = ParseKinds(split); err != nil {
 		return nil, err

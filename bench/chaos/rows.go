@@ -260,6 +260,11 @@ func (j Job) workerArgv(r Row, dir string) []string {
 	case workerTorch:
 		argv = []string{py, j.TorchScript, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
 			"--lr", j.LR, "--progress", "--checkpoint", checkpoint}
+		// The group's timeout, which ends a hang under torchrun (parseFlags
+		// checked it is a duration).
+		if d, err := time.ParseDuration(j.WorkerTimeout); err == nil {
+			argv = append(argv, "--timeout", strconv.FormatFloat(d.Seconds(), 'f', -1, 64))
+		}
 	default:
 		argv = []string{j.Worker, "--steps", strconv.Itoa(j.Steps), "--step-ms", strconv.Itoa(j.StepMs),
 			"--progress", "--checkpoint", checkpoint, "--timeout", j.WorkerTimeout}

@@ -36,6 +36,7 @@ func TestParseFlags(t *testing.T) {
 			return c.python214 == "/bed/bin/python3" && c.job.LR == "0.01"
 		}, false},
 		{"not a duration", []string{"-startup", "5"}, nil, true},
+		{"a worker timeout", []string{"-worker-timeout", "20s"}, func(c *config) bool { return c.job.WorkerTimeout == "20s" }, false},
 		{"unknown flag", []string{"-worker-kinds", "torch"}, nil, true},
 	}
 	for _, tt := range tests {
@@ -51,20 +52,23 @@ func TestParseFlags(t *testing.T) {
 	}
 }
 
-// TestRunRefusesBadWorker: a worker kind or start-up cost that cannot be
-// run is refused before anything is built or started.
+// TestRunRefusesBadWorker: a worker kind, start-up cost or worker timeout
+// that cannot be run is refused before anything is built or started.
 func TestRunRefusesBadWorker(t *testing.T) {
 	for _, tt := range []struct {
-		name string
-		kind string
-		up   time.Duration
-		want string
+		name    string
+		kind    string
+		up      time.Duration
+		timeout string
+		want    string
 	}{
-		{"kind", "rust", 0, `-worker-kind "rust"`},
-		{"start-up", workerTorch, -time.Second, "-startup -1s"},
+		{"kind", "rust", 0, "15s", `-worker-kind "rust"`},
+		{"start-up", workerTorch, -time.Second, "15s", "-startup -1s"},
+		{"worker timeout without a unit", workerTorch, 0, "20", `-worker-timeout "20"`},
+		{"worker timeout of 0", workerGo, 0, "0s", `-worker-timeout "0s"`},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			c := &config{job: Job{Hosts: 1, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up}, kinds: "rank-kill"}
+			c := &config{job: Job{Hosts: 1, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up, WorkerTimeout: tt.timeout}, kinds: "rank-kill"}
 			_, err := run(context.Background(), c, io.Discard, io.Discard)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("run: %v, want an error naming %q", err, tt.want)
@@ -81,7 +85,8 @@ func TestWorkerArgv(t *testing.T) {
 		LR: "0.001", Steps: 10, StepMs: 5, WorkerTimeout: "15s"}
 	goWorker := []string{"/tmp/b/allreduce", "--steps", "10", "--step-ms", "5", "--progress", "--checkpoint", "/d/checkpoint", "--timeout", "15s"}
 	torch := func(py string) []string {
-		return []string{py, "/tmp/b/train_elastic.py", "--steps", "10", "--step-ms", "5", "--lr", "0.001", "--progress", "--checkpoint", "/d/checkpoint"}
+		return []string{py, "/tmp/b/train_elastic.py", "--steps", "10", "--step-ms", "5", "--lr", "0.001", "--progress", "--checkpoint", "/d/checkpoint",
+			"--timeout", "15"}
 	}
 	sleeper := func(py, s string) []string { return []string{py, "-c", startupSleeper, s} }
 	tests := []struct {

@@ -96,6 +96,9 @@ def main():
                          "successful collective of each attempt and epoch")
     ap.add_argument("--progress", action="store_true",
                     help="print 'progress attempt=A epoch=E step=S rank=R world=W unix_ns=T' after every step")
+    ap.add_argument("--timeout", type=float, default=60.0,
+                    help="the process group's timeout in seconds: how long a collective waits on a silent peer "
+                         "(under torchrun, which has no hang detection, what ends a hang)")
     ap.add_argument("--checkpoint", default="",
                     help="file where the group's rank 0 saves the model and step after every step, and that a "
                          "(re)started worker resumes from (default: none)")
@@ -130,7 +133,7 @@ def main():
     if args.backend == "nccl":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         torch.cuda.set_device(dev)
-    group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=60), on_ready=ready)
+    group = gorun_ft.ElasticGroup(args.backend, timeout=datetime.timedelta(seconds=args.timeout), on_ready=ready)
     me = group.global_rank
     w = torch.zeros(DIM, dtype=torch.float64, device=dev)
     step = torch.zeros(1, dtype=torch.float64, device=dev)  # a tensor, so resync can broadcast it
