@@ -69,6 +69,10 @@ type Liveness struct {
 	lease     clientv3.LeaseID
 	nodes     map[string]*presence
 	rev       int64 // the revision the view reflects
+	// relapse is open while the node registers again after losing its
+	// lease (Lease waits on it); nil otherwise.
+	relapse chan struct{}
+	closed  bool
 }
 
 // presence is one node's entry in the view.
@@ -129,8 +133,43 @@ func (l *Liveness) register(ctx context.Context) error {
 	if g.TTL > 0 {
 		l.ttl = g.TTL // etcd may raise it to its minimum
 	}
+	l.endRelapse()
 	l.mu.Unlock()
 	return nil
+}
+
+// endRelapse wakes Lease's waiters; mu held.
+func (l *Liveness) endRelapse() {
+	if l.relapse != nil {
+		close(l.relapse)
+		l.relapse = nil
+	}
+}
+
+// Lease returns the lease the node's key is bound to now, for keys that
+// are to live no longer than the node's presence: an etcd Storage's
+// tokens (StorageConfig.Lease), so that the node keeps one lease alive,
+// not one more per Storage. Once the node has seen its lease lost it
+// returns the lease it registers again with, waiting for it until ctx
+// ends. A closed Liveness has no lease.
+func (l *Liveness) Lease(ctx context.Context) (clientv3.LeaseID, error) {
+	for {
+		l.mu.Lock()
+		id, relapse, closed := l.lease, l.relapse, l.closed
+		l.mu.Unlock()
+		switch {
+		case closed:
+			return clientv3.NoLease, fmt.Errorf("%w: the etcd liveness of %s is closed", rendezvous.ErrClosed, l.key)
+		case relapse == nil:
+			return id, nil
+		}
+		select {
+		case <-ctx.Done():
+			return clientv3.NoLease, fmt.Errorf("%w: waiting for %s's etcd lease to be granted again: %w",
+				rendezvous.ErrUnavailable, l.key, ctx.Err())
+		case <-relapse:
+		}
+	}
 }
 
 // TTL returns the lease's time to live as etcd granted it.
@@ -231,6 +270,10 @@ func (l *Liveness) Departures(since, back int64) (deleted bool, present int) {
 func (l *Liveness) Close(ctx context.Context) error {
 	var err error
 	l.closeOnce.Do(func() {
+		l.mu.Lock()
+		l.closed = true
+		l.endRelapse()
+		l.mu.Unlock()
 		l.cancel()
 		l.wg.Wait()
 		err = l.revoke(ctx)
@@ -289,6 +332,11 @@ func (l *Liveness) keepAliveLoop() {
 		}
 		l.cfg.Logger.Warn("etcd lease lost; registering again", zap.String("key", l.key),
 			zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)), zap.Error(err))
+		l.mu.Lock()
+		if l.relapse == nil && !l.closed {
+			l.relapse = make(chan struct{})
+		}
+		l.mu.Unlock()
 		for l.ctx.Err() == nil {
 			ctx, cancel := context.WithTimeout(l.ctx, ttl)
 			err := l.register(ctx)
