@@ -29,6 +29,12 @@ import (
 //	alive/<node>    one key per agent, bound to the agent's lease
 //	store/<round>/  the round's worker store
 //
+// An agent holds one etcd lease, its liveness's: both its stores put the
+// tokens of their read-modify-writes under it (etcd.StorageConfig.Lease),
+// so that they go with the agent's presence and etcd renews one lease per
+// agent, not three (at 512 agents on two cores it could not keep three
+// renewed: BENCHMARKS.md).
+//
 // The dynamic rendezvous runs as with c10d, on an etcd.Store. Liveness is
 // the leases': a node whose lease expires is seen lost through a watch of
 // alive/ within about lease_ttl (etcd.Liveness), by etcd's clock, which a
@@ -157,8 +163,8 @@ func (e *etcdNode) checkAccess(ctx context.Context, timeout time.Duration) error
 	return nil
 }
 
-// connect reaches etcd (retrying until join_timeout), opens the
-// rendezvous store, takes this node's lease and starts the expeller.
+// connect reaches etcd (retrying until join_timeout), takes this node's
+// lease, opens the rendezvous store and starts the expeller.
 func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error {
 	ccfg := e.settings.Client
 	ccfg.Logger = e.job.log
@@ -182,20 +188,7 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return err
 	}
 
-	readTimeout := e.job.cfg.rdzv.readTimeout
-	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
-		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.job.log.Named("rdzv"),
-		// The rendezvous state, its request queue and folder lock are
-		// only read, compare-set, pushed and popped, by every node at
-		// every join and heartbeat: no node's watch need carry them to
-		// every other.
-		Unwatched: rendezvous.DynamicUnwatched(e.job.runID),
-	})
-	if err != nil {
-		return fmt.Errorf("etcd rendezvous store: %w", err)
-	}
-	e.rdzv, e.job.store = st, etcd.NewStore(st, readTimeout)
-
+	// The lease first: the rendezvous store puts its tokens under it.
 	me := e.job.me.String()
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
 		Dir: e.base + "alive/", Name: me, Value: []byte(e.job.addr),
@@ -213,6 +206,21 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	if err != nil {
 		return err
 	}
+
+	readTimeout := e.job.cfg.rdzv.readTimeout
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
+		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.job.log.Named("rdzv"),
+		// The rendezvous state, its request queue and folder lock are
+		// only read, compare-set, pushed and popped, by every node at
+		// every join and heartbeat: no node's watch need carry them to
+		// every other.
+		Unwatched: rendezvous.DynamicUnwatched(e.job.runID),
+		Lease:     e.live.Lease,
+	})
+	if err != nil {
+		return fmt.Errorf("etcd rendezvous store: %w", err)
+	}
+	e.rdzv, e.job.store = st, etcd.NewStore(st, readTimeout)
 	ttl := e.live.TTL()
 	if ttl > e.settings.LeaseTTL+time.Second {
 		e.job.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
@@ -323,6 +331,7 @@ func (e *etcdNode) serveWorkerStore(ctx context.Context, round int, rev int64) (
 		Prefix: e.storePrefix(round), Logger: e.job.log.Named("store"),
 		// No request on the way to the workers' start.
 		StartRevision: rev,
+		Lease:         e.live.Lease,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("worker store: %w", err)

@@ -289,6 +289,68 @@ func TestEtcdWatchAfterLeaseLapse(t *testing.T) {
 	}
 }
 
+// TestEtcdOneLeasePerAgent: an agent keeps one etcd lease alive, its
+// liveness's, under which both its stores put the tokens of their
+// read-modify-writes (the rendezvous store's joins and the worker store's
+// adds); it used to hold three, more than 512 agents on two cores could
+// keep renewed (BENCHMARKS.md, issue 19).
+func TestEtcdOneLeasePerAgent(t *testing.T) {
+	noLeaks(t)
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	nodes := etcdNodes(t, cluster, "127.0.0.1", "localhost")
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	plans := nextAll(t, nodes)
+	for _, p := range plans {
+		c, err := tcpstore.Dial(ctx, p.store.Addr().String(), tcpstore.ClientConfig{Timeout: 10 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if _, err := c.Add(ctx, "counter", 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	leases := make(map[clientv3.LeaseID]bool)
+	for _, n := range nodes {
+		id, err := n.live.Lease(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		leases[id] = true
+	}
+	r, err := cli.Leases(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(r.Leases) != len(nodes) {
+		t.Fatalf("%d etcd leases for %d agents; want one each", len(r.Leases), len(nodes))
+	}
+	kvs, err := cli.Get(ctx, nodes[0].base, clientv3.WithPrefix())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var rdzv, worker int
+	for _, kv := range kvs.Kvs {
+		k := string(kv.Key)
+		if !strings.Contains(k, "/m/t/") {
+			continue
+		}
+		if !leases[clientv3.LeaseID(kv.Lease)] {
+			t.Errorf("token %s under lease %x, not an agent's liveness lease", k, kv.Lease)
+		}
+		if strings.HasPrefix(k, nodes[0].base+"rdzv/") {
+			rdzv++
+		} else {
+			worker++
+		}
+	}
+	if rdzv == 0 || worker == 0 {
+		t.Fatalf("%d rendezvous tokens, %d worker store tokens: the test tests too little", rdzv, worker)
+	}
+}
+
 func TestParseNodeDesc(t *testing.T) {
 	for _, n := range []rendezvous.NodeDesc{
 		{Addr: "node0", Pid: 12, LocalID: 0},

@@ -44,6 +44,9 @@ type batchCall struct {
 	resp   *etcdserverpb.ResponseOp
 	rev    int64 // the batch's revision
 	err    error
+	// leased: op puts a token under its lease (doTokened); resent: the
+	// batch was sent more than once.
+	leased, resent bool
 }
 
 // batcher queues operations and sends them in transactions.
@@ -75,16 +78,33 @@ func (b *batcher) do(op clientv3.Op, size int, writes ...string) (*etcdserverpb.
 		size = len(op.KeyBytes()) + len(op.ValueBytes())
 	}
 	c := &batchCall{op: op, writes: writes, size: size, done: make(chan struct{})}
+	b.run(c)
+	return c.resp, c.rev, c.err
+}
+
+// doTokened is do for an operation that puts a token under its lease (see
+// Storage.update), and also reports whether its batch was sent more than
+// once. When etcd refuses the batch because a lease is gone, nothing in it
+// was applied: the operations with tokens fail with errLeaseGone, and the
+// others are sent again without them.
+func (b *batcher) doTokened(op clientv3.Op, size int, writes ...string) (*etcdserverpb.ResponseOp, int64, bool, error) {
+	c := &batchCall{op: op, writes: writes, size: size, done: make(chan struct{}), leased: true}
+	b.run(c)
+	return c.resp, c.rev, c.resent, c.err
+}
+
+// run queues c and waits for its batch's outcome.
+func (b *batcher) run(c *batchCall) {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
-		return nil, 0, errStorageClosed
+		c.err = errStorageClosed
+		return
 	}
 	b.pending = append(b.pending, c)
 	b.startLocked()
 	b.mu.Unlock()
 	<-c.done
-	return c.resp, c.rev, c.err
 }
 
 // doAll runs ops, which write nothing, in one batch where the limits
@@ -177,11 +197,32 @@ func (b *batcher) commit(batch []*batchCall) {
 	}
 	ctx, cancel := b.s.opCtx()
 	var resp *clientv3.TxnResponse
+	sends := 0
 	err := b.s.retry(ctx, func(ctx context.Context) (err error) {
+		sends++
 		resp, err = b.s.cli.Txn(ctx).Then(ops...).Commit()
 		return err
 	})
 	cancel()
+	if errors.Is(err, rpctypes.ErrLeaseNotFound) {
+		// Only tokens name leases: the operations without one are not
+		// to fail for another's lapse.
+		var rest []*batchCall
+		for _, c := range batch {
+			if c.leased {
+				c.err, c.resent = markLeaseGone(err), sends > 1
+				close(c.done)
+			} else {
+				rest = append(rest, c)
+			}
+		}
+		if len(rest) < len(batch) {
+			if len(rest) > 0 {
+				b.commit(rest)
+			}
+			return
+		}
+	}
 	if len(batch) > 1 && (errors.Is(err, rpctypes.ErrTooManyOps) || errors.Is(err, rpctypes.ErrRequestTooLarge)) {
 		half := len(batch) / 2
 		b.mu.Lock()
@@ -195,6 +236,7 @@ func (b *batcher) commit(batch []*batchCall) {
 		err = fmt.Errorf("etcd answered a batch of %d with %d responses", len(batch), len(resp.Responses))
 	}
 	for i, c := range batch {
+		c.resent = sends > 1
 		if err != nil {
 			c.err = err
 		} else {

@@ -61,6 +61,18 @@ type StorageConfig struct {
 	// deletes them (see Large values). Default 10 s; etcd rounds it up to
 	// whole seconds.
 	WriteLeaseTTL time.Duration
+	// Lease, if set, returns the lease to put the tokens of
+	// read-modify-writes under (see Tokens in storage_lease.go): one its
+	// owner keeps alive, and replaces when it lapses, such as an agent's
+	// Liveness.Lease, so that the agent holds one lease rather than one
+	// more per Storage and its tokens go with its presence. It is called
+	// for every read-modify-write, so it should answer from memory, and
+	// again, until it answers another lease, when etcd finds the one it
+	// answered gone. Close deletes the tokens and leaves the lease alone.
+	// Default: nil, a lease of the Storage's own (TTL OpTimeout plus
+	// WriteLeaseTTL), granted at the first read-modify-write, kept alive
+	// and revoked by Close.
+	Lease func(ctx context.Context) (clientv3.LeaseID, error)
 }
 
 // Layout under Prefix (the watch covers k/ to m/quiet, and q/):
@@ -224,7 +236,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		waiters:  make(map[string]map[*waiter]struct{}),
 		barriers: make(map[string]map[*barrier]struct{}),
 		watches:  make(map[string]map[*watch]struct{}),
-		tokens:   tokenLease{kept: make(chan clientv3.LeaseID, 1)},
+		tokens:   tokenLease{shared: cfg.Lease, kept: make(chan clientv3.LeaseID, 1)},
 	}
 	for i := range s.stripes {
 		s.stripes[i].cache = make(map[string]known)
@@ -253,18 +265,21 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		rev = resp.Header.Revision
 	}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	s.loops.Add(4)
+	s.loops.Add(3)
 	go s.watchLoop(rev+1, watchKeys)
 	go s.watchLoop(rev+1, watchQueues)
 	go s.sweepLoop()
-	go s.keepTokens()
+	if cfg.Lease == nil {
+		s.loops.Add(1)
+		go s.keepTokens()
+	}
 	return s, nil
 }
 
 // Close stops the watch and deletes this Storage's bookkeeping (the tokens
 // of its read-modify-writes, which no operation needs once none is in
-// flight, and their lease). Registered waiters are never released afterwards; the data stays
-// in etcd (see Drop).
+// flight, and their lease if it is the Storage's own). Registered waiters
+// are never released afterwards; the data stays in etcd (see Drop).
 func (s *Storage) Close() error {
 	s.cancel()
 	s.loops.Wait()
@@ -658,7 +673,8 @@ type change struct {
 // transaction's comparison is evaluated when it is applied, so at most one
 // attempt of an operation can apply, and when the token shows this
 // attempt, it was applied by an earlier sending of its batch. An increment
-// is never applied twice.
+// is never applied twice: a token found absent after a sending again is
+// believed only while its lease lives (see Tokens).
 func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) (change, error)) (change, error) {
 	k := s.kkey(key)
 	st, tok := s.stripe(k)
@@ -666,7 +682,9 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 	defer st.mu.Unlock()
 	opID := strconv.FormatUint(s.seq.Add(1), 16) + "."
 	guess, verified := st.cache[k], false
-	var big chunkWrite // the chunks written for this operation's last large result
+	var big chunkWrite           // the chunks written for this operation's last large result
+	var refused clientv3.LeaseID // a lease etcd found gone
+	refusals := 0
 	defer func() {
 		if big.gen != "" {
 			s.dropChunks(k, big) // not the value stored: see the success paths
@@ -698,7 +716,7 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 		}
 		id := opID + strconv.Itoa(attempt)
 		lctx, lcancel := s.opCtx()
-		lease, err2 := s.lease(lctx)
+		lease, err2 := s.lease(lctx, refused)
 		lcancel()
 		if err2 != nil {
 			return change{}, s.fail(op, key, err2)
@@ -743,9 +761,13 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 			}
 			size += len(stored)
 		}
-		r, rev, terr := s.batch.do(clientv3.OpTxn(cmps, then,
+		r, rev, resent, terr := s.batch.doTokened(clientv3.OpTxn(cmps, then,
 			[]clientv3.Op{clientv3.OpGet(k), clientv3.OpGet(tok)},
 		), size, writes...)
+		if s.leaseRefused(terr, lease, &refusals) {
+			refused = lease // nothing applied: again, under another
+			continue
+		}
 		if terr != nil {
 			return change{}, s.fail(op, key, terr)
 		}
@@ -772,6 +794,9 @@ func (s *Storage) update(op string, key []byte, f func(cur []byte, exists bool) 
 				big = chunkWrite{}
 			}
 			return ch, nil
+		}
+		if resent && len(then) > 0 && !s.tokenLives(lease) {
+			return change{}, s.fail(op, key, errOutcomeUnknown)
 		}
 		guess, verified = known{}, true
 		if kvs := now[0].GetResponseRange().Kvs; len(kvs) > 0 {
@@ -1026,6 +1051,8 @@ func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 	defer st.mu.Unlock()
 	ctx, cancel := s.opCtx()
 	defer cancel()
+	var refused clientv3.LeaseID // a lease etcd found gone
+	refusals := 0
 	for {
 		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max)),
 			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
@@ -1042,16 +1069,18 @@ func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 			ops = append(ops, clientv3.OpDelete(string(kv.Key)))
 		}
 		id := strconv.FormatUint(s.seq.Add(1), 16)
-		lease, err := s.lease(ctx)
+		lease, err := s.lease(ctx, refused)
 		if err != nil {
 			return nil, 0, s.fail("queue_pop", key, err)
 		}
 		ops = append(ops, clientv3.OpPut(tok, id, clientv3.WithLease(lease)))
 		var popped bool
+		sends := 0
 		err = s.retry(ctx, func(ctx context.Context) error {
+			sends++
 			tx, err := s.cli.Txn(ctx).If(cmps...).Then(ops...).Else(clientv3.OpGet(tok)).Commit()
 			if err != nil {
-				return err
+				return markLeaseGone(err)
 			}
 			popped = tx.Succeeded
 			if kvs := tx.Responses[0].GetResponseRange().GetKvs(); !popped && len(kvs) > 0 {
@@ -1059,8 +1088,15 @@ func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 			}
 			return nil
 		})
+		if s.leaseRefused(err, lease, &refusals) {
+			refused = lease // nothing popped: again, under another
+			continue
+		}
 		if err != nil {
 			return nil, 0, s.fail("queue_pop", key, err)
+		}
+		if !popped && sends > 1 && !s.tokenLives(lease) {
+			return nil, 0, s.fail("queue_pop", key, errOutcomeUnknown)
 		}
 		if popped {
 			out := make([][]byte, len(resp.Kvs))
