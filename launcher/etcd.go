@@ -236,8 +236,12 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 
 // expelLapsed takes each node whose presence key went out of the rendezvous
 // state, leaving on its behalf: its lease expired, so it is gone, and the
-// round it was in is over. Every node that sees the key go does it; the
-// first to write wins and the others find the node out already.
+// round it was in is over. One node does it, the lapsed one's successor
+// among the present (Liveness.Successor): when every node did, a lapse
+// cost etcd one expulsion per node, and at 512 agents the lapses of a
+// starved join fed on the load they made. Should two nodes' views both
+// name themselves, the first to write wins and the other finds the node
+// out already; should none, the rendezvous state's keep-alives drop it.
 func (e *etcdNode) expelLapsed(ctx context.Context) {
 	defer close(e.expellerDone)
 	for {
@@ -245,7 +249,7 @@ func (e *etcdNode) expelLapsed(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case name := <-e.gone:
-			if e.over.Load() {
+			if e.over.Load() || e.live.Successor(name) != e.job.me.String() {
 				continue
 			}
 			if err := e.expel(ctx, name); err != nil {

@@ -81,6 +81,44 @@ func TestLivenessLeaseExpires(t *testing.T) {
 	}
 }
 
+// TestLivenessSuccessor: the present node after a name, in name order,
+// wrapping around, as every node's view names it; a node gone is skipped.
+func TestLivenessSuccessor(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	views := map[string]*etcd.Liveness{}
+	for _, n := range []string{"b", "d", "a", "c"} {
+		views[n], _ = startLiveness(t, cluster, dir, n, 5*time.Second)
+	}
+	ctx := testCtx(t, 20*time.Second)
+	for _, v := range views {
+		if _, err := v.Sync(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check := func(want map[string]string) {
+		t.Helper()
+		for name, v := range views {
+			for of, w := range want {
+				if got := v.Successor(of); got != w {
+					t.Errorf("%s's view: Successor(%q) = %q, want %q", name, of, got, w)
+				}
+			}
+		}
+	}
+	check(map[string]string{"a": "b", "b": "c", "c": "d", "d": "a", "bb": "c", "z": "a"})
+	if err := views["c"].Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	delete(views, "c")
+	for _, v := range views {
+		if _, err := v.Sync(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	check(map[string]string{"b": "d", "c": "d", "d": "a"})
+}
+
 // TestLivenessCloseRevokes: a node that closes cleanly is gone at once
 // for the others, not a TTL later.
 func TestLivenessCloseRevokes(t *testing.T) {
