@@ -43,10 +43,11 @@ type worker struct {
 	// finished before its grow completed.
 	excluded, dropped bool
 	// newcomer: heal respawned it into a lost slot (or a node admitted
-	// late started it), to be grown back in; grown once a grow epoch has
-	// (grownIn, that epoch's number), joined once that grow completed.
-	newcomer, grown, joined bool
-	grownIn                 int
+	// late started it), to be grown back in. grownIn is the grow epoch
+	// that added it (0: none yet); it is in the group once that grow has
+	// completed (survivors.completed).
+	newcomer bool
+	grownIn  int
 	// since is the shrink epoch after which it was started
 	// (GORUN_SHRINK_NEWCOMER; 0 for a round's workers).
 	since int

@@ -42,7 +42,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			return ev.stopped
 		case evWorkerExit:
 			if ev.exit.e.Code() == 0 {
-				a.finishedHere(w)
+				a.finishedHere(w, sv)
 				continue
 			}
 			if ev.exit.w.dropped {
@@ -79,7 +79,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		case evRespawnDue:
 			a.respawn(ctx, w, sv, ev.slot)
 		case evGrown:
-			a.grown(w.g, sv, ev.grown)
+			a.grown(sv, ev.grown)
 		case evAgreementFailed:
 			return fallBack(ev.err.Error())
 		case evNodeDead:
@@ -150,7 +150,7 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 		for _, w := range g.workers {
 			if e.Newcomer(w.a.Rank) {
 				added = append(added, w.a.Rank)
-				w.grown, w.grownIn = true, e.Number
+				w.grownIn = e.Number
 			}
 		}
 		a.log.Warn(fmt.Sprintf("grow epoch=%d world=%d added=%v", e.Number, e.WorldSize, e.Added),
@@ -175,7 +175,7 @@ func (a *agent) adoptEpoch(g *group, sv *survivors, e shrink.Epoch, out *outcome
 	for _, w := range g.workers {
 		// A newcomer not grown in yet is out of every epoch until its
 		// grow: one that came late sees the epochs before it.
-		if !w.exited && slices.Contains(excluded, w.a.Rank) && (!w.newcomer || w.grown) {
+		if !w.exited && slices.Contains(excluded, w.a.Rank) && (!w.newcomer || w.grownIn > 0) {
 			a.log.Warn("stopping a worker the epoch excludes", zap.Int("rank", w.a.Rank), zap.Int("epoch", e.Number))
 			w.excluded = true
 			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
@@ -281,15 +281,10 @@ func (a *agent) respawn(ctx context.Context, w *roundWatch, sv *survivors, slot 
 		zap.Int("respawn", n), zap.Int("max_respawns", a.cfg.MaxRespawns))
 }
 
-// grown logs that a grow completed: every rank of it is in the grown
-// group, the local newcomers it added included.
-func (a *agent) grown(g *group, sv *survivors, c shrink.Complete) {
+// grown notes that a grow completed, and logs it: every rank of it is in
+// the grown group, the local newcomers it added included.
+func (a *agent) grown(sv *survivors, c shrink.Complete) {
 	sv.completed[c.Epoch] = true
-	for _, wk := range g.workers {
-		if wk.grown && wk.grownIn == c.Epoch {
-			wk.joined = true
-		}
-	}
 	for _, e := range sv.epochs {
 		if e.Number == c.Epoch {
 			a.endpoint.GrowComplete(e.DecidedAt, c.At)
@@ -309,14 +304,14 @@ func (a *agent) grown(g *group, sv *survivors, c shrink.Complete) {
 // kept the job going, grow after grow timing out and respawn after
 // respawn, until the budget was spent: seen with PyTorch workers, which
 // step on while a grow's group is built, and finished first.)
-func (a *agent) finishedHere(w *roundWatch) {
+func (a *agent) finishedHere(w *roundWatch, sv *survivors) {
 	if w.respawns == nil {
 		return
 	}
 	w.respawns.cancel()
 	w.respawns = nil
 	for _, wk := range w.g.workers {
-		if !wk.exited && wk.newcomer && !wk.joined {
+		if !wk.exited && wk.newcomer && !sv.completed[wk.grownIn] {
 			a.log.Info("stopping a newcomer: the group it was to join has finished", zap.Int("rank", wk.a.Rank))
 			wk.dropped = true
 			syscall.Kill(-wk.proc.Pid, syscall.SIGTERM)

@@ -292,13 +292,9 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 		next = &e
 	}
 	e := *next
-	switch {
-	case !e.Alive(f.globalRank):
+	if err := stopsAt(e, f.globalRank); err != nil {
 		f.advance(e, nil)
-		return nil, e, fmt.Errorf("shrink: epoch %d: global rank %d: %w", e.Number, f.globalRank, ErrExcluded)
-	case e.Action == ActionRestart:
-		f.advance(e, nil)
-		return nil, e, fmt.Errorf("shrink: epoch %d leaves %d ranks: %w", e.Number, e.WorldSize, ErrRestart)
+		return nil, e, err
 	}
 	f.mu.Lock()
 	base, ok := f.groups[e.Base]
@@ -355,6 +351,18 @@ func (f *Follower) Recover(ctx context.Context) (pg.ProcessGroup, Epoch, error) 
 		return ng, e, err
 	}
 	return ng, e, nil
+}
+
+// stopsAt is why global rank g stops at epoch e: ErrExcluded when e
+// excludes it, ErrRestart when e is a restart; nil when it goes on.
+func stopsAt(e Epoch, g int) error {
+	switch {
+	case !e.Alive(g):
+		return fmt.Errorf("shrink: epoch %d: global rank %d: %w", e.Number, g, ErrExcluded)
+	case e.Action == ActionRestart:
+		return fmt.Errorf("shrink: epoch %d leaves %d ranks: %w", e.Number, e.WorldSize, ErrRestart)
+	}
+	return nil
 }
 
 // supersedes reports whether epoch later ends a move to epoch moving: any

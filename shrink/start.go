@@ -72,11 +72,8 @@ func (l Launched) Start(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 			return nil, nil, e, fmt.Errorf("shrink: rank %d, its group of epoch %d not formed, waiting for the next epoch: %w",
 				l.GlobalRank, e.Number, err)
 		}
-		switch {
-		case !next.Alive(l.GlobalRank):
-			return nil, nil, next, fmt.Errorf("shrink: epoch %d: global rank %d: %w", next.Number, l.GlobalRank, ErrExcluded)
-		case next.Action == ActionRestart:
-			return nil, nil, next, fmt.Errorf("shrink: epoch %d leaves %d ranks: %w", next.Number, next.WorldSize, ErrRestart)
+		if err := stopsAt(next, l.GlobalRank); err != nil {
+			return nil, nil, next, err
 		}
 		e, namespace = next, Namespace(next.Number)
 	}

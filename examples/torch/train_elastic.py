@@ -103,6 +103,8 @@ def main():
                     help="file where the group's rank 0 saves the model and step after every step, and that a "
                          "(re)started worker resumes from (default: none)")
     args = ap.parse_args()
+    if args.timeout <= 0:
+        ap.error("--timeout %g: want seconds above 0" % args.timeout)
     # A pre-started worker (gorun --spare-prestart) waits here, its imports
     # done, for its agent's round: its rank and the rest.
     if args.timestamps and "GORUN_ASSIGNMENT_FD" in os.environ:

@@ -138,12 +138,11 @@ func (l *Liveness) register(ctx context.Context) error {
 // are to live no longer than the node's presence: an etcd Storage's
 // tokens (StorageConfig.Lease), so that the node keeps one lease alive,
 // not one more per Storage. After a loss it is the lease the node
-// registered again with, once granted. It does not wait for that: most
-// of the losses the node declares are renewals that timed out on a busy
-// etcd (BENCHMARKS.md: 2,497 of 2,684 at 512 agents), whose lease may
-// still live, and a put under a lease that etcd has expired is refused,
-// after which the Storage asks again. ctx is unused (StorageConfig.Lease
-// takes one). A closed Liveness has no lease.
+// registered again with, once granted. It does not wait for that: a put
+// under the lease etcd expired is refused, and the Storage asks again
+// until the answer changes (waiting here held every store operation of a
+// busy agent for a grant: BENCHMARKS.md, 512 agents). ctx is unused
+// (StorageConfig.Lease takes one). A closed Liveness has no lease.
 func (l *Liveness) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
