@@ -11,8 +11,11 @@
 #   gpusmoke            make gpu-smoke: world 1, allreduce, grow refused on one device, abort
 #   pg-nccl-heal        TestGPUShrinkGrow: 3 rank processes, one SIGKILLed, shrink, a newcomer grown in
 #   gorun-go-heal       gorun --on-failure shrink, 3 Go allreduce workers on pg/nccl, rank 2 SIGKILLed mid-run
+#   gorun-go-heal-preform  the same, rank 2 killed before the first communicator forms
 #   torch-nccl          gorun, 3 PyTorch NCCL workers (train_elastic.py), no fault
 #   torch-nccl-heal     the same, rank 2 SIGKILLed mid-run: shrink, respawn, grow
+#
+# GPU_CHECKS="torch-nccl-heal gpusmoke" runs only those (a short lease).
 #
 # Several ranks share the machine's one GPU through scripts/gpu-hostid.sh
 # (a NCCL host id per process).
@@ -28,6 +31,9 @@ mkdir -p "$OUT/logs"
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
 
 step() { echo; echo "=== $* ($(date -u +%T))"; }
+# want CHECK: whether to run CHECK (GPU_CHECKS, names separated by spaces:
+# the ones to run; unset: all).
+want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
 result() { echo "RESULT $1: $([ "$2" = 0 ] && echo PASS || echo "FAIL (rc $2)")${3:+ $3}"; }
 
 # kill_rank RANK PATTERN LOG PROCESS DELAY: once LOG holds PATTERN, wait
@@ -49,7 +55,8 @@ kill_rank() {
 
 # summary LOG: the lines that say what a job did.
 summary() {
-	grep -E 'shrink epoch|grow epoch|restart epoch|done rank|lost ranks|newcomer|excluded|Error|error|FAIL|Traceback|exited|exit code' "$1" | grep -v '^\s*$' | head -60
+	grep -E 'shrink epoch|grow epoch|restart epoch|done rank|lost ranks|newcomer|excluded|Error|error|FAIL|Traceback|exited|exit code|abort' "$1" |
+		grep -v -E '^\s*$|socket\.cpp|frame #|^\[default[0-9]\]:(Last error|Exception raised)' | head -40
 }
 
 step environment
@@ -67,17 +74,22 @@ PYEOF
 )}
 echo "NCCL library: ${NCCL:=libnccl.so.2}"
 
+if want gpusmoke; then
 step gpusmoke
 timeout -k 5 30 "$B/gpusmoke" -probe -nccl "$NCCL"
 timeout -k 5 90 "$B/gpusmoke" -nccl "$NCCL"
 result gpusmoke $?
+fi
 
+if want pg-nccl-heal; then
 step "pg/nccl: TestGPUShrinkGrow"
 (cd pg/nccl && PGNCCL_GPU_NCCL=$NCCL timeout -k 5 100 "../../$B/nccl.test" -test.run '^TestGPUShrinkGrow$' -test.v -test.timeout 95s) >"$OUT/logs/pg-nccl-heal.log" 2>&1
 rc=$?
 grep -E '^(=== RUN|--- |\s+gpu_cgo_test.go:[0-9]+: (formed|shrunk|grown|.*FAIL|[a-z]+: ))|FAIL|PASS|panic' "$OUT/logs/pg-nccl-heal.log" | head -60
 result pg-nccl-heal $rc
+fi
 
+if want gorun-go-heal; then
 step "gorun heal: Go allreduce on pg/nccl, rank 2 SIGKILLed mid-run"
 L=$OUT/logs/gorun-go-heal.log
 GORUN_NCCL_LIBRARY=$NCCL timeout -k 5 60 "$B/gorun" --standalone --nproc-per-node 3 --on-failure shrink --respawn-backoff 0.1 \
@@ -90,7 +102,27 @@ summary "$L"
 n=$(grep -c 'done rank=[0-9]* world=3 steps=800' "$L")
 if [ "$rc" = 0 ] && { [ "$n" != 3 ] || ! grep -q 'the lost ones grown back in' "$L"; }; then rc=99; fi
 result gorun-go-heal $rc "($n of 3 ranks done at world 3)"
+fi
 
+if want gorun-go-heal-preform; then
+step "gorun heal: Go allreduce on pg/nccl, rank 2 lost before the first communicator forms"
+# Rank 2 sleeps before it execs the worker (a newcomer does not), so ranks 0
+# and 1 sit in the first formation waiting for it; it is killed there.
+L=$OUT/logs/gorun-go-heal-preform.log
+GORUN_NCCL_LIBRARY=$NCCL timeout -k 5 60 "$B/gorun" --standalone --nproc-per-node 3 --on-failure shrink --respawn-backoff 0.1 \
+	--no-python scripts/gpu-hostid.sh sh -c 'if [ "$RANK" = 2 ] && [ -z "${GORUN_SHRINK_NEWCOMER:-}" ]; then sleep 60; fi; exec "$@"' gpu-slow-rank \
+	"$B/allreduce" -backend "$GO_BACKEND" -steps 400 -step-ms 10 -timestamps >"$L" 2>&1 &
+g=$!
+kill_rank 2 '.' "$L" gpu-slow-rank 4
+wait $g
+rc=$?
+summary "$L"
+n=$(grep -c 'done rank=[0-9]* world=3 steps=400' "$L")
+if [ "$rc" = 0 ] && { [ "$n" != 3 ] || ! grep -q 'the lost ones grown back in' "$L"; }; then rc=99; fi
+result gorun-go-heal-preform $rc "($n of 3 ranks done at world 3)"
+fi
+
+if want torch-nccl; then
 step "gorun, PyTorch NCCL (train_elastic.py), no fault"
 L=$OUT/logs/torch-nccl.log
 timeout -k 5 90 "$B/gorun" --standalone --nproc-per-node 3 --on-failure shrink \
@@ -100,11 +132,12 @@ summary "$L"
 n=$(grep -c 'done rank=[0-9]* world=3 steps=200' "$L")
 if [ "$rc" = 0 ] && [ "$n" != 3 ]; then rc=99; fi
 result torch-nccl $rc "($n of 3 ranks done at world 3)"
+fi
 
 torch_heal() { # name, the kill's pattern and delay, then env assignments for the job
 	local name=$1 L=$OUT/logs/$1.log pat=$2 delay=$3 g rc n stacks
 	shift 3
-	env "$@" timeout -k 5 100 "$B/gorun" --standalone --nproc-per-node 3 --on-failure shrink --respawn-backoff 0.1 \
+	env "$@" timeout -k 5 75 "$B/gorun" --standalone --nproc-per-node 3 --on-failure shrink --respawn-backoff 0.1 \
 		--no-python scripts/gpu-hostid.sh "$PY" examples/torch/train_elastic.py --backend "$TORCH_BACKEND" --steps 600 --step-ms 20 --timestamps >"$L" 2>&1 &
 	g=$!
 	kill_rank 2 "$pat" "$L" train_elastic.py "$delay"
@@ -118,19 +151,24 @@ torch_heal() { # name, the kill's pattern and delay, then env assignments for th
 	kill $stacks 2>/dev/null
 	summary "$L"
 	n=$(grep -c 'done rank=[0-9]* world=3 steps=600' "$L")
+	# Whether the survivors ran at world 2 while the newcomer started.
+	shrunk=$(grep -c 'first-collective attempt=0 epoch=1 ' "$L")
 	# Healed, not restarted: gorun's closing line says so.
 	if [ "$rc" = 0 ] && { [ "$n" != 3 ] || ! grep -q 'the lost ones grown back in' "$L"; }; then rc=99; fi
-	result "$name" $rc "($n of 3 ranks done at world 3)"
+	result "$name" $rc "($n of 3 ranks done at world 3; $shrunk of 2 survivors ran the shrunk group)"
 	return $rc
 }
+if want torch-nccl-heal; then
 step "gorun heal, PyTorch NCCL, rank 2 SIGKILLed 3 s into its steps"
-if ! torch_heal torch-nccl-heal 'first-collective attempt=0 epoch=0' 3 GORUN_FT_STACKS=1; then
-	step "the same without PyTorch's debug dumps and monitoring thread"
-	torch_heal torch-nccl-heal-nodump 'first-collective attempt=0 epoch=0' 3 GORUN_FT_STACKS=1 \
-		TORCH_NCCL_DUMP_ON_TIMEOUT=0 TORCH_NCCL_ENABLE_MONITORING=0
+# TORCH_CPP_LOG_LEVEL=INFO: PyTorch logs when an abort starts and ends.
+if ! torch_heal torch-nccl-heal 'first-collective attempt=0 epoch=0' 3 GORUN_FT_STACKS=1 TORCH_CPP_LOG_LEVEL=INFO; then
+	step "the same without PyTorch's monitoring thread"
+	torch_heal torch-nccl-heal-nomonitor 'first-collective attempt=0 epoch=0' 3 GORUN_FT_STACKS=1 TORCH_CPP_LOG_LEVEL=INFO \
+		TORCH_NCCL_ENABLE_MONITORING=0
 elif [ "$SECONDS" -lt 240 ]; then
 	step "gorun heal, PyTorch NCCL, rank 2 SIGKILLed as the job starts its steps"
 	torch_heal torch-nccl-heal-early 'first-collective attempt=0 epoch=0' 0 GORUN_FT_STACKS=1
+fi
 fi
 
 step done

@@ -103,7 +103,12 @@ PyTorch's watchdog takes the whole process down when a peer fails (seen:
 the survivors killed a minute after the failure), and the survivors are to
 carry on; the helper aborts a failed group itself, and drops it with
 PyTorch's _abort_process_group where it has one (2.5 and later), since
-destroy_process_group waits for ever on a failed NCCL group. On PyTorch 2.x
+destroy_process_group waits for ever on a failed NCCL group. Unless the
+job sets them, it also sets TORCH_NCCL_DUMP_ON_TIMEOUT=0,
+TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=0 and TORCH_NCCL_TRACE_BUFFER_SIZE=0:
+PyTorch 2.x's watchdog otherwise waits 60 s for a flight-recorder dump
+after a failed collective, and the abort of the failed group waits with
+it (nccl_environment). On PyTorch 2.x
 the helper's store waits that time out (its watcher's, each second) make
 the C++ TCPStore client log two warnings each (``waitForInput ... timed out
 after 1000ms``): noise, not failures; TORCH_CPP_LOG_LEVEL=ERROR in the
@@ -180,6 +185,12 @@ FLOOR_LOOK = 5.0
 # be declared dead; a hung rank, the heartbeat timeout).
 DETECTION_SLACK = 10.0
 DEFAULT_AGREEMENT_TIMEOUT = 10.0
+# PyTorch 2.x's NCCL watchdog settings the helper sets unless the job
+# does (nccl_environment).
+NCCL_NO_DUMP = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
+# The flight recorder's size, under its names (the first wins in PyTorch):
+# 0 unless the job sets one.
+FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 # The agents' grow timeout (shrink.DefaultGrowTimeout): how long a grow has
 # to complete before they exclude its newcomers again.
 DEFAULT_GROW_TIMEOUT = 30.0
@@ -203,6 +214,31 @@ WAIT_CANCELS = _torch_version() >= (2, 1)
 class NoAssignment(Exception):
     """A pre-started worker's agent ended its wait without giving it a place
     (the agent stopped, or gave the worker up): exit."""
+
+
+def nccl_environment(env):
+    """Set, in env (os.environ), what the helper needs of PyTorch's NCCL
+    watchdog before a group is formed.
+
+    No handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=0, whatever the job set):
+    the watchdog leaves a failed communicator and the process to the
+    helper, which aborts the group when the agents' epoch comes (see the
+    module doc). And, unless the job sets them, no flight-recorder dump
+    and no wait for one: on a failed collective PyTorch 2.x's watchdog
+    signals a dump and then waits four times
+    TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC (15 s by default) for it, and the
+    abort of the failed group waits with it: the survivors stood still for
+    a minute after every loss (PyTorch 2.11, NCCL 2.28.9, on an H200).
+    Nor a flight recorder, unless the job sizes it: the watchdog spent 5 s
+    on the failed collective's recorded stack before it let the aborted
+    group go, and the survivors waited for that. A peer lost is what heal
+    expects, not a hang to debug.
+    """
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+    for k, v in NCCL_NO_DUMP.items():
+        env.setdefault(k, v)
+    if not any(k in env for k in FLIGHT_RECORDER):
+        env[FLIGHT_RECORDER[-1]] = "0"
 
 
 def await_assignment():
@@ -639,10 +675,7 @@ class ElasticGroup:
         await_assignment()
         self.backend = backend
         if backend == "nccl":
-            # No handling: the watchdog leaves a failed communicator and the
-            # process to the helper, which aborts the group when the
-            # agents' epoch comes (see the module doc).
-            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
+            nccl_environment(os.environ)
         if os.environ.get("GORUN_FT_STACKS") and hasattr(signal, "SIGUSR1"):
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._on_ready = on_ready

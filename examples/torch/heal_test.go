@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -672,4 +673,58 @@ func TestTorchGlooNewcomerBehindTheFloor(t *testing.T) {
 		}
 		return []string{"grow epoch=3 world=3 added=[3]", "grow epoch=5 world=3 added=[3]", "grow epoch=6 world=4 added=[2]"}
 	})
+}
+
+// TestTorchFTNCCLEnvironment checks what gorun_ft sets before it forms an
+// NCCL group: no watchdog handling whatever the job set, and no
+// flight recorder, dump or wait for one unless the job set them (on a GPU,
+// PyTorch 2.11's watchdog otherwise held the survivors for 60 s after
+// every loss, and for 5 s without the dump).
+func TestTorchFTNCCLEnvironment(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		job, want map[string]string
+	}{
+		{
+			name: "as gorun starts a worker",
+			job:  map[string]string{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"},
+			want: map[string]string{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+				"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
+		},
+		{
+			name: "the job asks for dumps",
+			job: map[string]string{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "5000",
+				"TORCH_FR_BUFFER_SIZE": "2000"},
+			want: map[string]string{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "5000",
+				"TORCH_FR_BUFFER_SIZE": "2000"},
+		},
+		{
+			name: "the job sizes the flight recorder by its old name",
+			job:  map[string]string{"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"},
+			want: map[string]string{"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0",
+				"TORCH_NCCL_TRACE_BUFFER_SIZE": "100"},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			in, err := json.Marshal(tc.job)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out := torchtest.Run(t, time.Minute, nil, `
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gorun_ft
+env = json.loads(sys.argv[2])
+gorun_ft.nccl_environment(env)
+print(json.dumps(env))
+`, thisDir(), string(in))
+			var got map[string]string
+			if err := json.Unmarshal([]byte(out), &got); err != nil {
+				t.Fatalf("%v: %s", err, out)
+			}
+			if !maps.Equal(got, tc.want) {
+				t.Errorf("environment %v, want %v", got, tc.want)
+			}
+		})
+	}
 }

@@ -225,18 +225,60 @@ func (g *Group) exchangeID(ctx context.Context) (uniqueID, error) {
 // ncclCommInitRank. A non-blocking init is polled with
 // ncclCommGetAsyncError until it leaves ncclInProgress, within ctx.
 func (g *Group) initComm(ctx context.Context, id uniqueID) (commHandle, error) {
-	var (
+	op, call := "ncclCommInitRank", func() (commHandle, Result) {
+		return g.nccl.commInitRank(g.dev.ctx, g.size, g.rank, id)
+	}
+	if g.ver.AtLeast(VersionInitConfig) && g.nccl.has("ncclCommInitRankConfig") {
+		op, call = "ncclCommInitRankConfig", func() (commHandle, Result) {
+			return g.nccl.commInitRankConfig(g.dev.ctx, g.size, g.rank, id, !g.cfg.NonBlocking)
+		}
+	}
+	return g.makeComm(ctx, op, call)
+}
+
+// makeComm makes a communicator with call (an init or a grow) within ctx.
+//
+// A non-blocking call returns at once and finishComm polls the
+// communicator, aborting it when ctx ends. A blocking one returns only
+// when every rank has joined, which a lost rank never does, and NCCL hands
+// out no communicator to abort until then: the call would outlast any
+// deadline, and a worker that should give up a formation (its peer lost,
+// an epoch come) would wait in it for ever. So the blocking call runs on a
+// goroutine of its own and, when ctx ends first, is abandoned: the error
+// returns at once, and what the call makes, should it ever return, is
+// aborted then. The abandoned call keeps the device retained until then,
+// so the context it runs in stays valid after the Group is released.
+func (g *Group) makeComm(ctx context.Context, op string, call func() (commHandle, Result)) (commHandle, error) {
+	if g.cfg.NonBlocking {
+		comm, r := call()
+		return g.finishComm(ctx, nil, op, comm, r)
+	}
+	type made struct {
 		comm commHandle
 		r    Result
-		op   = "ncclCommInitRank"
-	)
-	if g.ver.AtLeast(VersionInitConfig) && g.nccl.has("ncclCommInitRankConfig") {
-		op = "ncclCommInitRankConfig"
-		comm, r = g.nccl.commInitRankConfig(g.dev.ctx, g.size, g.rank, id, !g.cfg.NonBlocking)
-	} else {
-		comm, r = g.nccl.commInitRank(g.dev.ctx, g.size, g.rank, id)
 	}
-	return g.finishComm(ctx, nil, op, comm, r)
+	dev, err := retainDevice(g.cuda, g.dev.ordinal)
+	if err != nil {
+		return 0, err
+	}
+	done := make(chan made, 1)
+	go func() {
+		comm, r := call()
+		done <- made{comm, r}
+	}()
+	select {
+	case m := <-done:
+		dev.release()
+		return g.finishComm(ctx, nil, op, m.comm, m.r)
+	case <-ctx.Done():
+		go func() {
+			if m := <-done; m.comm != 0 {
+				g.nccl.commAbort(dev.ctx, m.comm)
+			}
+			dev.release()
+		}()
+		return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted), its communicator aborted if it ever forms", g.ctxError(ctx, op))
+	}
 }
 
 // finishComm completes the making of a communicator (init, grow): r is

@@ -382,6 +382,60 @@ func TestNonBlockingInitTimesOut(t *testing.T) {
 	checkBalanced(t)
 }
 
+// A blocking init returns only when every rank has come, and NCCL gives
+// no communicator to abort until then; a rank lost before the group forms
+// never comes. New must still end at its deadline, or at once when its
+// context is cancelled (an epoch that supersedes the formation), and the
+// abandoned init's communicator is aborted, and the device released, when
+// the init returns at last.
+func TestBlockingInitAbandoned(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		cancel bool
+		want   error
+	}{
+		{name: "deadline", want: pg.ErrTimeout},
+		{name: "cancelled", cancel: true, want: context.Canceled},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			useDouble(t, "init_block=1")
+			cfg := testConfig(t, 0, 2)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if tc.cancel {
+				time.AfterFunc(100*time.Millisecond, cancel)
+			} else {
+				cfg.Bootstrap.Timeout = 100 * time.Millisecond
+			}
+			start := time.Now()
+			_, err := New(ctx, cfg)
+			if !errors.Is(err, tc.want) || !strings.Contains(err.Error(), "ncclCommInitRankConfig") {
+				t.Fatalf("New: %v, want %v naming ncclCommInitRankConfig", err, tc.want)
+			}
+			if d := time.Since(start); d > 2*time.Second {
+				t.Errorf("New returned %v after its start, want about 100ms", d.Round(time.Millisecond))
+			}
+			if got := calls(t, "ncclCommAbort"); len(got) != 0 {
+				t.Fatalf("abort calls %q while the init is still in NCCL", got)
+			}
+			setControl(t) // the missing rank comes: the init returns
+			deadline := time.Now().Add(5 * time.Second)
+			for {
+				aborts := calls(t, "ncclCommAbort")
+				retained, released := len(calls(t, "cuDevicePrimaryCtxRetain")), len(calls(t, "cuDevicePrimaryCtxRelease"))
+				if len(aborts) == 1 && retained == released {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("after the init returned: abort calls %q, %d retains and %d releases; want its communicator aborted and the device released",
+						aborts, retained, released)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		})
+	}
+}
+
 func TestCollectivesWorldOne(t *testing.T) {
 	useDouble(t)
 	g := newTestGroup(t, testConfig(t, 0, 1))

@@ -280,6 +280,7 @@ func (g *Group) join(ctx context.Context) (commHandle, error) {
 	if err := g.growSupported(); err != nil {
 		return 0, fmt.Errorf("the members grow with ncclCommGrow: %w", err)
 	}
-	comm, r := g.nccl.commGrow(g.dev.ctx, 0, g.size, &id, g.rank, &commConfig{blocking: !g.cfg.NonBlocking})
-	return g.finishComm(ctx, nil, "ncclCommGrow", comm, r)
+	return g.makeComm(ctx, "ncclCommGrow", func() (commHandle, Result) {
+		return g.nccl.commGrow(g.dev.ctx, 0, g.size, &id, g.rank, &commConfig{blocking: !g.cfg.NonBlocking})
+	})
 }

@@ -33,6 +33,8 @@
 //                   (-1: for ever)
 //   shrink_polls=N  likewise for a non-blocking shrink's child
 //   init_error=N    ncclCommInitRank* returns N
+//   init_block=1    a blocking init does not return while this holds, as
+//                   NCCL's waits for a rank that never comes
 //   grow_polls=N    likewise for a non-blocking grow's new communicator
 //   grow_error=N    ncclCommGrow returns N
 //
@@ -231,6 +233,7 @@ static int init(fake_comm **out, int n, fake_uid id, int rank, int blocking, con
 	long e = ctl("init_error", 0);
 	if (e) return (int)e;
 	if (n < 1 || rank < 0 || rank >= n) return invalidArgument;
+	while (blocking && ctl("init_block", 0)) usleep(5000);
 	fake_comm *c = calloc(1, sizeof *c);
 	c->nranks = n;
 	c->rank = rank;
