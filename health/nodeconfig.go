@@ -178,9 +178,9 @@ type NodeConfig struct {
 	// their probe interval instead.) Default: 2 s.
 	TCPTimeout time.Duration
 
-	// ReconnectInterval is how often a member tries to join again the
-	// members of the current round it holds dead (a TCP join each, bounded
-	// by TCPTimeout), as Serf's reconnect does: after a partition heals
+	// ReconnectInterval is how often a member tries to join again one of
+	// the members of the current round it holds dead, each in turn (a TCP
+	// join, bounded by TCPTimeout), as Serf's reconnect does: after a partition heals
 	// each side holds the other dead, and memberlist alone never merges
 	// them again (push-pull only goes to live members). One that answers
 	// comes back as NodeJoined. 0 disables it. Default: 1 s.

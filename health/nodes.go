@@ -105,13 +105,20 @@ func StartNodes(cfg NodeConfig) (*Nodes, error) {
 	return n, nil
 }
 
-// reconnect tries, every interval until Close, to join again the members
-// of the round held dead (NodeConfig.ReconnectInterval).
+// reconnect tries, every interval until Close, to join again one of the
+// members of the round held dead, each in turn (NodeConfig.ReconnectInterval).
+//
+// One a tick, as Serf does: a join is a TCP exchange of the whole member
+// state, and a member holding many dead (an overloaded host, where starved
+// members are declared dead by the dozen) rejoined them all every second:
+// at 256 agents that was thousands of exchanges a minute, which starved the
+// host further. One that answers brings back, by the exchange and then
+// gossip, what it knows, so a healed partition merges as fast.
 func (n *Nodes) reconnect(interval time.Duration) {
 	defer n.sends.Done()
 	t := time.NewTicker(interval)
 	defer t.Stop()
-	for {
+	for turn := 0; ; turn++ {
 		select {
 		case <-n.closing:
 			return
@@ -120,13 +127,12 @@ func (n *Nodes) reconnect(interval time.Duration) {
 		n.mu.Lock()
 		addrs := n.core.deadAddrs()
 		n.mu.Unlock()
-		for _, addr := range addrs {
-			if n.closed() {
-				return
-			}
-			if _, err := n.ml.Join([]string{addr}); err == nil {
-				n.log.Debug("rejoined a member held dead", zap.String("addr", addr))
-			}
+		if len(addrs) == 0 || n.closed() {
+			continue
+		}
+		addr := addrs[turn%len(addrs)]
+		if _, err := n.ml.Join([]string{addr}); err == nil {
+			n.log.Debug("rejoined a member held dead", zap.String("addr", addr))
 		}
 	}
 }

@@ -33,8 +33,10 @@ type gossip struct {
 	log    *zap.Logger
 	nodes  *health.Nodes
 	events chan health.Event
+	ctx    context.Context // the member's life: ends at close
 	cancel context.CancelFunc
 	done   chan struct{}
+	joins  sync.WaitGroup // joins under way (join)
 	once   sync.Once
 }
 
@@ -75,7 +77,7 @@ func startGossip(cfg NodeLivenessConfig, log *zap.Logger, runID, addr string, se
 		return nil, fmt.Errorf("node liveness: %w", err)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	g := &gossip{log: log, nodes: nodes, events: make(chan health.Event, 64), cancel: cancel, done: make(chan struct{})}
+	g := &gossip{log: log, nodes: nodes, events: make(chan health.Event, 64), ctx: ctx, cancel: cancel, done: make(chan struct{})}
 	go func() {
 		defer close(g.done)
 		nodes.Run(ctx, g.events)
@@ -108,20 +110,66 @@ func (g *gossip) self() gossipPeer {
 	return gossipPeer{Name: g.nodes.Name(), Addr: g.nodes.Addr()}
 }
 
-// join makes the round's agents this member's peers.
+// gossipSeeds is how many of the round's other agents a member joins. One
+// live one is enough to learn the rest (the join's state exchange, then
+// gossip); a few guard against a dead or slow one. A join is a TCP
+// exchange of the whole member state: every agent joining every other was
+// O(N) exchanges of O(N) bytes an agent, and at 256 agents on two cores
+// the start-up's 65,000 exchanges starved the gossip into false deaths
+// and kept workers from starting.
+const gossipSeeds = 3
+
+// join makes the round's agents this member's peers: all of them are
+// expected at once, and it joins the gossipSeeds that follow it in the
+// round's order (seedsAfter) in the background, until ctx or the member
+// ends. The workers need not wait for it: a join is TCP exchanges, slow on
+// a loaded host, and until it completes a lost node is still found by the
+// others' gossip or the rendezvous keep-alive.
 func (g *gossip) join(ctx context.Context, peers []gossipPeer) {
-	var names, seeds []string
+	var names []string
 	for _, p := range peers {
 		if p.Name != "" {
-			names, seeds = append(names, p.Name), append(seeds, p.Addr)
+			names = append(names, p.Name)
 		}
 	}
 	g.nodes.Expect(names)
-	jctx, cancel := context.WithTimeout(ctx, gossipJoinTimeout)
-	defer cancel()
-	if _, err := g.nodes.Join(jctx, seeds); err != nil {
-		g.log.Warn("node liveness: cannot reach the round's other agents; lost nodes are found by the rendezvous keep-alive only", zap.Error(err))
+	seeds := seedsAfter(g.nodes.Name(), peers, gossipSeeds)
+	jctx, cancel := context.WithTimeout(g.ctx, gossipJoinTimeout)
+	stop := context.AfterFunc(ctx, cancel)
+	g.joins.Add(1)
+	go func() {
+		defer g.joins.Done()
+		defer stop()
+		defer cancel()
+		if _, err := g.nodes.Join(jctx, seeds); err != nil && g.ctx.Err() == nil && ctx.Err() == nil {
+			g.log.Warn("node liveness: cannot reach the round's other agents; lost nodes are found by the rendezvous keep-alive only", zap.Error(err))
+		}
+	}()
+}
+
+// seedsAfter is the gossip addresses of up to k of peers that follow self
+// in their order, wrapping round (from the first when self is not among
+// them): each agent's joins go to its own successors, so no agent is
+// everybody's seed and the joins link the round in a ring.
+func seedsAfter(self string, peers []gossipPeer, k int) []string {
+	var ring []gossipPeer
+	at := -1
+	for _, p := range peers {
+		if p.Name == self {
+			at = len(ring)
+		} else if p.Name != "" {
+			ring = append(ring, p)
+		}
 	}
+	if at < 0 {
+		at = 0
+	}
+	k = min(k, len(ring))
+	seeds := make([]string, 0, k)
+	for i := range k {
+		seeds = append(seeds, ring[(at+i)%len(ring)].Addr)
+	}
+	return seeds
 }
 
 // close leaves the gossip (graceful: the peers see a departure, not a
@@ -137,6 +185,7 @@ func (g *gossip) close(graceful bool) {
 		g.cancel()
 		g.nodes.Close()
 		<-g.done
+		g.joins.Wait() // each seed's exchange ends within its TCPTimeout
 	})
 }
 
