@@ -15,7 +15,13 @@
 //     bytes under the decimal key "0" of the bootstrap namespace, the
 //     others get it. A second generation of a job needs a fresh namespace.
 //   - Communicators are blocking (ncclCommInitRank / ncclCommInitRankConfig)
-//     or non-blocking (config.blocking = 0, polled until done).
+//     or non-blocking (config.blocking = 0, polled until done). A blocking
+//     init (or a newcomer's grow) waits for every rank, a lost one too, and
+//     NCCL gives nothing to abort until it returns: it runs on a goroutine
+//     of its own and is given up at the context's end or the bootstrap
+//     timeout, left to NCCL, its communicator aborted if it ever forms. So
+//     a member waiting in a first formation for a rank that died can still
+//     move to the epoch without it (shrink.Launched).
 //   - Collectives run on device memory (DeviceBuffer) on the group's
 //     stream and are waited for by polling, so a context deadline, Abort
 //     or the watchdog end the wait; float16 and bfloat16 work here.
