@@ -84,6 +84,19 @@ func TestEnv(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer func() { cmd.Process.Kill(); cmd.Wait() }()
+	// Until the child has exec'd, its environ is this process's (the fork's
+	// copy): wait for sleep's command line, as a caller of HasEnv finds a
+	// job's processes long after they started.
+	cmdline := "/proc/" + strconv.Itoa(cmd.Process.Pid) + "/cmdline"
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		if b, _ := os.ReadFile(cmdline); strings.HasPrefix(string(b), "sleep\x00") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the child never exec'd sleep")
+		}
+		time.Sleep(time.Millisecond)
+	}
 	tests := []struct {
 		name string
 		got  any
