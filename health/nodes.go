@@ -109,11 +109,11 @@ func StartNodes(cfg NodeConfig) (*Nodes, error) {
 // members of the round held dead, each in turn (NodeConfig.ReconnectInterval).
 //
 // One a tick, as Serf does: a join is a TCP exchange of the whole member
-// state, and a member holding many dead (an overloaded host, where starved
-// members are declared dead by the dozen) rejoined them all every second:
-// at 256 agents that was thousands of exchanges a minute, which starved the
-// host further. One that answers brings back, by the exchange and then
-// gossip, what it knows, so a healed partition merges as fast.
+// state, and rejoining every member held dead every second cost a member
+// up to N exchanges a second, on an overloaded host just when starved
+// members are declared dead by the dozen. One that answers brings back, by
+// the exchange and then gossip, what it knows, so a healed partition
+// merges all the same.
 func (n *Nodes) reconnect(interval time.Duration) {
 	defer n.sends.Done()
 	t := time.NewTicker(interval)
