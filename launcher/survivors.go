@@ -80,7 +80,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, 
 	}
 	boards := make([]*shrink.Board, 3)
 	for i := range boards {
-		c, err := tcpstore.Dial(ctx, addr, tcpstore.ClientConfig{Timeout: cfg.AgreementTimeout})
+		c, err := dialWorkerStore(ctx, s.log, addr, cfg.AgreementTimeout, cfg.rdzv.dynamic.JoinTimeout)
 		if err != nil {
 			s.close()
 			return nil, fmt.Errorf("shrink mode: worker store %s: %w", addr, err)
@@ -101,6 +101,29 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, 
 	}, boards[0], boards[1], boards[2])
 	s.updateLeader(ctx)
 	return s, nil
+}
+
+// dialWorkerStore connects to the round's worker store for the survivors'
+// agreement; timeout bounds each of the client's operations.
+//
+// Every agent of the round connects to the store's host as the round
+// starts, and on a loaded host the handshake can take longer than timeout:
+// at 256 agents on two cores, two agents gave up after 10 s and ended. The
+// connection waits up to wait (the rendezvous join timeout; timeout when
+// it is shorter or unset), as the rendezvous store's does, and says what
+// it waits for once timeout has passed.
+func dialWorkerStore(ctx context.Context, log *zap.Logger, addr string, timeout, wait time.Duration) (*tcpstore.Client, error) {
+	wait = max(wait, timeout)
+	dctx, cancel := context.WithTimeout(ctx, wait)
+	defer cancel()
+	if wait > timeout {
+		slow := time.AfterFunc(timeout, func() {
+			log.Info("waiting for the worker store", zap.String("endpoint", addr), zap.Duration("waited", timeout),
+				zap.Duration("left", (wait-timeout).Round(time.Second)))
+		})
+		defer slow.Stop()
+	}
+	return tcpstore.Dial(dctx, addr, tcpstore.ClientConfig{Timeout: timeout})
 }
 
 // leader is the agreement's leader: the first node of the round, in
