@@ -26,7 +26,7 @@ type gossipPeer struct {
 // rendezvous keep-alive takes its whole window. It runs in multi-node
 // shrink mode, and in restart mode with --node-liveness on, started before
 // the rendezvous so that its address is in this node's record, and joined
-// to each round's other agents. A dead node
+// to each round (a few of its agents; gossip brings the rest). A dead node
 // is reported to the survivors' agreement in shrink mode; in restart mode
 // the survivors take it out of the rendezvous and re-rendezvous at once.
 type gossip struct {

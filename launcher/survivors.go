@@ -111,17 +111,15 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, 
 // at 256 agents on two cores, two agents gave up after 10 s and ended. The
 // connection waits up to wait (the rendezvous join timeout; timeout when
 // it is shorter or unset), as the rendezvous store's does, and says what
-// it waits for once timeout has passed.
+// it waits for once timeout has passed (announceWaitAfter).
 func dialWorkerStore(ctx context.Context, log *zap.Logger, addr string, timeout, wait time.Duration) (*tcpstore.Client, error) {
 	wait = max(wait, timeout)
 	dctx, cancel := context.WithTimeout(ctx, wait)
 	defer cancel()
 	if wait > timeout {
-		slow := time.AfterFunc(timeout, func() {
-			log.Info("waiting for the worker store", zap.String("endpoint", addr), zap.Duration("waited", timeout),
-				zap.Duration("left", (wait-timeout).Round(time.Second)))
-		})
-		defer slow.Stop()
+		deadline, _ := dctx.Deadline()
+		stop := announceWaitAfter(log, timeout, "the worker store", deadline, zap.String("endpoint", addr))
+		defer stop()
 	}
 	return tcpstore.Dial(dctx, addr, tcpstore.ClientConfig{Timeout: timeout})
 }

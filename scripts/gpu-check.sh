@@ -34,6 +34,12 @@ step() { echo; echo "=== $* ($(date -u +%T))"; }
 # want CHECK: whether to run CHECK (GPU_CHECKS, names separated by spaces:
 # the ones to run; unset: all).
 want() { [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" $1 "* ]]; }
+for c in ${GPU_CHECKS:-}; do
+	case $c in
+	gpusmoke | pg-nccl-heal | gorun-go-heal | gorun-go-heal-preform | torch-nccl | torch-nccl-heal) ;;
+	*) echo "gpu-check.sh: GPU_CHECKS: unknown check '$c' (gpusmoke pg-nccl-heal gorun-go-heal gorun-go-heal-preform torch-nccl torch-nccl-heal)" >&2; exit 2 ;;
+	esac
+done
 result() { echo "RESULT $1: $([ "$2" = 0 ] && echo PASS || echo "FAIL (rc $2)")${3:+ $3}"; }
 
 # kill_rank RANK PATTERN LOG PROCESS DELAY: once LOG holds PATTERN, wait

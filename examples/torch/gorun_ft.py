@@ -188,8 +188,9 @@ DEFAULT_AGREEMENT_TIMEOUT = 10.0
 # PyTorch 2.x's NCCL watchdog settings the helper sets unless the job
 # does (nccl_environment).
 NCCL_NO_DUMP = {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "0"}
-# The flight recorder's size, under its names (the first wins in PyTorch):
-# 0 unless the job sets one.
+# The flight recorder's size, under its new name and its old: 0 unless the
+# job sets either (set by the old name, which PyTorch 2.11 read on the
+# H200 and earlier 2.x releases know).
 FLIGHT_RECORDER = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 # The agents' grow timeout (shrink.DefaultGrowTimeout): how long a grow has
 # to complete before they exclude its newcomers again.
