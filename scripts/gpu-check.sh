@@ -16,6 +16,9 @@
 #   torch-nccl-heal     the same, rank 2 SIGKILLed mid-run: shrink, respawn, grow
 #
 # GPU_CHECKS="torch-nccl-heal gpusmoke" runs only those (a short lease).
+# NCCL_LIBRARY runs the Go checks on another NCCL than PyTorch's (the
+# torch checks keep PyTorch's own): scripts/gpu-nccl-pack.sh carries the
+# sid bed's 2.29.7, which has ncclCommGrow.
 #
 # Several ranks share the machine's one GPU through scripts/gpu-hostid.sh
 # (a NCCL host id per process).

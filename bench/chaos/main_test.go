@@ -2,7 +2,10 @@ package main
 
 import (
 	"context"
+	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -217,6 +220,10 @@ func TestTwoHostFaults(t *testing.T) {
 // returns their results and the progress output.
 func runRows(ctx context.Context, t *testing.T, c *config, want int) ([]RowResult, string) {
 	t.Helper()
+	if c.logs == "" {
+		c.logs = t.TempDir()
+		t.Cleanup(func() { logConsolesOnFailure(t, c.logs) })
+	}
 	var table, progress strings.Builder
 	results, err := run(ctx, c, &table, &progress)
 	if err != nil {
@@ -227,6 +234,29 @@ func runRows(ctx context.Context, t *testing.T, c *config, want int) ([]RowResul
 		t.Fatalf("%d rows ran, want %d\n%s", len(results), want, progress.String())
 	}
 	return results, progress.String()
+}
+
+// logConsolesOnFailure logs the end of every row's console kept in dir
+// when t failed: a fault that went wrong under CI's load is then explained
+// by the agents' own lines.
+func logConsolesOnFailure(t *testing.T, dir string) {
+	if !t.Failed() {
+		return
+	}
+	files, _ := filepath.Glob(filepath.Join(dir, "*.log"))
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Logf("%s: %v", f, err)
+			continue
+		}
+		lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
+		const keep = 400
+		if len(lines) > keep {
+			lines = append([]string{fmt.Sprintf("… %d lines left out", len(lines)-keep)}, lines[len(lines)-keep:]...)
+		}
+		t.Logf("console %s:\n%s", filepath.Base(f), strings.Join(lines, "\n"))
+	}
 }
 
 // twoHostJob is the job of the two-host tests: 2 network-namespace hosts

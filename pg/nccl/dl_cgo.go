@@ -92,12 +92,15 @@ static gr_res gr_commCall(void *f, uintptr_t ctx, uintptr_t c) {
 	GR_USE(ctx);
 	return ((gr_res (*)(void *))f)((void *)c);
 }
-static gr_res gr_shrink(void *f, uintptr_t ctx, uintptr_t c, int *ex, int n, uintptr_t *out, int flags) {
+// A child slot is where ncclCommShrink and ncclCommGrow store the new
+// communicator: C memory, never the caller's stack, since a non-blocking
+// call stores into it again from NCCL's own thread after it has returned
+// (see childSlots).
+static void **gr_slot_new(void) { return (void **)calloc(1, sizeof(void *)); }
+static uintptr_t gr_slot_load(void **slot) { return (uintptr_t)__atomic_load_n(slot, __ATOMIC_ACQUIRE); }
+static gr_res gr_shrink(void *f, uintptr_t ctx, uintptr_t c, int *ex, int n, void **slot, int flags) {
 	GR_USE(ctx);
-	void *nc = NULL;
-	gr_res r = ((gr_res (*)(void *, int *, int, void **, void *, int))f)((void *)c, ex, n, &nc, NULL, flags);
-	*out = (uintptr_t)nc;
-	return r;
+	return ((gr_res (*)(void *, int *, int, void **, void *, int))f)((void *)c, ex, n, slot, NULL, flags);
 }
 // ncclCommGetUniqueId(ncclComm_t, ncclUniqueId *).
 static gr_res gr_commGetUniqueId(void *f, uintptr_t ctx, uintptr_t c, gr_uid *id) {
@@ -107,13 +110,10 @@ static gr_res gr_commGetUniqueId(void *f, uintptr_t ctx, uintptr_t c, gr_uid *id
 // ncclCommGrow(ncclComm_t comm, int nRanks, const ncclUniqueId *uniqueId,
 // int rank, ncclComm_t *newcomm, ncclConfig_t *config); comm and uniqueId
 // may be NULL (0 and NULL from Go), config is NULL unless with_config.
-static gr_res gr_grow(void *f, uintptr_t ctx, uintptr_t c, int n, const gr_uid *id, int rank, uintptr_t *out, int with_config, int blocking) {
+static gr_res gr_grow(void *f, uintptr_t ctx, uintptr_t c, int n, const gr_uid *id, int rank, void **slot, int with_config, int blocking) {
 	GR_USE(ctx);
 	gr_config cfg = gr_make_config(blocking);
-	void *nc = NULL;
-	gr_res r = ((gr_res (*)(void *, int, const gr_uid *, int, void **, gr_config *))f)((void *)c, n, id, rank, &nc, with_config ? &cfg : NULL);
-	*out = (uintptr_t)nc;
-	return r;
+	return ((gr_res (*)(void *, int, const gr_uid *, int, void **, gr_config *))f)((void *)c, n, id, rank, slot, with_config ? &cfg : NULL);
 }
 static gr_res gr_revoke(void *f, uintptr_t ctx, uintptr_t c, int flags) {
 	GR_USE(ctx);
@@ -292,6 +292,70 @@ var (
 type dlNCCL struct {
 	lib *dlLibrary
 	f   ncclFuncs
+
+	childMu sync.Mutex
+	// childSlots are the slots of non-blocking shrinks and grows whose
+	// communicators are still in progress, by communicator. NCCL stores a
+	// new communicator into the caller's slot twice: before the call
+	// returns, and again from its own thread when the communicator's init
+	// completes (init.cc, the async job's end: *job->newcomm = comm), long
+	// after a non-blocking call has returned. A slot on the calling
+	// thread's stack was overwritten there on an H200 with NCCL 2.29.7 and
+	// brought the Go scheduler down (that thread's system stack), so each
+	// slot is C memory, freed only once the second store is done: when
+	// ncclCommGetAsyncError says the communicator is no longer in progress
+	// (NCCL sets that after its init jobs have ended) or ncclCommAbort or
+	// ncclCommDestroy has returned (they join the init first).
+	childSlots map[commHandle]*unsafe.Pointer
+
+	// asyncMu serializes ncclCommGetAsyncError, which is not safe on one
+	// communicator from two threads at once: the call that first sees a
+	// non-blocking operation's group job done joins its thread and frees
+	// it (init.cc: ncclGroupJobComplete, then comm->groupJob = NULL,
+	// unguarded), and a second call in between completes the freed job
+	// again — a second pthread_join that corrupts glibc's cache of thread
+	// stacks. pg/nccl polls a communicator from its watchdog and from the
+	// operation waiting on it at once; PyTorch makes the same calls under
+	// its NCCLComm's mutex. The call is a few atomic loads (and, once per
+	// operation, the join of a thread that has ended), so one lock for the
+	// library costs nothing measurable.
+	asyncMu sync.Mutex
+}
+
+// child reads the communicator a shrink or grow that returned r stored in
+// slot, and frees slot unless NCCL may still store into it (r is
+// ncclInProgress): then it is kept in childSlots until releaseChild.
+func (n *dlNCCL) child(slot *unsafe.Pointer, r Result) commHandle {
+	c := commHandle(C.gr_slot_load(slot))
+	if r == InProgress && c != 0 {
+		n.childMu.Lock()
+		if n.childSlots == nil {
+			n.childSlots = map[commHandle]*unsafe.Pointer{}
+		}
+		n.childSlots[c] = slot
+		n.childMu.Unlock()
+		return c
+	}
+	C.free(unsafe.Pointer(slot))
+	return c
+}
+
+// releaseChild frees c's child slot, if it has one: NCCL is done with it.
+func (n *dlNCCL) releaseChild(c commHandle) {
+	n.childMu.Lock()
+	slot, ok := n.childSlots[c]
+	delete(n.childSlots, c)
+	n.childMu.Unlock()
+	if ok {
+		C.free(unsafe.Pointer(slot))
+	}
+}
+
+// pendingChildren is how many child slots NCCL may still store into.
+func (n *dlNCCL) pendingChildren() int {
+	n.childMu.Lock()
+	defer n.childMu.Unlock()
+	return len(n.childSlots)
 }
 
 // ncclFuncs are the entry points of NCCL that pg/nccl calls or probes.
@@ -467,16 +531,32 @@ func (n *dlNCCL) commInitRankConfig(ctx ctxHandle, nranks, rank int, id uniqueID
 
 func (n *dlNCCL) commGetAsyncError(c commHandle) (Result, Result) {
 	var e C.int
+	n.asyncMu.Lock()
 	r := C.gr_asyncError(n.f.asyncError, C.uintptr_t(c), &e)
+	n.asyncMu.Unlock()
+	if Result(r) == Success && Result(e) != InProgress {
+		n.releaseChild(c)
+	}
 	return Result(e), Result(r)
 }
 
 func (n *dlNCCL) commAbort(ctx ctxHandle, c commHandle) Result {
-	return Result(C.gr_commCall(n.f.abort, C.uintptr_t(ctx), C.uintptr_t(c)))
+	r := Result(C.gr_commCall(n.f.abort, C.uintptr_t(ctx), C.uintptr_t(c)))
+	// ncclUnhandledCudaError may mean the context could not be made
+	// current and NCCL was never called (GR_USE): then the slot is kept
+	// (8 bytes), as NCCL may still store into it.
+	if r != UnhandledCudaError {
+		n.releaseChild(c)
+	}
+	return r
 }
 
 func (n *dlNCCL) commDestroy(ctx ctxHandle, c commHandle) Result {
-	return Result(C.gr_commCall(n.f.destroy, C.uintptr_t(ctx), C.uintptr_t(c)))
+	r := Result(C.gr_commCall(n.f.destroy, C.uintptr_t(ctx), C.uintptr_t(c)))
+	if r != UnhandledCudaError {
+		n.releaseChild(c)
+	}
+	return r
 }
 
 func (n *dlNCCL) commShrink(ctx ctxHandle, c commHandle, exclude []int32, flags int) (commHandle, Result) {
@@ -484,9 +564,12 @@ func (n *dlNCCL) commShrink(ctx ctxHandle, c commHandle, exclude []int32, flags 
 		return 0, InvalidUsage
 	}
 	ex := (*C.int)(unsafe.Pointer(&exclude[0]))
-	var nc C.uintptr_t
-	r := C.gr_shrink(n.f.shrink, C.uintptr_t(ctx), C.uintptr_t(c), ex, C.int(len(exclude)), &nc, C.int(flags))
-	return commHandle(nc), Result(r)
+	slot := C.gr_slot_new()
+	if slot == nil {
+		return 0, SystemError
+	}
+	r := Result(C.gr_shrink(n.f.shrink, C.uintptr_t(ctx), C.uintptr_t(c), ex, C.int(len(exclude)), slot, C.int(flags)))
+	return n.child(slot, r), r
 }
 
 func (n *dlNCCL) commRevoke(ctx ctxHandle, c commHandle, flags int) Result {
@@ -526,9 +609,12 @@ func (n *dlNCCL) commGrow(ctx ctxHandle, parent commHandle, nranks int, id *uniq
 			blocking = 1
 		}
 	}
-	var nc C.uintptr_t
-	r := C.gr_grow(n.f.grow, C.uintptr_t(ctx), C.uintptr_t(parent), C.int(nranks), u, C.int(rank), &nc, withConfig, blocking)
-	return commHandle(nc), Result(r)
+	slot := C.gr_slot_new()
+	if slot == nil {
+		return 0, SystemError
+	}
+	r := Result(C.gr_grow(n.f.grow, C.uintptr_t(ctx), C.uintptr_t(parent), C.int(nranks), u, C.int(rank), slot, withConfig, blocking))
+	return n.child(slot, r), r
 }
 
 func (n *dlNCCL) groupStart() Result { return Result(C.gr_groupStart(n.f.groupStart)) }

@@ -41,8 +41,10 @@
 //   - Grow (pg.Grower) and JoinGrow take newcomers in: ncclCommGrow (NCCL ≥
 //     2.29) with an id from the root member's ncclCommGetUniqueId, published
 //     like New's under the key "0" of the grow's namespace once every
-//     newcomer has announced itself; older libraries fall back to a fresh
-//     communicator of the grown size with the same ranks. A newcomer that
+//     newcomer has announced itself, on blocking groups; older libraries
+//     and non-blocking groups form a fresh communicator of the grown size
+//     with the same ranks (a non-blocking ncclCommGrow crashed newcomers in
+//     half the runs on an H200 with NCCL 2.29.7). A newcomer that
 //     never comes ends the grow at the context's end, before any NCCL call,
 //     and the members keep their group.
 //

@@ -252,7 +252,7 @@ func gpuRank(ctx context.Context, store *tcpstore.Client, role string, rank int)
 	grew := time.Since(began)
 	defer gg.Close()
 	method := "a fresh communicator"
-	if s.growSupported() == nil {
+	if s.growsInPlace() {
 		method = "ncclCommGrow"
 	}
 	if err := gpuCheckSum(ctx, gg.(*Group), float32(rank+1), 6); err != nil {

@@ -98,7 +98,7 @@ func (g *Group) initFresh(ctx context.Context) (commHandle, error) {
 	if err != nil {
 		return 0, err
 	}
-	return g.initComm(ctx, id)
+	return g.initComm(ctx, nil, id)
 }
 
 // form makes the communicator of a Group from open or derive with mk,
@@ -224,7 +224,7 @@ func (g *Group) exchangeID(ctx context.Context) (uniqueID, error) {
 // library has it (config.blocking from Config.NonBlocking), else
 // ncclCommInitRank. A non-blocking init is polled with
 // ncclCommGetAsyncError until it leaves ncclInProgress, within ctx.
-func (g *Group) initComm(ctx context.Context, id uniqueID) (commHandle, error) {
+func (g *Group) initComm(ctx context.Context, stop <-chan struct{}, id uniqueID) (commHandle, error) {
 	op, call := "ncclCommInitRank", func() (commHandle, Result) {
 		return g.nccl.commInitRank(g.dev.ctx, g.size, g.rank, id)
 	}
@@ -233,10 +233,11 @@ func (g *Group) initComm(ctx context.Context, id uniqueID) (commHandle, error) {
 			return g.nccl.commInitRankConfig(g.dev.ctx, g.size, g.rank, id, !g.cfg.NonBlocking)
 		}
 	}
-	return g.makeComm(ctx, op, call)
+	return g.makeComm(ctx, stop, op, call)
 }
 
-// makeComm makes a communicator with call (an init or a grow) within ctx.
+// makeComm makes a communicator with call (an init or a grow) within ctx
+// and until stop (which may be nil) closes: then the error is errStopped.
 //
 // A non-blocking call returns at once and finishComm polls the
 // communicator, aborting it when ctx ends. A blocking one returns only
@@ -246,12 +247,12 @@ func (g *Group) initComm(ctx context.Context, id uniqueID) (commHandle, error) {
 // an epoch come) would wait in it for ever. So the blocking call runs on a
 // goroutine of its own and, when ctx ends first, is abandoned: the error
 // returns at once, and what the call makes, should it ever return, is
-// aborted then. The abandoned call keeps the device retained until then,
+// aborted then; likewise when stop closes first. The abandoned call keeps the device retained until then,
 // so the context it runs in stays valid after the Group is released.
-func (g *Group) makeComm(ctx context.Context, op string, call func() (commHandle, Result)) (commHandle, error) {
+func (g *Group) makeComm(ctx context.Context, stop <-chan struct{}, op string, call func() (commHandle, Result)) (commHandle, error) {
 	if g.cfg.NonBlocking {
 		comm, r := call()
-		return g.finishComm(ctx, nil, op, comm, r)
+		return g.finishComm(ctx, stop, op, comm, r)
 	}
 	type made struct {
 		comm commHandle
@@ -266,17 +267,23 @@ func (g *Group) makeComm(ctx context.Context, op string, call func() (commHandle
 		comm, r := call()
 		done <- made{comm, r}
 	}()
-	select {
-	case m := <-done:
-		dev.release()
-		return g.finishComm(ctx, nil, op, m.comm, m.r)
-	case <-ctx.Done():
+	abandon := func() {
 		go func() {
 			if m := <-done; m.comm != 0 {
 				g.nccl.commAbort(dev.ctx, m.comm)
 			}
 			dev.release()
 		}()
+	}
+	select {
+	case m := <-done:
+		dev.release()
+		return g.finishComm(ctx, stop, op, m.comm, m.r)
+	case <-stop:
+		abandon()
+		return 0, errStopped
+	case <-ctx.Done():
+		abandon()
 		return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted), its communicator aborted if it ever forms", g.ctxError(ctx, op))
 	}
 }

@@ -677,6 +677,30 @@ func TestWatchdogIdleGroup(t *testing.T) {
 	checkFailed(t, g, pg.ErrPeerLost)
 }
 
+// TestAsyncErrorPollsSerialized: the watchdog and an operation waiting on
+// the group poll ncclCommGetAsyncError at once, which NCCL does not allow
+// on one communicator (a non-blocking operation's group job is joined and
+// freed by the first call to see it done, and again by a second one in
+// between: a crash on an H200 with NCCL 2.29.7). The double takes 300 µs
+// per call and logs any overlap.
+func TestAsyncErrorPollsSerialized(t *testing.T) {
+	useDouble(t)
+	cfg := testConfig(t, 0, 1)
+	cfg.WatchdogInterval = 100 * time.Microsecond
+	cfg.MaxPollInterval = 100 * time.Microsecond
+	g := newTestGroup(t, cfg)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	res := blockedOp(t, g, ctx) // the allreduce polls until its deadline
+	setControl(t, "hang=1", "async_error_us=300")
+	if err := within(t, res, 5*time.Second); !errors.Is(err, pg.ErrTimeout) {
+		t.Errorf("allreduce on a hung stream: %v, want an error wrapping pg.ErrTimeout", err)
+	}
+	if polls := calls(t, "ncclCommGetAsyncError called concurrently"); len(polls) != 0 {
+		t.Errorf("%d concurrent ncclCommGetAsyncError calls on one communicator, the first: %s", len(polls), polls[0])
+	}
+}
+
 // checkFailed checks that g failed on its own with an error wrapping want,
 // and that it takes no more collectives.
 func checkFailed(t *testing.T, g *Group, want error) {

@@ -50,6 +50,18 @@ func (g *Group) growSupported() error {
 		VersionGrow, g.nccl.path(), g.ver, missing(g.ver.AtLeast(VersionGrow)), pg.ErrNotSupported)
 }
 
+// growsInPlace says whether the root member grows with ncclCommGrow: the
+// library has it and the group is blocking. A non-blocking group forms a
+// fresh communicator instead. On an H200 with NCCL 2.29.7 a newcomer's
+// non-blocking ncclCommGrow crashed or hung in 5 of 10 runs of
+// TestGPUShrinkGrow (its process's next thread creation faulted inside
+// glibc, or the newcomer never reached the first collective), where
+// blocking ones passed every run and non-blocking fresh communicators 3 of
+// 3 (NCCL 2.28.9): the non-blocking grow waits for a run that passes.
+func (g *Group) growsInPlace() bool {
+	return !g.cfg.NonBlocking && g.growSupported() == nil
+}
+
 // Grow returns a group of this group's ranks plus spec.Added newcomers
 // (pg.Grower): every member calls it with the same spec and keeps its rank;
 // the newcomers call JoinGrow and take ranks Size() to
@@ -57,13 +69,14 @@ func (g *Group) growSupported() error {
 // first; a closed group cannot grow, and a stopped one (aborted, or a
 // peer lost) grows, or re-forms (Added 0), through a fresh communicator.
 //
-// Where the library has ncclCommGrow (NCCL ≥ 2.29) the root member (rank 0)
-// makes the grow's id with ncclCommGetUniqueId on its communicator and
+// Where the library has ncclCommGrow (NCCL ≥ 2.29) and the group is
+// blocking (growsInPlace) the root member (rank 0) makes the grow's id with ncclCommGetUniqueId on its communicator and
 // publishes it under spec.Namespace; every member calls ncclCommGrow on its
 // communicator (rank -1, the id from the root only, a NULL config: the new
 // communicator inherits the group's) and each newcomer calls it with a NULL
-// communicator, the id and its rank. Older libraries fall back to a fresh
-// communicator of the grown size, formed as New forms one (ncclGetUniqueId
+// communicator, the id and its rank (blocking, in any group). Older
+// libraries, and non-blocking groups, form a fresh communicator of the
+// grown size, formed as New forms one (ncclGetUniqueId
 // on the root, ncclCommInitRank or ncclCommInitRankConfig everywhere), with
 // the same ranks. A non-blocking group polls the new communicator until it
 // is ready.
@@ -128,10 +141,21 @@ func (g *Group) grow(ctx context.Context, spec pg.GrowSpec) (*Group, error) {
 	}
 	c.cfg.Bootstrap.Namespace = spec.Namespace
 	err = c.form(ctx, func(ctx context.Context) (commHandle, error) {
-		if method == growMethodInit {
-			return c.initComm(ctx, id)
+		if method == growMethodGrow {
+			return g.growMember(ctx, c, id)
 		}
-		return g.growMember(ctx, c, id)
+		// A fresh communicator: its wait ends, as growMember's does, when
+		// this group is aborted or closed meanwhile — unless it was stopped
+		// before, which is why it re-forms.
+		var stop <-chan struct{}
+		if !fresh {
+			stop = g.stopCh
+		}
+		comm, err := c.initComm(ctx, stop, id)
+		if errors.Is(err, errStopped) {
+			return 0, g.usable()
+		}
+		return comm, err
 	})
 	if err != nil {
 		return nil, err
@@ -154,7 +178,7 @@ func (g *Group) publishGrowID(ctx context.Context, store rendezvous.Store, spec 
 	}
 	method, op := growMethodInit, "ncclGetUniqueId"
 	var r Result
-	if !fresh && g.growSupported() == nil {
+	if !fresh && g.growsInPlace() {
 		method, op = growMethodGrow, "ncclCommGetUniqueId"
 		g.commMu.RLock()
 		if g.comm == 0 || g.stopped.Load() != nil {
@@ -275,12 +299,14 @@ func (g *Group) join(ctx context.Context) (commHandle, error) {
 		return 0, err
 	}
 	if method == growMethodInit {
-		return g.initComm(ctx, id)
+		return g.initComm(ctx, nil, id)
 	}
 	if err := g.growSupported(); err != nil {
 		return 0, fmt.Errorf("the members grow with ncclCommGrow: %w", err)
 	}
-	return g.makeComm(ctx, "ncclCommGrow", func() (commHandle, Result) {
-		return g.nccl.commGrow(g.dev.ctx, 0, g.size, &id, g.rank, &commConfig{blocking: !g.cfg.NonBlocking})
+	// Blocking even in a non-blocking group (whose members, then, are
+	// blocking ones): see growsInPlace.
+	return g.makeComm(ctx, nil, "ncclCommGrow", func() (commHandle, Result) {
+		return g.nccl.commGrow(g.dev.ctx, 0, g.size, &id, g.rank, &commConfig{blocking: true})
 	})
 }

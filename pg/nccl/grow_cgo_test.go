@@ -227,32 +227,31 @@ func (w *growWorld) storeValue(key string) []byte {
 // takes the grow's id from its communicator (ncclCommGetUniqueId) and
 // publishes its raw bytes under the namespace's key "0"; every member grows
 // its communicator (rank -1, NULL config, the id from the root only), every
-// newcomer grows from NULL with that id and its rank.
+// newcomer grows from NULL with that id and its rank, blocking even where
+// its own group would be non-blocking (growsInPlace).
 func TestGrowInPlace(t *testing.T) {
 	for _, tt := range []struct {
-		name        string
-		nonBlocking bool
-		control     string
+		name                 string
+		nonBlockingNewcomers bool
 	}{
-		{"blocking", false, "version=22907"},
-		{"non-blocking", true, "grow_polls=3\nversion=22907"},
+		{"blocking", false},
+		{"non-blocking newcomers", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			useDouble(t, tt.control)
+			useDouble(t, "version=22907")
 			w := newGrowWorld(t, doubleLib)
-			w.nonBlocking = tt.nonBlocking
 			members := w.members(2)
+			w.nonBlocking = tt.nonBlockingNewcomers
 			spec := pg.GrowSpec{Added: 2, Namespace: "epoch7"}
 			grown, errs := w.grow(members, spec, 2, 10*time.Second)
 			grownRanks(t, grown, errs)
 
 			id := w.growID("ncclCommGetUniqueId rank=0 nranks=2 ")
-			blocking := map[bool]int{false: 1, true: 0}[tt.nonBlocking]
 			want := []string{
 				"ncclCommGrow parent=0/2 nranks=4 rank=-1 config=NULL newrank=0 id=" + id,
 				"ncclCommGrow parent=1/2 nranks=4 rank=-1 config=NULL newrank=1 id=NULL",
-				fmt.Sprintf("ncclCommGrow parent=NULL nranks=4 rank=2 config=blocking=%d newrank=2 id=%s", blocking, id),
-				fmt.Sprintf("ncclCommGrow parent=NULL nranks=4 rank=3 config=blocking=%d newrank=3 id=%s", blocking, id),
+				"ncclCommGrow parent=NULL nranks=4 rank=2 config=blocking=1 newrank=2 id=" + id,
+				"ncclCommGrow parent=NULL nranks=4 rank=3 config=blocking=1 newrank=3 id=" + id,
 			}
 			w.checkGrow(members, "epoch7", "ncclCommGrow", id, want, "ncclGetUniqueId", "ncclCommInit")
 		})
@@ -266,14 +265,18 @@ func TestGrowInPlace(t *testing.T) {
 func TestGrowFallback(t *testing.T) {
 	for _, tt := range []struct {
 		name, lib, version, init string
+		nonBlocking              bool
 	}{
-		{"no ncclCommGrow in 2.29", noGrowLib, "version=22907", "ncclCommInitRankConfig"},
-		{"2.28.7 has the symbol, not the version", doubleLib, "version=22807", "ncclCommInitRankConfig"},
-		{"2.13.4", oldDoubleLib, "version=21304", "ncclCommInitRank"},
+		{"no ncclCommGrow in 2.29", noGrowLib, "version=22907", "ncclCommInitRankConfig", false},
+		{"2.28.7 has the symbol, not the version", doubleLib, "version=22807", "ncclCommInitRankConfig", false},
+		{"2.13.4", oldDoubleLib, "version=21304", "ncclCommInitRank", false},
+		// growsInPlace: not by a non-blocking ncclCommGrow, even in 2.29.
+		{"a non-blocking group in 2.29", doubleLib, "version=22907\ninit_polls=2", "ncclCommInitRankConfig", true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			useDouble(t, tt.version)
 			w := newGrowWorld(t, tt.lib)
+			w.nonBlocking = tt.nonBlocking
 			members := w.members(2)
 			spec := pg.GrowSpec{Added: 1, Namespace: "heal/1"}
 			grown, errs := w.grow(members, spec, 1, 10*time.Second)
@@ -282,7 +285,7 @@ func TestGrowFallback(t *testing.T) {
 			id := w.growID("ncclGetUniqueId ")
 			var want []string
 			for r := range 3 {
-				want = append(want, fmt.Sprintf("%s nranks=3 rank=%d blocking=1 id=%s", tt.init, r, id))
+				want = append(want, fmt.Sprintf("%s nranks=3 rank=%d blocking=%d id=%s", tt.init, r, map[bool]int{false: 1, true: 0}[tt.nonBlocking], id))
 			}
 			w.checkGrow(members, "heal/1", "ncclCommInitRank", id, want, "ncclCommGrow", "ncclCommGetUniqueId")
 		})
@@ -321,12 +324,14 @@ func TestGrowNewcomerNeverComes(t *testing.T) {
 }
 
 // TestGrowAbortedMeanwhile: Abort ends a member's wait for a non-blocking
-// grow at once; the half-grown communicator is aborted.
+// grow (a fresh communicator: growsInPlace) at once; the half-grown
+// communicator is aborted.
 func TestGrowAbortedMeanwhile(t *testing.T) {
-	useDouble(t, "version=22907", "grow_polls=-1")
+	useDouble(t, "version=22907")
 	w := newGrowWorld(t, doubleLib)
 	w.nonBlocking = true
 	members := w.members(1)
+	setControl(t, "version=22907", "init_polls=-1") // the grown communicators never get ready
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	res := make(chan error, 1)
@@ -341,7 +346,7 @@ func TestGrowAbortedMeanwhile(t *testing.T) {
 	if _, err := JoinGrow(short, w.config(1, 2), pg.GrowSpec{Added: 1, Namespace: "epoch2"}); !errors.Is(err, pg.ErrTimeout) {
 		t.Errorf("newcomer: %v, want an error wrapping pg.ErrTimeout", err)
 	}
-	for len(w.growCalls("ncclCommGrow parent=0/1")) == 0 {
+	for len(w.growCalls("ncclCommInitRankConfig nranks=2 rank=0 ")) == 0 {
 		select {
 		case err := <-res:
 			t.Fatalf("Grow returned before the member grew: %v", err)

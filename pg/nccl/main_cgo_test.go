@@ -211,6 +211,15 @@ func checkBalanced(t *testing.T) {
 			t.Errorf("%d %s but %d %s", a, pair[0], b, pair[1])
 		}
 	}
+	// Every non-blocking shrink's or grow's slot is freed once its
+	// communicator completed or was aborted or destroyed.
+	loadMu.Lock()
+	defer loadMu.Unlock()
+	for name, n := range loadedNCCL {
+		if p := n.pendingChildren(); p != 0 {
+			t.Errorf("%s: %d child slots still held after every group closed", name, p)
+		}
+	}
 }
 
 // rankMain is one rank of TestUniqueIDExchangeAcrossProcesses: it forms a

@@ -18,6 +18,13 @@
 //     communicator at once, without waiting for the other ranks; like NCCL,
 //     a communicator refuses a second ncclCommGetUniqueId while its last id
 //     is not consumed by a grow;
+//   - a non-blocking shrink or grow that returns ncclInProgress stores the
+//     new communicator into the caller's newcomm again when it completes
+//     (the poll of ncclCommGetAsyncError that ends it, or its abort or
+//     destroy), after the call has returned, as NCCL's init job does; so,
+//     like NCCL, it needs newcomm to outlive the call, and it refuses one
+//     on the calling thread's stack (ncclInvalidUsage, logged), where that
+//     store would land in whatever frame is there by then;
 //   - work "completes" at enqueue, unless the control file says hang=1.
 //
 // Injection: $FAKENCCL_CONTROL names a file of key=value lines, read on
@@ -37,13 +44,18 @@
 //                   NCCL's waits for a rank that never comes
 //   grow_polls=N    likewise for a non-blocking grow's new communicator
 //   grow_error=N    ncclCommGrow returns N
+//   async_error_us=N  ncclCommGetAsyncError takes N µs (a wider window
+//                   for the check of concurrent calls on one communicator,
+//                   which it logs)
 //
 // Built with -DFAKENCCL_OLD it lacks the entry points of newer libraries
 // (ncclCommInitRankConfig, ncclGetLastError, ncclCommShrink,
 // ncclCommRevoke, ncclCommGrow, ncclCommGetUniqueId), like an old NCCL;
 // with -DFAKENCCL_NO_GROW it lacks only ncclCommGrow and
 // ncclCommGetUniqueId.
+#define _GNU_SOURCE
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -60,10 +72,14 @@ typedef struct {
 	int blocking;
 } fake_config_head;
 
-typedef struct {
+typedef struct fake_comm_s {
 	int nranks, rank, blocking;
 	int polls;   // ncclInProgress polls left; -1: for ever
 	int grow_id; // an ncclCommGetUniqueId id not yet consumed by a grow
+	// where a non-blocking shrink or grow in progress stores this
+	// communicator again when it completes (NCCL's *job->newcomm)
+	struct fake_comm_s **late_store;
+	int in_async_error; // ncclCommGetAsyncError calls under way
 } fake_comm;
 
 static long ctl(const char *key, long def) {
@@ -97,6 +113,37 @@ static void logline(const char *fmt, ...) {
 	ssize_t w = write(fd, buf, n); // one write: lines of concurrent callers do not mix
 	(void)w;
 	close(fd);
+}
+
+// on_caller_stack: whether p lies on the calling thread's stack.
+static int on_caller_stack(const void *p) {
+	pthread_attr_t attr;
+	void *lo;
+	size_t size;
+	if (pthread_getattr_np(pthread_self(), &attr) != 0) return 0;
+	int r = pthread_attr_getstack(&attr, &lo, &size) == 0 && (const char *)p >= (const char *)lo &&
+	        (const char *)p < (const char *)lo + size;
+	pthread_attr_destroy(&attr);
+	return r;
+}
+
+// defer_store arranges a non-blocking shrink's or grow's later store of c
+// into out; it fails (ncclInvalidUsage) when out is on the caller's stack.
+static int defer_store(fake_comm *c, fake_comm **out, const char *fn) {
+	if (on_caller_stack(out)) {
+		logline("%s newcomm on the caller's stack: refused (stored again when the communicator completes)", fn);
+		return 0;
+	}
+	c->late_store = out;
+	return 1;
+}
+
+// late_store is NCCL's store at the end of a shrink's or grow's init.
+static void late_store(fake_comm *c) {
+	if (c->late_store) {
+		__atomic_store_n(c->late_store, c, __ATOMIC_RELEASE);
+		c->late_store = NULL;
+	}
 }
 
 static void hex(const fake_uid *id, char out[257]) {
@@ -250,21 +297,36 @@ int ncclCommInitRank(fake_comm **c, int n, fake_uid id, int rank) {
 	return init(c, n, id, rank, 1, "ncclCommInitRank");
 }
 
-int ncclCommGetAsyncError(fake_comm *c, int *e) {
-	if (!c) return invalidArgument;
+static void async_error(fake_comm *c, int *e) {
 	if (c->polls != 0) {
 		if (c->polls > 0) c->polls--;
 		*e = inProgress;
-		return ok;
+		return;
 	}
+	late_store(c);
 	long only = ctl("async_error_nranks", 0);
 	*e = only && c->nranks != only ? ok : (int)ctl("async_error", 0);
+}
+
+int ncclCommGetAsyncError(fake_comm *c, int *e) {
+	if (!c) return invalidArgument;
+	// NCCL's call is not safe on one communicator from two threads at
+	// once (the first to see a non-blocking operation done joins and
+	// frees its group job): say so when it happens.
+	if (__atomic_fetch_add(&c->in_async_error, 1, __ATOMIC_ACQ_REL) != 0) {
+		logline("ncclCommGetAsyncError called concurrently on one communicator (rank=%d nranks=%d)", c->rank, c->nranks);
+	}
+	long dwell = ctl("async_error_us", 0);
+	if (dwell > 0) usleep((useconds_t)dwell);
+	async_error(c, e);
+	__atomic_fetch_sub(&c->in_async_error, 1, __ATOMIC_ACQ_REL);
 	return ok;
 }
 
 int ncclCommAbort(fake_comm *c) {
 	if (!c) return ok;
 	logline("ncclCommAbort rank=%d nranks=%d", c->rank, c->nranks);
+	late_store(c); // NCCL's abort joins the init, which stores
 	free(c);
 	return ok;
 }
@@ -272,6 +334,7 @@ int ncclCommAbort(fake_comm *c) {
 int ncclCommDestroy(fake_comm *c) {
 	if (!c) return ok;
 	logline("ncclCommDestroy rank=%d nranks=%d", c->rank, c->nranks);
+	late_store(c);
 	free(c);
 	return ok;
 }
@@ -392,6 +455,10 @@ int ncclCommShrink(fake_comm *c, int *ex, int nex, fake_comm **out, void *cfg, i
 	n->rank = c->rank - below;
 	n->blocking = c->blocking;
 	n->polls = c->blocking ? 0 : (int)ctl("shrink_polls", 0);
+	if (n->polls && !defer_store(n, out, "ncclCommShrink")) {
+		free(n);
+		return invalidUsage;
+	}
 	*out = n;
 	logline("ncclCommShrink exclude=%s flags=%d config=%s newrank=%d newnranks=%d", list, flags,
 	        cfg ? "set" : "NULL", n->rank, n->nranks);
@@ -440,6 +507,10 @@ int ncclCommGrow(fake_comm *c, int n, const fake_uid *id, int rank, fake_comm **
 	nc->rank = c ? c->rank : rank;
 	nc->blocking = blocking;
 	nc->polls = blocking ? 0 : (int)ctl("grow_polls", 0);
+	if (nc->polls && !defer_store(nc, out, "ncclCommGrow")) {
+		free(nc);
+		return invalidUsage;
+	}
 	*out = nc;
 	char parent[32] = "NULL", h[257] = "NULL", conf[32] = "NULL";
 	if (c) snprintf(parent, sizeof parent, "%d/%d", c->rank, c->nranks);
