@@ -52,6 +52,12 @@ type Group struct {
 	// held: aborted without revoke or ncclCommAbort (see Config.FreeOnAbort);
 	// kept for Shrink, freed by Close.
 	held bool
+	// lent: comm is in a blocking ncclCommGrow that runs outside commMu
+	// (growMemberBlocking), and nothing else may call NCCL on it. Whoever
+	// ends the group meanwhile forfeits it: comm becomes 0 and forfeited
+	// holds it until the call returns, which aborts it (returnComm).
+	lent      bool
+	forfeited commHandle
 
 	stopped  atomic.Pointer[pg.AbortedError] // first reason wins
 	stopCh   chan struct{}                   // closed when stopped is set
@@ -418,6 +424,10 @@ func (g *Group) endComm() {
 	if g.comm == 0 || g.revoked || g.held {
 		return
 	}
+	if g.lent {
+		g.forfeit()
+		return
+	}
 	if !g.cfg.FreeOnAbort {
 		if g.revokeSupported() == nil {
 			if r := g.nccl.commRevoke(g.dev.ctx, g.comm, 0); r == Success || r == InProgress {
@@ -430,6 +440,40 @@ func (g *Group) endComm() {
 	}
 	g.nccl.commAbort(g.dev.ctx, g.comm)
 	g.comm = 0
+}
+
+// forfeit gives up a lent communicator to the blocking call that has it:
+// the group no longer owns it, and returnComm aborts it when the call
+// returns. The caller holds commMu.
+func (g *Group) forfeit() {
+	if g.lent && g.comm != 0 {
+		g.forfeited, g.comm = g.comm, 0
+	}
+}
+
+// lendComm hands the communicator to a blocking call made outside commMu
+// (see lent); returnComm takes it back.
+func (g *Group) lendComm() (commHandle, error) {
+	g.commMu.Lock()
+	defer g.commMu.Unlock()
+	if g.comm == 0 || g.stopped.Load() != nil {
+		return 0, g.usable()
+	}
+	g.lent = true
+	return g.comm, nil
+}
+
+// returnComm ends a loan of the communicator: the call that had it has
+// returned. A communicator forfeited meanwhile is aborted now, in dev's
+// context (the call's retained device: the group may be released).
+func (g *Group) returnComm(dev *device) {
+	g.commMu.Lock()
+	forfeited := g.forfeited
+	g.lent, g.forfeited = false, 0
+	g.commMu.Unlock()
+	if forfeited != 0 {
+		g.nccl.commAbort(dev.ctx, forfeited)
+	}
 }
 
 // usable returns nil, or why the group takes no more operations.
@@ -466,7 +510,7 @@ func (g *Group) watchdog(interval time.Duration) {
 // group aborts itself. It returns usable's answer afterwards.
 func (g *Group) checkAsync(op string) error {
 	g.commMu.RLock()
-	if g.comm == 0 || g.stopped.Load() != nil {
+	if g.comm == 0 || g.lent || g.stopped.Load() != nil {
 		g.commMu.RUnlock()
 		return g.usable()
 	}
@@ -865,11 +909,10 @@ func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags)
 	defer g.opMu.Unlock()
 	g.commMu.Lock()
 	defer g.commMu.Unlock()
-	if g.comm == 0 {
-		return nil, fmt.Errorf("pg/nccl: cannot shrink: ncclCommAbort already freed the communicator (Config.FreeOnAbort): %w",
-			g.usable())
-	}
-	if g.revoked {
+	// No communicator (freed by Abort under Config.FreeOnAbort, or
+	// forfeited to a blocking grow that did not return): this rank says it
+	// cannot shrink in place, and the survivors form a fresh one.
+	if g.comm != 0 && g.revoked {
 		if err := g.quiesce(ctx, g.comm); err != nil {
 			return nil, err
 		}
@@ -882,8 +925,10 @@ func (g *Group) Shrink(ctx context.Context, exclude []int, flags pg.ShrinkFlags)
 	}
 	if !inPlace {
 		g.stop(fmt.Errorf("pg/nccl: shrunk into a fresh communicator without ranks %v", sorted))
-		g.nccl.commAbort(g.dev.ctx, g.comm)
-		g.comm = 0
+		if g.comm != 0 {
+			g.nccl.commAbort(g.dev.ctx, g.comm)
+			g.comm = 0
+		}
 		return g.shrinkAfresh(ctx, ns, rank, size)
 	}
 	ex := make([]int32, len(sorted))
@@ -928,14 +973,15 @@ func shrinkNamespace(ns string, sorted []int) string {
 func shrinkAgreeKey(rank int) string { return "shrinkable/" + strconv.Itoa(rank) }
 
 // agreeShrink tells the other survivors (new ranks 0 to size-1) whether
-// this rank's communicator can be shrunk (no async error recorded, so that
-// ncclCommShrink's ncclCommEnsureReady takes it), and reports whether all
-// of them can. The caller holds commMu.
+// this rank's communicator can be shrunk (it has one, with no async error
+// recorded, so that ncclCommShrink's ncclCommEnsureReady takes it), and
+// reports whether all of them can. The caller holds commMu.
 func (g *Group) agreeShrink(ctx context.Context, ns string, rank, size int) (bool, error) {
-	async, r := g.nccl.commGetAsyncError(g.comm)
-	say := []byte("1")
-	if r != Success || async != Success {
-		say = []byte("0")
+	say := []byte("0")
+	if g.comm != 0 {
+		if async, r := g.nccl.commGetAsyncError(g.comm); r == Success && async == Success {
+			say = []byte("1")
+		}
 	}
 	store := rendezvous.NewPrefixStore(ns, g.cfg.Bootstrap.Store)
 	if err := store.Set(ctx, shrinkAgreeKey(rank), say); err != nil {
@@ -1070,6 +1116,7 @@ func (g *Group) Close() error {
 	defer g.opMu.Unlock()
 	var err error
 	g.commMu.Lock()
+	g.forfeit()
 	if g.comm != 0 {
 		// Destroy only a communicator that was never stopped and is idle:
 		// ncclCommDestroy waits for peers, which may be gone.

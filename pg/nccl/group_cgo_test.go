@@ -878,18 +878,18 @@ func TestShrinkValidatesFirst(t *testing.T) {
 
 // TestShrinkAfterAbort: the survivors' sequence — Abort (or the watchdog),
 // then Shrink with pg.ShrinkAbort — works whether or not the library can
-// revoke; FreeOnAbort gives it up for PyTorch's free-at-once behaviour.
+// revoke; under FreeOnAbort (PyTorch's free-at-once behaviour) the
+// survivors form a fresh communicator instead.
 func TestShrinkAfterAbort(t *testing.T) {
 	tests := []struct {
 		name       string
 		version    string
 		free       bool
 		wantRevoke int
-		wantErr    string // "" means the shrink works
 	}{
-		{"revoke available", "version=22807", false, 1, ""},
-		{"no revoke: the communicator is held", "version=22703", false, 0, ""},
-		{"FreeOnAbort", "version=22807", true, 0, "already freed"},
+		{"revoke available", "version=22807", false, 1},
+		{"no revoke: the communicator is held", "version=22703", false, 0},
+		{"FreeOnAbort", "version=22807", true, 0},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -906,10 +906,22 @@ func TestShrinkAfterAbort(t *testing.T) {
 			if got := calls(t, "ncclCommRevoke"); len(got) != tt.wantRevoke {
 				t.Errorf("revoke calls %q, want %d", got, tt.wantRevoke)
 			}
-			if tt.wantErr != "" {
-				_, err := g.Shrink(context.Background(), []int{2}, pg.ShrinkAbort)
-				if !errors.Is(err, pg.ErrAborted) || !strings.Contains(err.Error(), tt.wantErr) {
-					t.Fatalf("Shrink after Abort: %v, want an error saying %q", err, tt.wantErr)
+			if tt.free {
+				if got := calls(t, "ncclCommAbort"); len(got) != 1 || !strings.Contains(got[0], "nranks=3") {
+					t.Fatalf("Abort did not free the communicator: %q", got)
+				}
+				otherSurvivorsSay(t, g, []int{2}, 0, 2, "1") // they could shrink theirs in place; this rank cannot
+				child, err := g.Shrink(context.Background(), []int{2}, pg.ShrinkAbort)
+				if err != nil {
+					t.Fatalf("Shrink after a freeing Abort: %v", err)
+				}
+				defer child.Close()
+				inits := calls(t, "ncclCommInitRank")
+				if len(calls(t, "ncclCommShrink")) != 0 || len(inits) != 2 || !strings.Contains(inits[1], "nranks=2 rank=0") {
+					t.Errorf("init calls %q after the shrink, want a fresh init of rank 0 of 2 and no ncclCommShrink", inits)
+				}
+				if err := child.Barrier(context.Background()); err != nil {
+					t.Errorf("Barrier on the fresh survivors' group: %v", err)
 				}
 				return
 			}

@@ -85,9 +85,12 @@ func (g *Group) growsInPlace() bool {
 // complete (a newcomer that never comes, within ctx and the bootstrap
 // timeout; a failed NCCL call; Abort or Close meanwhile) returns an error,
 // the new communicator, if any, is aborted, and the members carry on with
-// this group. A newcomer that dies after it announced itself is noticed by
-// NCCL: a non-blocking group then stops waiting at ctx's end, a blocking
-// one only when ncclCommGrow (or init) returns. NCCL lets a communicator
+// this group — except where a blocking ncclCommGrow was given up (ctx's
+// end, Abort, Close: see growMemberBlocking): its communicator is then
+// NCCL's until the call returns, and the group is stopped, to be re-formed
+// (Grow with no newcomers) or shrunk afresh. A newcomer that dies after it
+// announced itself is noticed by NCCL, or not at all by a blocking call:
+// every wait ends at ctx's end or on Abort. NCCL lets a communicator
 // have one unconsumed grow id at a time, and a grow that failed after the
 // root took its id may leave it unconsumed: the root's next Grow on this
 // group may then be refused, and the members shrink or re-form instead.
@@ -235,12 +238,14 @@ func storeError(err error) error {
 // growMember calls ncclCommGrow on the member's communicator for c (the
 // new group, same rank, grown size): rank -1, the id only from the root,
 // and a NULL config so that the new communicator inherits the group's. The
-// wait for a non-blocking grow ends early when the group is aborted or
-// closed.
+// wait ends early when the group is aborted or closed.
 func (g *Group) growMember(ctx context.Context, c *Group, id uniqueID) (commHandle, error) {
 	var idp *uniqueID
 	if g.rank == 0 {
 		idp = &id
+	}
+	if !g.cfg.NonBlocking {
+		return g.growMemberBlocking(ctx, c, idp)
 	}
 	g.commMu.RLock()
 	if g.comm == 0 || g.stopped.Load() != nil {
@@ -254,6 +259,62 @@ func (g *Group) growMember(ctx context.Context, c *Group, id uniqueID) (commHand
 		return 0, g.usable()
 	}
 	return comm, err
+}
+
+// growMemberBlocking is growMember on a blocking communicator. A blocking
+// ncclCommGrow returns only once every rank has joined the grown
+// communicator, which a newcomer that died or hangs after announcing
+// itself never does, and while it runs nothing can be done with the
+// communicator. So the call runs on a goroutine of its own, the
+// communicator lent to it (lendComm: no other NCCL call on it, Abort and
+// Close leave it alone), and the member stops waiting at ctx's end or when
+// the group is aborted or closed: the group is then stopped and its
+// communicator forfeited to the call, which NCCL keeps; when the call
+// returns, what it made and the forfeited communicator are aborted, in a
+// device context it retains until then. The members re-form afresh (Grow
+// with no newcomers, or Shrink).
+func (g *Group) growMemberBlocking(ctx context.Context, c *Group, idp *uniqueID) (commHandle, error) {
+	parent, err := g.lendComm()
+	if err != nil {
+		return 0, err
+	}
+	dev, err := retainDevice(g.cuda, g.dev.ordinal)
+	if err != nil {
+		g.returnComm(g.dev)
+		return 0, err
+	}
+	type made struct {
+		comm commHandle
+		r    Result
+	}
+	done := make(chan made, 1)
+	go func() {
+		comm, r := g.nccl.commGrow(dev.ctx, parent, c.size, idp, -1, nil)
+		done <- made{comm, r}
+	}()
+	var why error
+	select {
+	case m := <-done:
+		g.returnComm(dev)
+		dev.release()
+		return c.finishComm(ctx, nil, "ncclCommGrow", m.comm, m.r)
+	case <-g.stopCh:
+		why = g.usable()
+	case <-ctx.Done():
+		why = g.ctxError(ctx, "ncclCommGrow")
+	}
+	g.stop(fmt.Errorf("pg/nccl: rank %d: a blocking ncclCommGrow was given up (%w): its communicator is NCCL's until the call returns", g.rank, why))
+	g.commMu.Lock()
+	g.forfeit()
+	g.commMu.Unlock()
+	go func() {
+		if m := <-done; m.comm != 0 {
+			g.nccl.commAbort(dev.ctx, m.comm)
+		}
+		g.returnComm(dev)
+		dev.release()
+	}()
+	return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted) with this group's communicator, both aborted when it returns", why)
 }
 
 // JoinGrow forms a newcomer's side of a Grow: cfg.Bootstrap.Rank is its

@@ -323,6 +323,32 @@ func TestGrowNewcomerNeverComes(t *testing.T) {
 	grownRanks(t, grown, errs)
 }
 
+// stuckGrow starts a Grow by one newcomer on member under namespace ns,
+// within mctx, while the newcomer's own side, which never completes
+// either, gives up after 200 ms; it returns once the member has made the
+// NCCL call that starts with call, with the Grow's result channel.
+func (w *growWorld) stuckGrow(mctx context.Context, member *Group, ns, call string) <-chan error {
+	w.t.Helper()
+	res := make(chan error, 1)
+	go func() {
+		_, err := member.Grow(mctx, pg.GrowSpec{Added: 1, Namespace: ns})
+		res <- err
+	}()
+	short, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	if _, err := JoinGrow(short, w.config(1, 2), pg.GrowSpec{Added: 1, Namespace: ns}); !errors.Is(err, pg.ErrTimeout) {
+		w.t.Errorf("newcomer: %v, want an error wrapping pg.ErrTimeout", err)
+	}
+	for len(w.growCalls(call)) == 0 {
+		select {
+		case err := <-res:
+			w.t.Fatalf("Grow returned before the member called %s: %v", call, err)
+		case <-time.After(time.Millisecond):
+		}
+	}
+	return res
+}
+
 // TestGrowAbortedMeanwhile: Abort ends a member's wait for a non-blocking
 // grow (a fresh communicator: growsInPlace) at once; the half-grown
 // communicator is aborted.
@@ -334,31 +360,87 @@ func TestGrowAbortedMeanwhile(t *testing.T) {
 	setControl(t, "version=22907", "init_polls=-1") // the grown communicators never get ready
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	res := make(chan error, 1)
-	go func() {
-		_, err := members[0].Grow(ctx, pg.GrowSpec{Added: 1, Namespace: "epoch2"})
-		res <- err
-	}()
-	// The newcomer's grow never completes either: it gives up at its
-	// context's end.
-	short, cancelShort := context.WithTimeout(ctx, 300*time.Millisecond)
-	defer cancelShort()
-	if _, err := JoinGrow(short, w.config(1, 2), pg.GrowSpec{Added: 1, Namespace: "epoch2"}); !errors.Is(err, pg.ErrTimeout) {
-		t.Errorf("newcomer: %v, want an error wrapping pg.ErrTimeout", err)
-	}
-	for len(w.growCalls("ncclCommInitRankConfig nranks=2 rank=0 ")) == 0 {
-		select {
-		case err := <-res:
-			t.Fatalf("Grow returned before the member grew: %v", err)
-		case <-time.After(time.Millisecond):
-		}
-	}
+	res := w.stuckGrow(ctx, members[0], "epoch2", "ncclCommInitRankConfig nranks=2 rank=0 ")
 	members[0].Abort(errors.New("peer lost meanwhile"))
 	if err := within(t, res, time.Second); !errors.Is(err, pg.ErrAborted) {
 		t.Errorf("member: %v, want an error wrapping pg.ErrAborted", err)
 	}
 	if got := w.growCalls("ncclCommAbort rank="); !slices.Contains(got, "ncclCommAbort rank=0 nranks=2") || !slices.Contains(got, "ncclCommAbort rank=1 nranks=2") {
 		t.Errorf("abort calls %q, want both half-grown communicators aborted", got)
+	}
+}
+
+// TestGrowBlockingGivenUp: a blocking ncclCommGrow that never returns (a
+// newcomer announced itself, then never joined) holds no one up. Abort
+// returns at once and so does the member's Grow; so does a Grow whose
+// context ends. The group is then stopped, its communicator left to the
+// call, and both what the call makes and that communicator are aborted
+// when it returns; the member re-forms afresh meanwhile.
+func TestGrowBlockingGivenUp(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		abort bool // Abort the member; else its Grow's context ends
+		want  error
+	}{
+		{"aborted", true, pg.ErrAborted},
+		{"deadline", false, pg.ErrTimeout},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			useDouble(t, "version=22907")
+			w := newGrowWorld(t, doubleLib)
+			members := w.members(1)
+			setControl(t, "version=22907", "grow_block=1")
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			mctx := ctx
+			if !tt.abort {
+				var mcancel context.CancelFunc
+				mctx, mcancel = context.WithTimeout(ctx, 300*time.Millisecond)
+				defer mcancel()
+			}
+			res := w.stuckGrow(mctx, members[0], "epoch3", "ncclCommGrow parent=0/1")
+			if tt.abort {
+				aborted := make(chan struct{})
+				go func() { members[0].Abort(errors.New("the newcomer's node lost")); close(aborted) }()
+				select {
+				case <-aborted:
+				case <-time.After(time.Second):
+					t.Fatal("Abort waited for the blocking ncclCommGrow")
+				}
+			}
+			if err := within(t, res, 2*time.Second); !errors.Is(err, tt.want) {
+				t.Errorf("member's Grow: %v, want an error wrapping %v", err, tt.want)
+			}
+			if err := members[0].Barrier(ctx); !errors.Is(err, pg.ErrAborted) {
+				t.Errorf("Barrier on the group whose communicator was left to NCCL: %v, want pg.ErrAborted", err)
+			}
+			if got := w.growCalls("ncclCommAbort"); len(got) != 0 {
+				t.Errorf("communicators aborted while the call still had them: %q", got)
+			}
+			// The member re-forms with a fresh communicator meanwhile.
+			again, err := members[0].Grow(ctx, pg.GrowSpec{Added: 0, Namespace: "epoch4"})
+			if err != nil {
+				t.Fatalf("re-forming after the grow was given up: %v", err)
+			}
+			defer again.Close()
+			if err := again.Barrier(ctx); err != nil {
+				t.Errorf("Barrier on the re-formed group: %v", err)
+			}
+			// The calls return: what they made, and the lent communicator,
+			// are aborted then.
+			setControl(t, "version=22907")
+			want := []string{"ncclCommAbort rank=0 nranks=1", "ncclCommAbort rank=0 nranks=2", "ncclCommAbort rank=1 nranks=2"}
+			for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+				got := w.growCalls("ncclCommAbort")
+				slices.Sort(got)
+				if slices.Equal(got, want) {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatalf("abort calls after the blocking calls returned: %q, want %q", got, want)
+				}
+			}
+		})
 	}
 }
 

@@ -44,6 +44,9 @@
 //                   NCCL's waits for a rank that never comes
 //   grow_polls=N    likewise for a non-blocking grow's new communicator
 //   grow_error=N    ncclCommGrow returns N
+//   grow_block=1    a blocking ncclCommGrow does not return while this
+//                   holds (after its log line), as NCCL's waits for a
+//                   newcomer that never joins
 //   async_error_us=N  ncclCommGetAsyncError takes N µs (a wider window
 //                   for the check of concurrent calls on one communicator,
 //                   which it logs)
@@ -517,6 +520,7 @@ int ncclCommGrow(fake_comm *c, int n, const fake_uid *id, int rank, fake_comm **
 	if (id) hex(id, h);
 	if (cfg) snprintf(conf, sizeof conf, "blocking=%d", cfg->blocking);
 	logline("ncclCommGrow parent=%s nranks=%d rank=%d config=%s newrank=%d id=%s", parent, n, rank, conf, nc->rank, h);
+	while (blocking && ctl("grow_block", 0)) usleep(5000);
 	return nc->polls ? inProgress : ok;
 }
 #endif
