@@ -285,20 +285,32 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 		}
 	}
 	defer func() { stop(decide); stop(giveUp) }()
+	// heard is when this agent first had the news now pending.
+	var heard time.Time
 	// arm sets the timers for the pending reports: the decision when
-	// leading, and the deadline for an epoch in any case.
+	// leading, and the deadline for an epoch in any case. The deadline is
+	// AgreementTimeout past the due time, or past the moment this agent
+	// heard the news if that is later: an agent that replays the board's
+	// log (a replacement node admitted long after a loss) can read old
+	// reports before the epoch that settled them — notices and epochs
+	// come through two watchers — and must give that epoch time to come,
+	// not give up on an agreement long done.
 	arm := func() {
 		stop(decide)
 		stop(giveUp)
 		decide, giveUp = nil, nil
 		due := dec.Due()
 		if due.IsZero() {
+			heard = time.Time{}
 			return
+		}
+		if heard.IsZero() {
+			heard = time.Now()
 		}
 		if leading {
 			decide = time.NewTimer(time.Until(due))
 		}
-		giveUp = time.NewTimer(time.Until(due.Add(c.cfg.AgreementTimeout)))
+		giveUp = time.NewTimer(time.Until(later(due, heard).Add(c.cfg.AgreementTimeout)))
 	}
 	timerC := func(t *time.Timer) <-chan time.Time {
 		if t == nil {
@@ -373,6 +385,13 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 			return
 		}
 	}
+}
+
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // completeOverdue looks, before a grow that did not complete in time is

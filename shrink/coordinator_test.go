@@ -3,6 +3,7 @@ package shrink
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -120,6 +121,42 @@ func TestCoordinatorNextEpoch(t *testing.T) {
 	e := nextEpoch(t, a, 10*time.Second)
 	if e.Number != 2 || !slices.Equal(e.Excluded, []int{3}) || !slices.Equal(e.Lost, []int{1, 3}) || !slices.Equal(e.Ranks, []int{0, -1, 1, -1}) {
 		t.Fatalf("epoch 2 = %+v", e)
+	}
+}
+
+// TestCoordinatorLateReplay: an agent that comes long after a loss (a
+// replacement node) replays reports an epoch settled, past their
+// agreement deadline, and may read them before that epoch: it adopts the
+// epoch, and does not give the agreement up.
+func TestCoordinatorLateReplay(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dial := storeDialer(ctx, t)
+	cfg := CoordinatorConfig{Config: Config{SettleWindow: 10 * time.Millisecond}, Name: "a", World: 4,
+		AgreementTimeout: 100 * time.Millisecond}
+	a := agentSide(t, dial, cfg)
+	a.Lead(ctx, true)
+	for _, r := range [][]int{{1}, {2}} {
+		if err := a.File(ctx, Report{Ranks: r, Reason: "exited"}); err != nil {
+			t.Fatal(err)
+		}
+		nextEpoch(t, a, 5*time.Second)
+	}
+	time.Sleep(3 * cfg.AgreementTimeout) // every report is long past its deadline
+	for i := range 12 {
+		cfg.Name = fmt.Sprintf("late-%d", i)
+		late := agentSide(t, dial, cfg)
+		for n := 1; n <= 2; n++ {
+			if e := nextEpoch(t, late, 5*time.Second); e.Number != n {
+				t.Fatalf("%s: epoch %d, want %d", cfg.Name, e.Number, n)
+			}
+		}
+		select {
+		case err := <-late.Err():
+			t.Fatalf("%s gave up an agreement long done: %v", cfg.Name, err)
+		case <-time.After(2 * cfg.AgreementTimeout):
+		}
+		late.Close()
 	}
 }
 

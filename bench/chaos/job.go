@@ -26,6 +26,9 @@ type runEnv struct {
 	// cutFor is how long a link cut lasts before the link heals.
 	cutFor  time.Duration
 	timeout time.Duration // bound on the run
+	// witness is the host whose agent witnesses the job
+	// (ScheduleConfig.Witness).
+	witness int
 	console io.Writer
 }
 
@@ -140,9 +143,10 @@ func (ru *runner) pids() []int {
 // and checks the invariants. stepTime is a step at the fault-free rate (0
 // when not known yet). Everything it starts is ended before it returns.
 //
-// Host 0's agent is the job's witness: it is never a fault's target (with
-// c10d it holds the store), so the run ends when it exits, its exit code
-// is the job's, and its resources are the ones sampled.
+// The witness host's agent (host 0's, unless the coordinator's host may be
+// lost: see ScheduleConfig.Witness) is never a fault's target, so the run
+// ends when it exits, its exit code is the job's, and its resources are
+// the ones sampled.
 func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Duration, lim Limits, env runEnv) (res RowResult, err error) {
 	res.Row = r
 	lim = lim.withDefaults()
@@ -182,13 +186,17 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			return res, err
 		}
 	}
-	witness := ru.agents[0]
+	witness := ru.current(env.witness)
 	var ec *etcdCounter
 	if j.Backend == backendEtcd && j.Hosts > 1 && !r.Torchrun {
 		ec = newEtcdCounter(j.EtcdEndpoint, j.RunID)
 		defer ec.close()
 	}
 
+	cmd := commander(exec.CommandContext)
+	if env.bed != nil {
+		cmd = env.bed.Hosts[env.witness].Command
+	}
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	// After a host fault: a replacement agent (AgentKill), or the link
@@ -256,7 +264,7 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			}
 			// A sample the exiting agent could not answer in full is
 			// not one.
-			s := sample(ctx, j, r, witness.cmd.Process.Pid, ru.healthAddr(0), time.Since(ru.t0), ru.out.nEpochs(), ec)
+			s := sample(ctx, j, r, witness.cmd.Process.Pid, ru.healthAddr(env.witness), cmd, time.Since(ru.t0), ru.out.nEpochs(), ec)
 			if s.FDs > 0 && s.RSSKiB > 0 && (r.Torchrun || s.Goroutines > 0) {
 				fmt.Fprintf(ru.env.console, "# sample %+v\n", s)
 				res.Samples = append(res.Samples, s)
@@ -274,7 +282,10 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	// The others finish with it; an agent still standing by (a spare
 	// never admitted) is stopped, which is no failure.
 	ru.settle(10 * time.Second)
-	for _, a := range ru.agents[1:] {
+	for _, a := range ru.agents {
+		if a == witness {
+			continue
+		}
 		// A replacement that came as the job ended finds it over:
 		// gorun's exit code 7, no failure.
 		late := a.standby && a.cmd.ProcessState != nil && a.cmd.ProcessState.ExitCode() == exitJobEnded

@@ -71,14 +71,19 @@
 // spare starts on its host -replace-after later. link-cut blackholes a host's link
 // (never host 0's) for -cut-for, then heals it: the host's agent and
 // workers live on, silent to the others, and must find their way back or
-// out.
+// out. coordinator-lost (-backend etcd) SIGKILLs host 0's agent, the
+// job's first and the survivors' coordinator, and starts a replacement
+// there -replace-after later, as agent-kill does: the agreement fails over
+// to a survivor. The witness is then the last host's agent, and the other
+// host faults spare it too (with coordinator-lost, agent-kill and
+// link-cut need 3 hosts).
 //
 // With -hosts 1 the agent runs with --standalone; with -hosts H ≥ 2 (root,
 // iproute2) agent i runs in host i of a network-namespace bed
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
-// host's --local-addr. Still to come (issue 16): the coordinator's host
-// lost; torchrun 2.14 on several hosts.
+// host's --local-addr. Still to come (issue 16): torchrun 2.14 on several
+// hosts.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
 //	go run ./bench/chaos -worker-kind torch -startup 5s -steps 1200 -mtbf 25s -kinds rank-kill,rank-exit -rows 1,2,4,5,7
@@ -181,7 +186,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.Uint64Var(&c.sched.Seed, "seed", 1, "the schedule's seed")
 	fs.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
 	fs.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
-	fs.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill")
+	fs.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill; with -backend etcd coordinator-lost")
 	fs.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
 	fs.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
 	fs.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")
@@ -222,6 +227,10 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	split := strings.Split(c.kinds, ",")
 	if c.sched.Kinds, err = ParseKinds(split); err != nil {
 		return nil, err
+	}
+	if slices.Contains(c.sched.Kinds, CoordinatorLost) && (c.job.Hosts < 2 || c.job.Backend != backendEtcd) {
+		return nil, fmt.Errorf("%w: %s needs -hosts 2 or more and -backend %s: with %s host 0 holds the job's store, "+
+			"and losing it ends the job (as it does torchrun's)", ErrSchedule, CoordinatorLost, backendEtcd, backendC10d)
 	}
 	// Orphans of a launcher are reparented to us, so none escapes.
 	if err := unix.Prctl(unix.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0); err != nil {
@@ -298,7 +307,8 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if c.job.Hosts <= 1 {
 		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
 	}
-	env := runEnv{replaceAfter: c.replace, cutFor: c.cutFor, timeout: c.rowTimeout}
+	env := runEnv{replaceAfter: c.replace, cutFor: c.cutFor, timeout: c.rowTimeout,
+		witness: ScheduleConfig{Kinds: c.sched.Kinds, Hosts: c.job.Hosts}.Witness()}
 	if c.job.Hosts > 1 {
 		cfg := hostbed.Config{Hosts: c.job.Hosts + 1, Dir: tmp} // the last: the spare's
 		if c.job.Backend == backendEtcd {

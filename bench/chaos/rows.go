@@ -204,7 +204,7 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 		endpoint, conf := net.JoinHostPort(j.HostIPs[0], strconv.Itoa(c10dPort)), j.RdzvConf
 		if j.Backend == backendEtcd {
 			// lease_ttl=1: a lost agent's lease lapses in about a second.
-			endpoint, conf = j.EtcdEndpoint, conf+",lease_ttl=1"
+			endpoint, conf = j.EtcdEndpoint, strings.TrimPrefix(conf+",lease_ttl=1", ",")
 		}
 		argv = append(argv, "--nnodes", strconv.Itoa(j.Hosts), "--rdzv-backend", j.Backend, "--rdzv-endpoint", endpoint,
 			"--rdzv-id", j.RunID, "--rdzv-conf", conf, "--local-addr", j.HostIPs[host])

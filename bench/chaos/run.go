@@ -263,11 +263,15 @@ func running(pid int) bool {
 	return len(f) > 0 && f[0] != "T" && f[0] != "t" && f[0] != "Z"
 }
 
+// commander makes a command, in the agent's host where the run has a bed:
+// the workers' store of an etcd job listens on the host's loopback.
+type commander func(ctx context.Context, name string, args ...string) *exec.Cmd
+
 // sample reads the agent's resources: fds and RSS from /proc, goroutines
 // from its /metrics (gorun), store keys by `gorun store num-keys` on the
-// workers' store (GORUN_STORE, gorun), and the job's etcd keys and leases
-// where it runs on etcd (ec).
-func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, at time.Duration, epochs int, ec *etcdCounter) Sample {
+// workers' store (GORUN_STORE, gorun; run by cmd), and the job's etcd keys
+// and leases where it runs on etcd (ec).
+func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, cmd commander, at time.Duration, epochs int, ec *etcdCounter) Sample {
 	s := Sample{At: at, FDs: -1, Goroutines: -1, RSSKiB: -1, Keys: -1, EtcdKeys: -1, EtcdLeases: -1, Epochs: epochs}
 	s.EtcdKeys, s.EtcdLeases = ec.count(ctx)
 	if fds, err := os.ReadDir("/proc/" + strconv.Itoa(agent) + "/fd"); err == nil {
@@ -287,7 +291,7 @@ func sample(ctx context.Context, j Job, r Row, agent int, healthAddr string, at 
 	for _, pid := range procs.Children(agent) {
 		if store, ok := procs.Env(pid, "GORUN_STORE"); ok {
 			s.Store = store
-			s.Keys = numKeys(ctx, j.Gorun, store)
+			s.Keys = numKeys(ctx, cmd, j.Gorun, store)
 			break
 		}
 	}
@@ -320,10 +324,10 @@ func metric(ctx context.Context, addr, name string) int {
 
 // numKeys counts the keys of a store with the store toolbox; -1 when it
 // does not answer.
-func numKeys(ctx context.Context, gorun, store string) int {
+func numKeys(ctx context.Context, cmd commander, gorun, store string) int {
 	ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 	defer cancel()
-	out, err := exec.CommandContext(ctx, gorun, "store", "num-keys", "--store", store).Output()
+	out, err := cmd(ctx, gorun, "store", "num-keys", "--store", store).Output()
 	if err != nil {
 		return -1
 	}

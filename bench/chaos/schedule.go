@@ -39,6 +39,13 @@ const (
 	// stands by. A replacement spare starts on that host, as after an
 	// agent kill. Rows without a spare skip it.
 	SpareKill Kind = "spare-kill"
+	// CoordinatorLost SIGKILLs host 0's agent, the first of the job and
+	// the survivors' coordinator, its workers dying with it, and starts a
+	// replacement agent there, as after an agent kill: the agreement must
+	// fail over to a survivor. It needs the etcd backend (with c10d host
+	// 0 holds the store, and losing it ends the job, as torchrun's does),
+	// and the job's witness is then the last host, not host 0.
+	CoordinatorLost Kind = "coordinator-lost"
 	// GrowKill SIGKILLs a rank and then, the moment its respawn says it
 	// is a newcomer (a grow is under way), another rank: a fault during a
 	// grow. Where no newcomer comes within growKillWait (restart rows),
@@ -51,14 +58,16 @@ const (
 var rankKinds = []Kind{RankKill, RankExit, RankHang}
 
 // allKinds are the kinds the harness knows, in a fixed order.
-var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill, LinkCut, SpareKill}
+var allKinds = []Kind{RankKill, RankExit, RankHang, AgentKill, TwoRanks, GrowKill, LinkCut, SpareKill, CoordinatorLost}
 
 // growKillWait bounds how long a GrowKill waits for the newcomer before
 // its second kill.
 const growKillWait = 5 * time.Second
 
 // hostFault reports whether k strikes a host, not one rank.
-func (k Kind) hostFault() bool { return k == AgentKill || k == LinkCut || k == SpareKill }
+func (k Kind) hostFault() bool {
+	return k == AgentKill || k == LinkCut || k == SpareKill || k == CoordinatorLost
+}
 
 // ScheduleConfig is what a schedule is drawn from.
 type ScheduleConfig struct {
@@ -80,11 +89,33 @@ type ScheduleConfig struct {
 	// Kinds are drawn uniformly for each fault. Default: the rank kinds.
 	Kinds []Kind
 	// World is the ranks a rank fault's target is drawn from (launch
-	// ranks 0..World-1); Hosts the hosts a host fault's is drawn from,
-	// host 0 excepted (it holds the c10d store: losing it is another
-	// kind, the coordinator's host lost); a spare-kill's is host Hosts,
-	// the bed's extra host, where the spare row's spare runs.
+	// ranks 0..World-1); Hosts the hosts an agent kill's or a link cut's
+	// is drawn from, host 0 (with c10d it holds the store: losing it is
+	// CoordinatorLost) and the witness excepted; a coordinator-lost's is
+	// host 0, a spare-kill's host Hosts, the bed's extra host, where the
+	// spare row's spare runs.
 	World, Hosts int
+}
+
+// Witness is the host whose agent witnesses the job: never a fault's
+// target, its exit code the job's, its resources the ones sampled. Host 0,
+// unless the coordinator's host may be lost: then the last.
+func (c ScheduleConfig) Witness() int {
+	if slices.Contains(c.Kinds, CoordinatorLost) {
+		return max(c.Hosts-1, 0)
+	}
+	return 0
+}
+
+// hostTargets are the hosts an agent kill or a link cut may strike.
+func (c ScheduleConfig) hostTargets() []int {
+	var out []int
+	for h := 1; h < c.Hosts; h++ {
+		if h != c.Witness() {
+			out = append(out, h)
+		}
+	}
+	return out
 }
 
 // withDefaults fills in the documented defaults.
@@ -139,10 +170,15 @@ func NewSchedule(c ScheduleConfig) ([]Fault, error) {
 		if !slices.Contains(allKinds, k) {
 			return nil, fmt.Errorf("%w: unknown fault kind %q", ErrSchedule, k)
 		}
-		if k.hostFault() && c.Hosts < 2 {
+		switch {
+		case k.hostFault() && c.Hosts < 2:
 			return nil, fmt.Errorf("%w: %s needs 2 or more hosts (host 0 is never the target)", ErrSchedule, k)
+		case (k == AgentKill || k == LinkCut) && len(c.hostTargets()) == 0:
+			return nil, fmt.Errorf("%w: %s with %s needs 3 or more hosts (host 0 is %s's target, host %d the witness)",
+				ErrSchedule, k, CoordinatorLost, CoordinatorLost, c.Witness())
 		}
 	}
+	targets := c.hostTargets()
 	// PCG with the seed in both words: a fixed, documented generator, so
 	// that a seed means the same schedule in every Go release.
 	rng := rand.New(rand.NewPCG(c.Seed, c.Seed^0x9e3779b97f4a7c15))
@@ -157,9 +193,17 @@ func NewSchedule(c ScheduleConfig) ([]Fault, error) {
 		}
 		f := Fault{At: at, Kind: c.Kinds[rng.IntN(len(c.Kinds))]}
 		if f.Kind.hostFault() {
-			f.Target = 1 + rng.IntN(c.Hosts-1)
-			if f.Kind == SpareKill {
+			// One draw for every host fault, whatever its target, so
+			// that adding a kind leaves the draws of the others as
+			// they were.
+			i := rng.IntN(c.Hosts - 1)
+			switch f.Kind {
+			case SpareKill:
 				f.Target = c.Hosts // the spare's: the bed's extra host
+			case CoordinatorLost:
+				f.Target = 0
+			default:
+				f.Target = targets[i%len(targets)]
 			}
 		} else {
 			f.Target = rng.IntN(c.World)

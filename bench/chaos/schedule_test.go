@@ -3,6 +3,7 @@ package main
 import (
 	"errors"
 	"reflect"
+	"slices"
 	"testing"
 	"time"
 )
@@ -35,7 +36,10 @@ func TestScheduleShape(t *testing.T) {
 		c    ScheduleConfig
 	}{
 		{"rank kinds, one host", ScheduleConfig{MTBF: 30 * time.Second, Horizon: time.Hour, World: 8}},
-		{"every kind, 2 hosts", ScheduleConfig{MTBF: 5 * time.Second, MinGap: 2 * time.Second, Horizon: time.Hour, World: 4, Hosts: 2, Kinds: allKinds}},
+		{"every kind but the coordinator's, 2 hosts", ScheduleConfig{MTBF: 5 * time.Second, MinGap: 2 * time.Second, Horizon: time.Hour, World: 4, Hosts: 2,
+			Kinds: slices.DeleteFunc(slices.Clone(allKinds), func(k Kind) bool { return k == CoordinatorLost })}},
+		{"every kind, 3 hosts", ScheduleConfig{MTBF: 5 * time.Second, MinGap: 2 * time.Second, Horizon: time.Hour, World: 6, Hosts: 3, Kinds: allKinds}},
+		{"the coordinator's host, 2 hosts", ScheduleConfig{MTBF: 5 * time.Second, Horizon: time.Hour, World: 4, Hosts: 2, Kinds: []Kind{CoordinatorLost, RankKill}}},
 		{"no min gap", ScheduleConfig{MTBF: time.Second, MinGap: -0, Horizon: 10 * time.Minute, World: 2}},
 	}
 	for _, tt := range tests {
@@ -54,11 +58,19 @@ func TestScheduleShape(t *testing.T) {
 					if f.At-prev < c.MinGap || f.At >= c.Horizon {
 						t.Fatalf("seed %d: %v after %v: want ≥ %v later and before %v", seed, f, prev, c.MinGap, c.Horizon)
 					}
-					spare := f.Kind == SpareKill // the bed's extra host, Hosts
-					if spare && f.Target != c.Hosts ||
-						!spare && f.Kind.hostFault() && (f.Target < 1 || f.Target >= c.Hosts) ||
-						!f.Kind.hostFault() && (f.Target < 0 || f.Target >= c.World) {
-						t.Fatalf("seed %d: %v: target out of range", seed, f)
+					var want bool
+					switch f.Kind {
+					case SpareKill: // the bed's extra host, Hosts
+						want = f.Target == c.Hosts
+					case CoordinatorLost:
+						want = f.Target == 0
+					case AgentKill, LinkCut: // neither host 0 nor the witness
+						want = f.Target >= 1 && f.Target < c.Hosts && f.Target != c.Witness()
+					default:
+						want = f.Target >= 0 && f.Target < c.World
+					}
+					if !want {
+						t.Fatalf("seed %d: %v: target out of range (witness host %d)", seed, f, c.Witness())
 					}
 					kinds[f.Kind]++
 					prev = f.At
@@ -88,6 +100,8 @@ func TestScheduleErrors(t *testing.T) {
 		{"gap beyond mtbf", ScheduleConfig{Horizon: time.Minute, World: 2, MTBF: time.Second, MinGap: 2 * time.Second}},
 		{"host fault on one host", ScheduleConfig{Horizon: time.Minute, World: 2, Kinds: []Kind{AgentKill}}},
 		{"unknown kind", ScheduleConfig{Horizon: time.Minute, World: 2, Kinds: []Kind{"meteor"}}},
+		// Host 0 is the coordinator's, host 1 the witness: no host left.
+		{"agent kills beside the coordinator's loss on 2 hosts", ScheduleConfig{Horizon: time.Minute, World: 2, Hosts: 2, Kinds: []Kind{CoordinatorLost, AgentKill}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

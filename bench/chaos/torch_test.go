@@ -60,15 +60,20 @@ func TestRunRefusesBadWorker(t *testing.T) {
 		kind    string
 		up      time.Duration
 		timeout string
+		hosts   int
+		backend string
+		faults  string
 		want    string
 	}{
-		{"kind", "rust", 0, "15s", `-worker-kind "rust"`},
-		{"start-up", workerTorch, -time.Second, "15s", "-startup -1s"},
-		{"worker timeout without a unit", workerTorch, 0, "20", `-worker-timeout "20"`},
-		{"worker timeout of 0", workerGo, 0, "0s", `-worker-timeout "0s"`},
+		{"kind", "rust", 0, "15s", 1, "", "rank-kill", `-worker-kind "rust"`},
+		{"start-up", workerTorch, -time.Second, "15s", 1, "", "rank-kill", "-startup -1s"},
+		{"worker timeout without a unit", workerTorch, 0, "20", 1, "", "rank-kill", `-worker-timeout "20"`},
+		{"worker timeout of 0", workerGo, 0, "0s", 1, "", "rank-kill", `-worker-timeout "0s"`},
+		{"the coordinator's host with c10d", workerGo, 0, "15s", 2, backendC10d, "coordinator-lost", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
+		{"the coordinator's host on one host", workerGo, 0, "15s", 1, "", "coordinator-lost", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			c := &config{job: Job{Hosts: 1, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up, WorkerTimeout: tt.timeout}, kinds: "rank-kill"}
+			c := &config{job: Job{Hosts: tt.hosts, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up, WorkerTimeout: tt.timeout, Backend: tt.backend}, kinds: tt.faults}
 			_, err := run(context.Background(), c, io.Discard, io.Discard)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("run: %v, want an error naming %q", err, tt.want)
