@@ -49,7 +49,8 @@
 //     -python214, root), its workers in the bed too, its default
 //     --monitor_interval (0.1 s), --redirects 1 --tee 1 as row 5; either
 //     worker kind (the Go worker is static, copied where the bed sees
-//     it); one host only.
+//     it); c10d on several hosts, as row 5 (each agent enters the bed
+//     from its host, under its host's name).
 //
 // Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the Go worker
 // ends between steps with exit code 1; the torch worker, which has no
@@ -82,8 +83,7 @@
 // iproute2) agent i runs in host i of a network-namespace bed
 // (bench/internal/hostbed) with --nnodes H, -backend's rendezvous (c10d:
 // the store on host 0; etcd: one member on the bed's gateway) and its
-// host's --local-addr. Still to come (issue 16): torchrun 2.14 on several
-// hosts.
+// host's --local-addr.
 //
 //	go run ./bench/chaos -steps 2400 -step-ms 50 -mtbf 30s
 //	go run ./bench/chaos -worker-kind torch -startup 5s -steps 1200 -mtbf 25s -kinds rank-kill,rank-exit -rows 1,2,4,5,7
@@ -284,11 +284,9 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if slices.ContainsFunc(selected, torchrun214) {
 		py, why := resolvePython214(c.python214)
 		switch {
-		case c.job.Hosts > 1:
-			// Each host's agent would enter the bed from its network
-			// namespace under its host's name (hostbed.AsHost, then the
-			// bed's enter): not built yet.
-			skip(torchrun214, "torchrun 2.14 row skipped: it runs on one host (-hosts 1) only")
+		case c.job.Hosts > 1 && c.job.Backend != backendC10d:
+			// 2.14's etcd rendezvous (etcd-v2) speaks etcd's v2 API too.
+			skip(torchrun214, "torchrun 2.14 row skipped: its etcd rendezvous speaks etcd's v2 API; it runs with -backend c10d")
 		case py == "":
 			skip(torchrun214, "torchrun 2.14 row skipped: "+why)
 		case !torchAvailable(ctx, py):

@@ -107,6 +107,18 @@ type Applied struct {
 	Skipped  string
 }
 
+// String is the fault as the console shows it: when it was due, when it
+// was brought and on what, or why it was skipped.
+func (a Applied) String() string {
+	switch {
+	case a.Skipped != "":
+		return fmt.Sprintf("%v: skipped (%s)", a.Fault, a.Skipped)
+	case a.Rank >= 0:
+		return fmt.Sprintf("%v: at %v, rank %d (pid %d)", a.Fault, a.At.Round(time.Millisecond), a.Rank, a.PID)
+	}
+	return fmt.Sprintf("%v: at %v (pid %d)", a.Fault, a.At.Round(time.Millisecond), a.PID)
+}
+
 // Sample is an agent's resources at a moment of the run. -1: unknown
 // (torchrun has no /metrics; a store that did not answer).
 type Sample struct {
