@@ -17,8 +17,11 @@ var (
 	// The launcher's prefix, [defaultN]: (gorun's and torchrun's with
 	// --tee), names the local rank: on one host, the launch rank.
 	// gorun's log field, or the "  group_rank=G" line of torchrun's
-	// "Rendezvous complete" (LOGLEVEL=INFO).
-	groupRankRE = regexp.MustCompile(`"group_rank": (\d+)|group_rank=(\d+)`)
+	// "Rendezvous complete" (LOGLEVEL=INFO), bare in 1.13 and after
+	// glog's prefix in 2.14 ("I1127 08:26:13.570000 19195 …/api.py:553]
+	// group_rank=1").
+	groupRankRE      = regexp.MustCompile(`"group_rank": (\d+)|group_rank=(\d+)`)
+	torchGroupRankRE = regexp.MustCompile(`^\s*(?:[IWE]\d{4} [^\]]*\]\s+)?group_rank=\d+\s*$`)
 	// A rank's last line: examples/allreduce's sum, train_elastic.py's
 	// loss (then its pid).
 	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) (?:sum|loss)=(\S+)`)
@@ -87,7 +90,7 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 		fmt.Fprintln(console, label+line)
 		// A spare admitted in a lost node's place says so instead.
 		if strings.Contains(line, "starting workers") || strings.Contains(line, "admitted into the running round") ||
-			strings.HasPrefix(strings.TrimSpace(line), "group_rank=") {
+			torchGroupRankRE.MatchString(line) {
 			if m := groupRankRE.FindStringSubmatch(line); m != nil {
 				groupRank, _ = strconv.Atoi(m[1] + m[2])
 			}

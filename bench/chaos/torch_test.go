@@ -226,6 +226,9 @@ func TestScanDone(t *testing.T) {
 		{"go", "[default1]:done rank=1 world=4 steps=10 sum=10\n", []doneLine{{launch: 1, world: 4, steps: 10, result: 10}}},
 		{"torch", "[default2]:done rank=2 world=3 steps=400 loss=1.01820536 pid=77\n", []doneLine{{launch: 2, world: 3, steps: 400, result: 1.01820536}}},
 		{"torch on group rank 1 of torchrun", "  group_rank=1\n[default0]:done rank=2 world=4 steps=5 loss=2.5e-05 pid=9\n", []doneLine{{launch: 2, world: 4, steps: 5, result: 2.5e-05}}},
+		{"on group rank 1 of torchrun 2.14", "I1127 08:26:13.570000 19195 usr/lib/python3/dist-packages/torch/distributed/elastic/agent/server/api.py:553]   group_rank=1\n" +
+			"[default1]:done rank=3 world=4 steps=1200 sum=10\n", []doneLine{{launch: 3, world: 4, steps: 1200, result: 10}}},
+		{"a worker's line naming a group rank", "  group_rank=1\n[default0]: group_rank=0 is mine\n[default0]:done rank=2 world=4 steps=5 sum=1\n", []doneLine{{launch: 2, world: 4, steps: 5, result: 1}}},
 		{"not a done line", "[default0]:rank 0: training, world 4\n", nil},
 	}
 	for _, tt := range tests {
