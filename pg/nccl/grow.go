@@ -70,16 +70,17 @@ func (g *Group) growsInPlace() bool {
 // peer lost) grows, or re-forms (Added 0), through a fresh communicator.
 //
 // Where the library has ncclCommGrow (NCCL ≥ 2.29) and the group is
-// blocking (growsInPlace) the root member (rank 0) makes the grow's id with ncclCommGetUniqueId on its communicator and
-// publishes it under spec.Namespace; every member calls ncclCommGrow on its
-// communicator (rank -1, the id from the root only, a NULL config: the new
-// communicator inherits the group's) and each newcomer calls it with a NULL
+// blocking (growsInPlace) the root member (rank 0) makes the grow's id
+// with ncclCommGetUniqueId on its communicator and publishes it under
+// spec.Namespace; every member calls ncclCommGrow on its communicator
+// (rank -1, the id from the root only, a NULL config: the new communicator
+// inherits the group's) and each newcomer calls it with a NULL
 // communicator, the id and its rank (blocking, in any group). Older
 // libraries, and non-blocking groups, form a fresh communicator of the
-// grown size, formed as New forms one (ncclGetUniqueId
-// on the root, ncclCommInitRank or ncclCommInitRankConfig everywhere), with
-// the same ranks. A non-blocking group polls the new communicator until it
-// is ready.
+// grown size as New forms one (ncclGetUniqueId on the root,
+// ncclCommInitRank or ncclCommInitRankConfig everywhere), with the same
+// ranks. A non-blocking group polls the new communicator until it is
+// ready.
 //
 // The group must be idle, and it is left as it was: a grow that does not
 // complete (a newcomer that never comes, within ctx and the bootstrap
