@@ -180,10 +180,11 @@ type NodeConfig struct {
 
 	// ReconnectInterval is how often a member tries to join again one of
 	// the members of the current round it holds dead, each in turn (a TCP
-	// join, bounded by TCPTimeout), as Serf's reconnect does: after a partition heals
-	// each side holds the other dead, and memberlist alone never merges
-	// them again (push-pull only goes to live members). One that answers
-	// comes back as NodeJoined. 0 disables it. Default: 1 s.
+	// join, bounded by TCPTimeout), as Serf's reconnect does: after a
+	// partition heals each side holds the other dead, and memberlist
+	// alone never merges them again (push-pull only goes to live members).
+	// One that answers comes back as NodeJoined. 0 disables it. Default:
+	// 1 s.
 	ReconnectInterval time.Duration
 
 	// DeadNodeReclaimTime is how long after a member was declared dead

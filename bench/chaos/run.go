@@ -113,6 +113,9 @@ func (a Applied) String() string {
 	switch {
 	case a.Skipped != "":
 		return fmt.Sprintf("%v: skipped (%s)", a.Fault, a.Skipped)
+	case a.Rank >= 0 && a.Second >= 0:
+		return fmt.Sprintf("%v: at %v, rank %d (pid %d), then rank %d at %v", a.Fault, a.At.Round(time.Millisecond), a.Rank, a.PID,
+			a.Second, a.SecondAt.Round(time.Millisecond))
 	case a.Rank >= 0:
 		return fmt.Sprintf("%v: at %v, rank %d (pid %d)", a.Fault, a.At.Round(time.Millisecond), a.Rank, a.PID)
 	}

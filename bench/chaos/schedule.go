@@ -195,7 +195,8 @@ func NewSchedule(c ScheduleConfig) ([]Fault, error) {
 		if f.Kind.hostFault() {
 			// One draw for every host fault, whatever its target, so
 			// that adding a kind leaves the draws of the others as
-			// they were.
+			// they were; a second, uniform over the targets, only
+			// where the witness took a host out of the first's range.
 			i := rng.IntN(c.Hosts - 1)
 			switch f.Kind {
 			case SpareKill:
@@ -203,7 +204,10 @@ func NewSchedule(c ScheduleConfig) ([]Fault, error) {
 			case CoordinatorLost:
 				f.Target = 0
 			default:
-				f.Target = targets[i%len(targets)]
+				if i >= len(targets) {
+					i = rng.IntN(len(targets))
+				}
+				f.Target = targets[i]
 			}
 		} else {
 			f.Target = rng.IntN(c.World)

@@ -90,6 +90,32 @@ func TestScheduleShape(t *testing.T) {
 	}
 }
 
+// TestScheduleHostTargetsUniform: with the witness moved to the last host
+// (coordinator-lost), an agent kill still strikes each remaining host
+// about as often.
+func TestScheduleHostTargetsUniform(t *testing.T) {
+	c := ScheduleConfig{MTBF: time.Second, Horizon: time.Hour, World: 8, Hosts: 4, Kinds: []Kind{CoordinatorLost, AgentKill}}
+	count := map[int]int{}
+	for seed := range uint64(10) {
+		c.Seed = seed
+		fs, err := NewSchedule(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range fs {
+			if f.Kind == AgentKill {
+				count[f.Target]++
+			}
+		}
+	}
+	if len(count) != 2 || count[1] == 0 || count[2] == 0 {
+		t.Fatalf("agent kills by host %v, want hosts 1 and 2 only (host 3 is the witness)", count)
+	}
+	if r := float64(count[1]) / float64(count[2]); r < 0.85 || r > 1.15 {
+		t.Errorf("agent kills by host %v: hosts 1 and 2 should be struck about equally", count)
+	}
+}
+
 func TestScheduleErrors(t *testing.T) {
 	tests := []struct {
 		name string

@@ -61,11 +61,12 @@ type Config struct {
 	NonBlocking bool
 
 	// FreeOnAbort makes Abort, and the watchdog, free the communicator at
-	// once with ncclCommAbort, as PyTorch's watchdog does; Shrink then forms
-	// the survivors' communicator afresh. Default false: the communicator is
-	// kept so that the survivors can shrink it in place, as
-	// pg.ProcessGroup promises of an aborted group. Where the library has ncclCommRevoke (NCCL ≥ 2.28.7) Abort
-	// revokes it, which ends the operations in flight on the device; on
+	// once with ncclCommAbort, as PyTorch's watchdog does; Shrink then
+	// forms the survivors' communicator afresh. Default false: the
+	// communicator is kept so that the survivors can shrink it in place,
+	// as pg.ProcessGroup promises of an aborted group. Where the library
+	// has ncclCommRevoke (NCCL ≥ 2.28.7) Abort revokes it, which ends the
+	// operations in flight on the device; on
 	// older libraries an operation stuck on the device stays until Shrink
 	// with pg.ShrinkAbort (NCCL_SHRINK_ABORT terminates it) or Close
 	// (ncclCommAbort). Either way the Go calls waiting for it return at once.

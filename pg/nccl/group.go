@@ -244,54 +244,71 @@ func (g *Group) initComm(ctx context.Context, stop <-chan struct{}, id uniqueID)
 
 // makeComm makes a communicator with call (an init or a grow) within ctx
 // and until stop (which may be nil) closes: then the error is errStopped.
-//
 // A non-blocking call returns at once and finishComm polls the
-// communicator, aborting it when ctx ends. A blocking one returns only
-// when every rank has joined, which a lost rank never does, and NCCL hands
-// out no communicator to abort until then: the call would outlast any
-// deadline, and a worker that should give up a formation (its peer lost,
-// an epoch come) would wait in it for ever. So the blocking call runs on a
-// goroutine of its own and, when ctx ends first, is abandoned: the error
-// returns at once, and what the call makes, should it ever return, is
-// aborted then; likewise when stop closes first. The abandoned call keeps the device retained until then,
-// so the context it runs in stays valid after the Group is released.
+// communicator, aborting it when ctx ends; a blocking one runs through
+// callBlocking.
 func (g *Group) makeComm(ctx context.Context, stop <-chan struct{}, op string, call func() (commHandle, Result)) (commHandle, error) {
 	if g.cfg.NonBlocking {
 		comm, r := call()
 		return g.finishComm(ctx, stop, op, comm, r)
 	}
+	comm, r, returned, err := g.callBlocking(ctx, stop, func(ctxHandle) (commHandle, Result) { return call() }, nil)
+	switch {
+	case err != nil:
+		return 0, err
+	case !returned && ctx.Err() != nil:
+		return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted), its communicator aborted if it ever forms", g.ctxError(ctx, op))
+	case !returned:
+		return 0, errStopped
+	}
+	return g.finishComm(ctx, stop, op, comm, r)
+}
+
+// callBlocking runs call, a blocking NCCL call that makes a communicator
+// (init, grow), and waits for it within ctx and until stop (which may be
+// nil) closes. NCCL's blocking call returns only when every rank has
+// joined, which a lost rank never does, and hands out no communicator to
+// abort until then: it would outlast any deadline, and a worker that
+// should give up a formation (its peer lost, an epoch come) would wait in
+// it for ever. So call runs on a goroutine of its own, in a device context
+// it retains (valid after the Group is released), and returned reports
+// whether it came back in time. If not, it is left to NCCL: should it ever
+// return, what it made is aborted, then after runs (when not nil), then
+// the device is released. The error is only the device's retain failing.
+func (g *Group) callBlocking(ctx context.Context, stop <-chan struct{}, call func(ctxHandle) (commHandle, Result), after func(dev *device)) (comm commHandle, r Result, returned bool, err error) {
+	dev, err := retainDevice(g.cuda, g.dev.ordinal)
+	if err != nil {
+		return 0, 0, false, err
+	}
 	type made struct {
 		comm commHandle
 		r    Result
 	}
-	dev, err := retainDevice(g.cuda, g.dev.ordinal)
-	if err != nil {
-		return 0, err
-	}
 	done := make(chan made, 1)
 	go func() {
-		comm, r := call()
+		comm, r := call(dev.ctx)
 		done <- made{comm, r}
 	}()
-	abandon := func() {
-		go func() {
-			if m := <-done; m.comm != 0 {
-				g.nccl.commAbort(dev.ctx, m.comm)
-			}
-			dev.release()
-		}()
-	}
 	select {
 	case m := <-done:
+		if after != nil {
+			after(dev)
+		}
 		dev.release()
-		return g.finishComm(ctx, stop, op, m.comm, m.r)
+		return m.comm, m.r, true, nil
 	case <-stop:
-		abandon()
-		return 0, errStopped
 	case <-ctx.Done():
-		abandon()
-		return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted), its communicator aborted if it ever forms", g.ctxError(ctx, op))
 	}
+	go func() {
+		if m := <-done; m.comm != 0 {
+			g.nccl.commAbort(dev.ctx, m.comm)
+		}
+		if after != nil {
+			after(dev)
+		}
+		dev.release()
+	}()
+	return 0, 0, false, nil
 }
 
 // finishComm completes the making of a communicator (init, grow): r is

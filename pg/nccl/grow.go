@@ -279,42 +279,24 @@ func (g *Group) growMemberBlocking(ctx context.Context, c *Group, idp *uniqueID)
 	if err != nil {
 		return 0, err
 	}
-	dev, err := retainDevice(g.cuda, g.dev.ordinal)
-	if err != nil {
+	comm, r, returned, err := g.callBlocking(ctx, g.stopCh, func(dctx ctxHandle) (commHandle, Result) {
+		return g.nccl.commGrow(dctx, parent, c.size, idp, -1, nil)
+	}, g.returnComm)
+	switch {
+	case err != nil:
 		g.returnComm(g.dev)
 		return 0, err
+	case returned:
+		return c.finishComm(ctx, nil, "ncclCommGrow", comm, r)
 	}
-	type made struct {
-		comm commHandle
-		r    Result
-	}
-	done := make(chan made, 1)
-	go func() {
-		comm, r := g.nccl.commGrow(dev.ctx, parent, c.size, idp, -1, nil)
-		done <- made{comm, r}
-	}()
-	var why error
-	select {
-	case m := <-done:
-		g.returnComm(dev)
-		dev.release()
-		return c.finishComm(ctx, nil, "ncclCommGrow", m.comm, m.r)
-	case <-g.stopCh:
-		why = g.usable()
-	case <-ctx.Done():
+	why := g.usable()
+	if ctx.Err() != nil {
 		why = g.ctxError(ctx, "ncclCommGrow")
 	}
 	g.stop(fmt.Errorf("pg/nccl: rank %d: a blocking ncclCommGrow was given up (%w): its communicator is NCCL's until the call returns", g.rank, why))
 	g.commMu.Lock()
 	g.forfeit()
 	g.commMu.Unlock()
-	go func() {
-		if m := <-done; m.comm != 0 {
-			g.nccl.commAbort(dev.ctx, m.comm)
-		}
-		g.returnComm(dev)
-		dev.release()
-	}()
 	return 0, fmt.Errorf("%w; the blocking call is left to NCCL (it cannot be interrupted) with this group's communicator, both aborted when it returns", why)
 }
 
