@@ -450,13 +450,13 @@ func TestSealedViewsNotFresh(t *testing.T) {
 	behind := bed.sealed(cfg)
 	reader := bed.sealed(sealCfg("job-key-0123456789", "run", nil))
 	ctx := shortCtx(t, 20*time.Second)
-	if err := ahead.Set(ctx, "view", []byte("v1")); err != nil {
+	if err := setSync(ctx, ahead, "view", "v1"); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := reader.Get(ctx, "view"); err != nil {
 		t.Fatal(err)
 	}
-	if err := behind.Set(ctx, "view", []byte("v2")); err != nil {
+	if err := setSync(ctx, behind, "view", "v2"); err != nil {
 		t.Fatal(err)
 	}
 	if v, err := reader.Get(ctx, "view"); err != nil || string(v) != "v2" {
