@@ -294,7 +294,7 @@ func (d *dynamicNode) admit(ctx context.Context, groupRank int) (string, error) 
 // store cannot tell a finished job from a lost one.
 func (d *dynamicNode) waitOthersSawClose(ctx context.Context, members int) {
 	cfg := d.job.dcfg
-	deadline := time.Now().Add(cfg.KeepAliveInterval*time.Duration(cfg.KeepAliveMaxAttempt) + cfg.KeepAliveInterval)
+	deadline := time.Now().Add(cfg.DropTimeout() + cfg.HeartbeatInterval())
 	for time.Now().Before(deadline) {
 		n, err := d.job.store.Add(ctx, d.job.seenClosedKey(), 0)
 		if err != nil || n >= int64(members) {

@@ -436,7 +436,7 @@ func (j *jobNode) statusEvery(monitor time.Duration) time.Duration {
 // status reads the rendezvous state and reports a change of the job that
 // ends the current round, or nil.
 func (j *jobNode) status(ctx context.Context) (*change, error) {
-	window := j.dcfg.KeepAliveInterval * time.Duration(j.dcfg.KeepAliveMaxAttempt)
+	window := j.dcfg.DropTimeout()
 	// A read must not block on a store that is gone (the client would
 	// retry connecting for the whole read_timeout).
 	wctx, cancel := context.WithTimeout(ctx, window)

@@ -25,6 +25,9 @@ const (
 	DefaultKeepAliveTimeout    = 5 * time.Second
 	DefaultKeepAliveInterval   = 5 * time.Second
 	DefaultKeepAliveMaxAttempt = 3
+	// DefaultCrowdRate is DynamicConfig.CrowdRate's default: a gorun
+	// setting, torchrun has none.
+	DefaultCrowdRate = 250
 )
 
 // rollbackWindow is how long past its join deadline a node still tries to
@@ -106,6 +109,22 @@ type DynamicConfig struct {
 	// a node as dead and drop it: after KeepAliveInterval ×
 	// KeepAliveMaxAttempt without one (15 s by default). Default 3.
 	KeepAliveMaxAttempt int
+	// CrowdRate bounds, for runs of thousands of nodes, what their waiting
+	// costs the store: the heartbeats a second that all MaxNodes nodes
+	// send together, and, in queue mode, the looks a second that the
+	// nodes whose requests a folder has yet to apply take at its lock.
+	// Where MaxNodes ÷ CrowdRate is longer than KeepAliveInterval (beyond
+	// 1,250 nodes at the defaults) it replaces it as the heartbeat
+	// interval (HeartbeatInterval), the drop timeout stretches with it
+	// (DropTimeout), and a queued node looks at the folder lock that
+	// seldom (with a jitter), not every KeepAliveTimeout: otherwise every
+	// node's periodic requests grow the store's load with N, and on a
+	// store that serves a few thousand requests a second (one etcd member
+	// on two cores) 10,000 nodes' looks and heartbeats starve the folder
+	// that would complete their round. Default 250 a second (10,000 nodes
+	// beat every 40 s, and are dropped after 120 s without one); negative:
+	// never stretch. (rdzv-conf crowd_rate.)
+	CrowdRate int
 	// QueueMinNodes: runs with MaxNodes at least this many queue their
 	// joins and heartbeats (dynamic_queue.go) on a store with queues;
 	// smaller ones compare-set the state directly, where contention costs
@@ -179,6 +198,9 @@ func (c DynamicConfig) withDefaults() DynamicConfig {
 	if c.KeepAliveMaxAttempt == 0 {
 		c.KeepAliveMaxAttempt = DefaultKeepAliveMaxAttempt
 	}
+	if c.CrowdRate == 0 {
+		c.CrowdRate = DefaultCrowdRate
+	}
 	return c
 }
 
@@ -197,10 +219,31 @@ func (c DynamicConfig) validate() error {
 	return nil
 }
 
-// ttl is how long a heartbeat keeps a node alive in the others' eyes.
-func (c DynamicConfig) ttl() time.Duration {
-	return c.KeepAliveInterval * time.Duration(c.KeepAliveMaxAttempt)
+// crowdPeriod is MaxNodes ÷ CrowdRate: the period at which MaxNodes
+// nodes doing one thing each make CrowdRate of them a second (0 when
+// CrowdRate never stretches anything).
+func (c DynamicConfig) crowdPeriod() time.Duration {
+	if c.CrowdRate <= 0 {
+		return 0
+	}
+	return time.Duration(c.MaxNodes) * time.Second / time.Duration(c.CrowdRate)
 }
+
+// HeartbeatInterval is the heartbeat period of c's nodes:
+// KeepAliveInterval, or MaxNodes ÷ CrowdRate where that is longer.
+func (c DynamicConfig) HeartbeatInterval() time.Duration {
+	c = c.withDefaults()
+	return max(c.KeepAliveInterval, c.crowdPeriod())
+}
+
+// DropTimeout is how long a heartbeat keeps a node alive in the others'
+// eyes: KeepAliveMaxAttempt heartbeat intervals.
+func (c DynamicConfig) DropTimeout() time.Duration {
+	c = c.withDefaults()
+	return c.HeartbeatInterval() * time.Duration(c.KeepAliveMaxAttempt)
+}
+
+func (c DynamicConfig) ttl() time.Duration { return c.DropTimeout() }
 
 // ParseDynamicConfig builds a DynamicConfig from torchrun's --rdzv-conf
 // keys: join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
@@ -232,6 +275,9 @@ func ParseDynamicConfig(runID string, minNodes, maxNodes int, conf Conf) (Dynami
 		return DynamicConfig{}, err
 	}
 	c.KeepAliveMaxAttempt = n
+	if c.CrowdRate, err = conf.Count("crowd_rate", 0); err != nil {
+		return DynamicConfig{}, err
+	}
 	c = c.withDefaults()
 	if err := c.validate(); err != nil {
 		return DynamicConfig{}, err
@@ -454,7 +500,7 @@ func (s *dynState) admit(rank int) (NodeDesc, error) {
 // one interval old.
 func keepAliveDue(s *dynState, me NodeDesc, now time.Time, cfg DynamicConfig) bool {
 	i, ok := s.find(me)
-	return ok && !s.Nodes[i].Heartbeat.After(now.Add(-cfg.KeepAliveInterval))
+	return ok && !s.Nodes[i].Heartbeat.After(now.Add(-cfg.HeartbeatInterval()))
 }
 
 // nextJoinAction is torchrun's join operation: given the freshest state,
@@ -786,9 +832,9 @@ func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
 // my heartbeat falling due, and another node's heartbeat (or a rejoiner's
 // time to come back) expiring — the instants at which nextJoinAction or
 // sanitize can decide differently on the same state. It is never later
-// than one keep-alive interval from now.
+// than one heartbeat interval from now.
 func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfig) time.Time {
-	at := now.Add(cfg.KeepAliveInterval)
+	at := now.Add(cfg.HeartbeatInterval())
 	consider := func(t time.Time) {
 		if t.After(now) && t.Before(at) {
 			at = t
@@ -802,7 +848,7 @@ func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfi
 	for _, e := range s.Nodes {
 		switch {
 		case e.NodeDesc == me:
-			consider(e.Heartbeat.Add(cfg.KeepAliveInterval))
+			consider(e.Heartbeat.Add(cfg.HeartbeatInterval()))
 		case !s.view:
 			// A view's node never sanitizes (the state's writers do), and
 			// its bucket's heartbeats are as old as its last rewrite.

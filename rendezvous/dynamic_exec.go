@@ -101,7 +101,7 @@ var ErrNoWaitingNode = errors.New("no node is waiting to join")
 //
 // Next, Leave and SetClosed run one at a time; Status and Close may be
 // called at any time. Next holds the store (a Wait) for up to one
-// KeepAliveInterval at a time, so a tcpstore.Client given to a Dynamic is
+// heartbeat interval (DynamicConfig.HeartbeatInterval) at a time, so a tcpstore.Client given to a Dynamic is
 // best not shared with callers that cannot wait that long.
 type Dynamic struct {
 	store Store
@@ -291,7 +291,7 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	if r.Late {
 		d.lateSeen = -1 // unknown: Status reads the state once
 	}
-	d.startKeepAlive(beat.Add(d.cfg.KeepAliveInterval))
+	d.startKeepAlive(beat.Add(d.cfg.HeartbeatInterval()))
 	return r, nil
 }
 
@@ -798,9 +798,10 @@ func (d *Dynamic) awaitQueued(ctx context.Context, snap *snapshot, st *dynState,
 		}
 		lock := parseLock(cur)
 		if now = d.now(); lock.lapsed(now) {
+			q.lapsed = true
 			return d.reread(ctx, snap, false, wake, true)
 		}
-		q.due = lookAgain(now, lock, d.settle())
+		q.due = lookAgain(now, lock, d.lookPeriod())
 	}
 }
 
@@ -917,7 +918,7 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		}
 		d.noQueue.Store(true)
 	}
-	retry := d.now().Add(d.cfg.KeepAliveInterval)
+	retry := d.now().Add(d.cfg.HeartbeatInterval())
 	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)
 	if err != nil {
@@ -929,7 +930,7 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		return retry
 	}
 	if i, ok := st.find(d.me); ok {
-		return st.Nodes[i].Heartbeat.Add(d.cfg.KeepAliveInterval)
+		return st.Nodes[i].Heartbeat.Add(d.cfg.HeartbeatInterval())
 	}
 	return retry // dropped from the state: nothing to keep alive
 }

@@ -25,15 +25,22 @@ type peekMemStore struct {
 
 	cmu     sync.Mutex
 	cas     map[string]int
+	pmu     sync.Mutex // apart from cmu: CompareSet peeks holding cmu
+	peeks   map[string]int
 	pushes  int      // joins (keep-alives apart)
 	holders []string // each holder that took the lock from free or lapsed
 }
 
 func newPeekMemStore() *peekMemStore {
-	return &peekMemStore{memStore: newQueueMemStore(), cas: map[string]int{}}
+	return &peekMemStore{memStore: newQueueMemStore(), cas: map[string]int{}, peeks: map[string]int{}}
 }
 
 func (p *peekMemStore) Peek(_ context.Context, keys ...string) ([][]byte, error) {
+	p.pmu.Lock()
+	for _, k := range keys {
+		p.peeks[k]++
+	}
+	p.pmu.Unlock()
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	out := make([][]byte, len(keys))
@@ -201,4 +208,79 @@ func TestBubbleStaleShareRepublished(t *testing.T) {
 			t.Fatal("no share was lost")
 		}
 	})
+}
+
+// TestBubbleCrowdLooksBounded: while a folder holds the lock (renewing
+// it, applying nothing), the nodes whose requests wait look at the lock
+// about CrowdRate times a second together, not each every settle (5 s):
+// a crowd's looks on a loaded store are what starve the folder. Once the
+// folder is gone, one of them takes the lock within a look period and the
+// round completes. With CrowdRate negative (no stretch) the same crowd
+// looks every settle, which the bound would refuse.
+func TestBubbleCrowdLooksBounded(t *testing.T) {
+	const (
+		n    = 40
+		held = 200 * time.Second
+	)
+	for _, tc := range []struct {
+		name      string
+		rate      int
+		maxLooks  int // during held
+		roundTook time.Duration
+	}{
+		// 40 nodes at 1 a second: a look period of 30–50 s; one lazy
+		// look each after its push.
+		{"stretched", 1, n + int(held/time.Second)*3/2, held + 5*time.Second + 50*time.Second + 10*time.Second},
+		{"never stretched", -1, 1 << 30, held + 5*time.Second + 5*time.Second + 10*time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p := newPeekMemStore()
+				lockKey := "gorun.rendezvous.job" + lockSuffix
+				start := time.Now()
+				// A folder elsewhere holds the lock and renews it each
+				// second with a 5-s hold, until held has passed.
+				hold := func() {
+					v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
+					p.memStore.Set(context.Background(), lockKey, v.bytes())
+				}
+				hold()
+				go func() {
+					for time.Since(start) < held {
+						time.Sleep(time.Second)
+						hold()
+					}
+				}()
+				ds := make([]*Dynamic, n)
+				for i := range ds {
+					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: tc.rate})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					ds[i] = d
+				}
+				chs := make([]<-chan bubbleResult, n)
+				for i, d := range ds {
+					chs[i] = goNext(d, start)
+				}
+				time.Sleep(held)
+				p.pmu.Lock()
+				looks := p.peeks[lockKey]
+				p.pmu.Unlock()
+				t.Logf("%d looks at the lock in %v by %d nodes", looks, held, n)
+				if looks > tc.maxLooks {
+					t.Errorf("%d looks at the lock in %v, want at most %d", looks, held, tc.maxLooks)
+				}
+				if tc.rate < 0 && looks < n*int(held/(5*time.Second))/2 {
+					t.Errorf("without the stretch, %d looks in %v: the bound above tests nothing", looks, held)
+				}
+				for i, ch := range chs {
+					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > tc.roundTook {
+						t.Fatalf("node %d: %+v (%v), want its rank by %v", i, x, x.err, tc.roundTook)
+					}
+				}
+			})
+		})
+	}
 }

@@ -34,6 +34,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"slices"
 	"strconv"
 	"strings"
@@ -70,6 +71,9 @@ type queued struct {
 	// staleSince is when the node's views began to show a bucket not of
 	// the marker's round (zero: they do not).
 	staleSince time.Time
+	// lapsed: the node's last look at the folder lock (awaitQueued's)
+	// found nobody holding it, so its next decision folds.
+	lapsed bool
 }
 
 // settle is how long a queued request may stay without effect before its
@@ -86,6 +90,22 @@ func (d *Dynamic) settle() time.Duration { return d.cfg.KeepAliveTimeout }
 // every other node fold (and push its request again) at once.
 func (d *Dynamic) lockHold() time.Duration {
 	return min(max(d.cfg.KeepAliveTimeout, 4*time.Duration(d.slow.Load())), maxHoldFactor*d.cfg.KeepAliveTimeout)
+}
+
+// lookPeriod is how long a node whose request no folder has applied yet
+// waits before it looks at the folder lock (and pushes the request again
+// if nobody holds it): settle; for a crowd whose MaxNodes ÷ CrowdRate is
+// longer, that, with a jitter of ±25 % so that nodes that pushed together
+// do not look together. The crowd's looks then come at about CrowdRate a
+// second however many nodes wait, and a folder that died is still
+// noticed within a fraction of a second of its lock's lapse by one of
+// them; a node whose request died with it waits up to a look period.
+func (d *Dynamic) lookPeriod() time.Duration {
+	p := d.cfg.crowdPeriod()
+	if p <= d.settle() {
+		return d.settle()
+	}
+	return p*3/4 + rand.N(p/2)
 }
 
 // maxHoldFactor bounds lockHold: a folder that dies holding the lock
@@ -207,8 +227,15 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 			return false, fmt.Errorf("queue request: %w", err)
 		}
 		d.observe(start)
-		q.sent, q.token, q.due = now, snap.token, now.Add(d.settle())
+		q.sent, q.token, q.due = now, snap.token, now.Add(d.lookPeriod())
 	}
+	if !push && !lazy && !q.lapsed && d.canPeek() {
+		// Still queued, and where the store peeks a look at the lock is
+		// awaitQueued's, at its own times (a folder at work: no need to
+		// look at every wake-up, which in a crowd is its looks again).
+		return false, nil
+	}
+	q.lapsed = false
 	if lazy {
 		if now.Sub(q.sent) < d.lazyDelay() {
 			return false, nil
@@ -233,7 +260,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 // no Next, without reading the state. It returns when the next is due.
 func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	now := d.now()
-	next := now.Add(d.cfg.KeepAliveInterval)
+	next := now.Add(d.cfg.HeartbeatInterval())
 	b, err := json.Marshal(request{Node: d.me, Call: d.calls.Load(), Deadline: now.Add(d.cfg.KeepAliveTimeout).UTC(), KeepAlive: true})
 	if err != nil {
 		return next, err
@@ -285,7 +312,7 @@ func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now t
 	if lock.lapsed(now) {
 		return true, nil
 	}
-	q.due = lookAgain(now, lock, d.settle()) // a folder is at work: look again later
+	q.due = lookAgain(now, lock, d.lookPeriod()) // a folder is at work: look again later
 	return false, nil
 }
 

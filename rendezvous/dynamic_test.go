@@ -63,6 +63,34 @@ func TestNodeDescStringAndOrder(t *testing.T) {
 	}
 }
 
+// TestHeartbeatStretchesWithTheCrowd: beyond CrowdRate ×
+// KeepAliveInterval nodes the heartbeat interval is MaxNodes ÷ CrowdRate
+// and the drop timeout follows it; below, torchrun's figures stand.
+func TestHeartbeatStretchesWithTheCrowd(t *testing.T) {
+	for _, tc := range []struct {
+		max, rate      int
+		interval, drop time.Duration
+	}{
+		{max: 4, interval: 5 * time.Second, drop: 15 * time.Second},
+		{max: 1250, interval: 5 * time.Second, drop: 15 * time.Second},
+		{max: 2500, interval: 10 * time.Second, drop: 30 * time.Second},
+		{max: 10000, interval: 40 * time.Second, drop: 120 * time.Second},
+		{max: 10000, rate: 1000, interval: 10 * time.Second, drop: 30 * time.Second},
+		{max: 10000, rate: -1, interval: 5 * time.Second, drop: 15 * time.Second},
+	} {
+		c := DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: tc.max, CrowdRate: tc.rate}
+		if got := c.HeartbeatInterval(); got != tc.interval {
+			t.Errorf("%d nodes at rate %d: heartbeat interval %v, want %v", tc.max, tc.rate, got, tc.interval)
+		}
+		if got := c.DropTimeout(); got != tc.drop {
+			t.Errorf("%d nodes at rate %d: drop timeout %v, want %v", tc.max, tc.rate, got, tc.drop)
+		}
+		if got := c.withDefaults().ttl(); got != tc.drop {
+			t.Errorf("%d nodes at rate %d: sanitize's ttl %v, want %v", tc.max, tc.rate, got, tc.drop)
+		}
+	}
+}
+
 func TestParseDynamicConfig(t *testing.T) {
 	c, err := ParseDynamicConfig("job", 2, 4, nil)
 	if err != nil {
@@ -70,7 +98,7 @@ func TestParseDynamicConfig(t *testing.T) {
 	}
 	want := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 4,
 		JoinTimeout: 600 * time.Second, LastCallTimeout: 30 * time.Second, CloseTimeout: 30 * time.Second,
-		KeepAliveTimeout: 5 * time.Second, KeepAliveInterval: 5 * time.Second, KeepAliveMaxAttempt: 3}
+		KeepAliveTimeout: 5 * time.Second, KeepAliveInterval: 5 * time.Second, KeepAliveMaxAttempt: 3, CrowdRate: 250}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("defaults = %+v, want %+v", c, want)
 	}
@@ -80,7 +108,7 @@ func TestParseDynamicConfig(t *testing.T) {
 
 	c, err = ParseDynamicConfig("job", 1, 1, map[string]string{
 		"join_timeout": "120", "last_call_timeout": "0.5", "close_timeout": " 7 ",
-		"heartbeat_timeout": "2", "keep_alive_interval": "1.25", "keep_alive_max_attempt": "5",
+		"heartbeat_timeout": "2", "keep_alive_interval": "1.25", "keep_alive_max_attempt": "5", "crowd_rate": "1000",
 		"read_timeout": "60", "is_host": "true", "store_type": "file", // the backend's
 	})
 	if err != nil {
@@ -88,7 +116,7 @@ func TestParseDynamicConfig(t *testing.T) {
 	}
 	want = DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 1,
 		JoinTimeout: 120 * time.Second, LastCallTimeout: 500 * time.Millisecond, CloseTimeout: 7 * time.Second,
-		KeepAliveTimeout: 2 * time.Second, KeepAliveInterval: 1250 * time.Millisecond, KeepAliveMaxAttempt: 5}
+		KeepAliveTimeout: 2 * time.Second, KeepAliveInterval: 1250 * time.Millisecond, KeepAliveMaxAttempt: 5, CrowdRate: 1000}
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("parsed = %+v, want %+v", c, want)
 	}

@@ -48,6 +48,7 @@ var (
 	members  bool         // -members
 	plans    bool         // -plan
 	progress bool         // -progress
+	detail   bool         // -breakdown
 	assigned atomic.Int64 // agents whose Next has returned, for -progress
 )
 
@@ -99,6 +100,7 @@ func main() {
 		"(and still does in shrink mode, with node liveness, and with static rendezvous)")
 	flag.BoolVar(&plans, "plan", false, "every agent plans its round from its summary, as the launcher does in restart mode "+
 		"(the folder computes each agent's rank offset, the world size and rank 0 from every agent's nproc; checked)")
+	flag.BoolVar(&detail, "breakdown", false, "after each N's row, the requests and bytes per agent by operation and key (stderr)")
 	flag.BoolVar(&progress, "progress", false, "print the marker and the requests so far every second (stderr)")
 	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
@@ -336,6 +338,31 @@ func perAgent(r *result, c *storecount.Counts) {
 	r.sent = float64(c.Sent.Load()) / n
 	r.recv = float64(c.Received.Load()) / n
 	r.written = float64(c.Written.Load()) / n
+	if detail {
+		printBreakdown(os.Stderr, r.n, c)
+	}
+}
+
+// printBreakdown writes c's tallies per agent, the costliest first: the
+// requests a per-agent figure is made of.
+func printBreakdown(w io.Writer, agents int, c *storecount.Counts) {
+	type row struct {
+		k storecount.Kind
+		t *storecount.Tally
+	}
+	var rows []row
+	for k, t := range c.Breakdown() {
+		rows = append(rows, row{k, t})
+	}
+	slices.SortFunc(rows, func(a, b row) int {
+		return cmp.Compare(b.t.Sent.Load()+b.t.Received.Load(), a.t.Sent.Load()+a.t.Received.Load())
+	})
+	n := float64(agents)
+	fmt.Fprintf(w, "%d agents, per agent: requests, sent B, received B, by operation and key\n", agents)
+	for _, r := range rows {
+		fmt.Fprintf(w, "  %8.2f %10.1f %10.1f  %s %s\n", float64(r.t.Requests.Load())/n,
+			float64(r.t.Sent.Load())/n, float64(r.t.Received.Load())/n, r.k.Op, r.k.Key)
+	}
 }
 
 func cpuTime() time.Duration {
@@ -408,7 +435,7 @@ func runC10d(n, size int, timeout time.Duration) result {
 		return r
 	}
 	defer srv.stop()
-	var c storecount.Counts
+	c := storecount.Counts{Detail: detail}
 	stores := make([]rendezvous.Store, n)
 	for i := range stores {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -453,7 +480,7 @@ func runEtcd(n, size int, timeout time.Duration, bin string, clients int) result
 		defer cli.Close()
 		clis[i] = cli
 	}
-	var c storecount.Counts
+	c := storecount.Counts{Detail: detail}
 	stores := make([]rendezvous.Store, n)
 	for i := range stores {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -7,6 +7,8 @@ package storecount
 
 import (
 	"context"
+	"strings"
+	"sync"
 	"sync/atomic"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -19,6 +21,49 @@ type Counts struct {
 	Received atomic.Int64 // value bytes of replies
 	Writes   atomic.Int64 // requests that may change the store
 	Written  atomic.Int64 // key and value bytes of those
+
+	// Detail, set before the first request, also tallies the requests by
+	// operation and key (Breakdown), where a benchmark needs to say which
+	// requests a cost is made of.
+	Detail bool
+	detail sync.Map // Kind -> *Tally
+}
+
+// Kind names a class of requests: an operation and its key with every
+// run of digits read as "#" (a wake-up number, a bucket, a round).
+type Kind struct{ Op, Key string }
+
+// Tally is what the requests of one Kind cost.
+type Tally struct {
+	Requests, Sent, Received atomic.Int64
+}
+
+// Breakdown returns the tallies so far by Kind (empty unless Detail).
+func (c *Counts) Breakdown() map[Kind]*Tally {
+	out := map[Kind]*Tally{}
+	c.detail.Range(func(k, v any) bool {
+		out[k.(Kind)] = v.(*Tally)
+		return true
+	})
+	return out
+}
+
+// keyClass is key with its runs of digits replaced by "#".
+func keyClass(key string) string {
+	var b strings.Builder
+	digits := false
+	for _, r := range key {
+		if r >= '0' && r <= '9' {
+			if !digits {
+				b.WriteByte('#')
+			}
+			digits = true
+			continue
+		}
+		digits = false
+		b.WriteRune(r)
+	}
+	return b.String()
 }
 
 // Store is a rendezvous.Store that counts every call into C.
@@ -36,16 +81,43 @@ var (
 // New wraps s, counting into c.
 func New(s rendezvous.Store, c *Counts) *Store { return &Store{Store: s, C: c} }
 
-func (s *Store) req(sent int, write bool) {
+// req counts a request of op on key (the first of several) carrying sent
+// bytes, and returns the tally its reply's bytes go to (nil: none kept).
+func (s *Store) req(op, key string, sent int, write bool) *Tally {
 	s.C.Requests.Add(1)
 	s.C.Sent.Add(int64(sent))
 	if write {
 		s.C.Writes.Add(1)
 		s.C.Written.Add(int64(sent))
 	}
+	if !s.C.Detail {
+		return nil
+	}
+	k := Kind{Op: op, Key: keyClass(key)}
+	v, ok := s.C.detail.Load(k)
+	if !ok {
+		v, _ = s.C.detail.LoadOrStore(k, new(Tally))
+	}
+	t := v.(*Tally)
+	t.Requests.Add(1)
+	t.Sent.Add(int64(sent))
+	return t
 }
 
-func (s *Store) recv(n int) { s.C.Received.Add(int64(n)) }
+// recv counts n bytes received for a request tallied in t.
+func (s *Store) recv(t *Tally, n int) {
+	s.C.Received.Add(int64(n))
+	if t != nil {
+		t.Received.Add(int64(n))
+	}
+}
+
+func first(keys []string) string {
+	if len(keys) == 0 {
+		return ""
+	}
+	return keys[0]
+}
 
 func keysLen(keys []string) int {
 	n := 0
@@ -56,61 +128,61 @@ func keysLen(keys []string) int {
 }
 
 func (s *Store) Set(ctx context.Context, key string, value []byte) error {
-	s.req(len(key)+len(value), true)
+	s.req("set", key, len(key)+len(value), true)
 	return s.Store.Set(ctx, key, value)
 }
 
 func (s *Store) Get(ctx context.Context, key string) ([]byte, error) {
-	s.req(len(key), false)
+	t := s.req("get", key, len(key), false)
 	v, err := s.Store.Get(ctx, key)
-	s.recv(len(v))
+	s.recv(t, len(v))
 	return v, err
 }
 
 func (s *Store) Add(ctx context.Context, key string, delta int64) (int64, error) {
-	s.req(len(key)+8, delta != 0)
+	t := s.req("add", key, len(key)+8, delta != 0)
 	v, err := s.Store.Add(ctx, key, delta)
-	s.recv(8)
+	s.recv(t, 8)
 	return v, err
 }
 
 func (s *Store) CompareSet(ctx context.Context, key string, expected, desired []byte) ([]byte, error) {
-	s.req(len(key)+len(expected)+len(desired), true)
+	t := s.req("compare_set", key, len(key)+len(expected)+len(desired), true)
 	v, err := s.Store.CompareSet(ctx, key, expected, desired)
-	s.recv(len(v))
+	s.recv(t, len(v))
 	return v, err
 }
 
 func (s *Store) Wait(ctx context.Context, keys ...string) error {
-	s.req(keysLen(keys), false)
+	s.req("wait", first(keys), keysLen(keys), false)
 	return s.Store.Wait(ctx, keys...)
 }
 
 func (s *Store) Check(ctx context.Context, keys ...string) (bool, error) {
-	s.req(keysLen(keys), false)
+	s.req("check", first(keys), keysLen(keys), false)
 	return s.Store.Check(ctx, keys...)
 }
 
 func (s *Store) Delete(ctx context.Context, key string) (bool, error) {
-	s.req(len(key), true)
+	s.req("delete", key, len(key), true)
 	return s.Store.Delete(ctx, key)
 }
 
 func (s *Store) NumKeys(ctx context.Context) (int64, error) {
-	s.req(0, false)
+	s.req("num_keys", "", 0, false)
 	return s.Store.NumKeys(ctx)
 }
 
 func (s *Store) Append(ctx context.Context, key string, value []byte) error {
-	s.req(len(key)+len(value), true)
+	s.req("append", key, len(key)+len(value), true)
 	return s.Store.Append(ctx, key, value)
 }
 
 func (s *Store) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
-	s.req(keysLen(keys), false)
+	t := s.req("multi_get", first(keys), keysLen(keys), false)
 	vs, err := s.Store.MultiGet(ctx, keys...)
 	for _, v := range vs {
-		s.recv(len(v))
+		s.recv(t, len(v))
 	}
 	return vs, err
 }
@@ -120,38 +192,38 @@ func (s *Store) MultiSet(ctx context.Context, keys []string, values [][]byte) er
 	for _, v := range values {
 		n += len(v)
 	}
-	s.req(n, true)
+	s.req("multi_set", first(keys), n, true)
 	return s.Store.MultiSet(ctx, keys, values)
 }
 
 func (s *Store) ListKeys(ctx context.Context) ([]string, error) {
-	s.req(0, false)
+	t := s.req("list_keys", "", 0, false)
 	ks, err := s.Store.ListKeys(ctx)
-	s.recv(keysLen(ks))
+	s.recv(t, keysLen(ks))
 	return ks, err
 }
 
 func (s *Store) QueuePush(ctx context.Context, key string, value []byte) error {
-	s.req(len(key)+len(value), true)
+	s.req("queue_push", key, len(key)+len(value), true)
 	return s.Store.QueuePush(ctx, key, value)
 }
 
 func (s *Store) QueuePop(ctx context.Context, key string, block bool) ([]byte, error) {
-	s.req(len(key), true)
+	t := s.req("queue_pop", key, len(key), true)
 	v, err := s.Store.QueuePop(ctx, key, block)
-	s.recv(len(v))
+	s.recv(t, len(v))
 	return v, err
 }
 
 func (s *Store) QueueLen(ctx context.Context, key string) (int64, error) {
-	s.req(len(key), false)
+	t := s.req("queue_len", key, len(key), false)
 	n, err := s.Store.QueueLen(ctx, key)
-	s.recv(8)
+	s.recv(t, 8)
 	return n, err
 }
 
 func (s *Store) Barrier(ctx context.Context, key string, worldSize int64) error {
-	s.req(len(key)+8, true)
+	s.req("barrier", key, len(key)+8, true)
 	return s.Store.Barrier(ctx, key, worldSize)
 }
 
@@ -161,10 +233,10 @@ func (s *Store) QueuePopBatch(ctx context.Context, key string, max int) ([][]byt
 	if !ok {
 		return nil, rendezvous.ErrNotSupported
 	}
-	s.req(len(key)+8, true)
+	t := s.req("queue_pop_batch", key, len(key)+8, true)
 	vs, err := bp.QueuePopBatch(ctx, key, max)
 	for _, v := range vs {
-		s.recv(len(v))
+		s.recv(t, len(v))
 	}
 	return vs, err
 }
@@ -175,10 +247,10 @@ func (s *Store) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
 	if !ok {
 		return nil, rendezvous.ErrNotSupported
 	}
-	s.req(keysLen(keys), false)
+	t := s.req("peek", first(keys), keysLen(keys), false)
 	vs, err := p.Peek(ctx, keys...)
 	for _, v := range vs {
-		s.recv(len(v))
+		s.recv(t, len(v))
 	}
 	return vs, err
 }
