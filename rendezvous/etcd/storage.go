@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
+	mrand "math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -823,10 +824,15 @@ func (s *Storage) stripe(k string) (*stripe, string) {
 }
 
 // transient reports whether err may go away when retried: etcd lost its
-// leader or the member went away, and ctx still has time.
+// leader, the member went away, or it sheds load ("too many requests":
+// its applied index lags what it committed by thousands, as when 10,000
+// agents push their joins at once), and ctx still has time.
 func transient(ctx context.Context, err error) bool {
 	if ctx.Err() != nil {
 		return false
+	}
+	if errors.Is(err, rpctypes.ErrTooManyRequests) {
+		return true
 	}
 	var ee rpctypes.EtcdError
 	if errors.As(err, &ee) {
@@ -840,7 +846,10 @@ func transient(ctx context.Context, err error) bool {
 }
 
 // retry runs fn until it succeeds, fails for good, or ctx ends, pausing
-// between attempts.
+// between attempts: doubling pauses with a jitter (a crowd of clients
+// that failed together does not retry together), up to 0.5 s, or 2 s
+// while etcd sheds load (a refused request costs it little, but a crowd
+// retrying at once keeps it behind).
 func (s *Storage) retry(ctx context.Context, fn func(context.Context) error) error {
 	pause := 20 * time.Millisecond
 	for {
@@ -848,12 +857,17 @@ func (s *Storage) retry(ctx context.Context, fn func(context.Context) error) err
 		if err == nil || !transient(ctx, err) {
 			return err
 		}
+		limit := 500 * time.Millisecond
+		if errors.Is(err, rpctypes.ErrTooManyRequests) {
+			limit = 2 * time.Second
+			pause = max(pause, 100*time.Millisecond)
+		}
 		select {
 		case <-ctx.Done():
 			return err
-		case <-time.After(pause):
+		case <-time.After(pause/2 + mrand.N(pause)):
 		}
-		pause = min(2*pause, 500*time.Millisecond)
+		pause = min(2*pause, limit)
 	}
 }
 

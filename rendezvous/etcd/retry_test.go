@@ -1,0 +1,70 @@
+package etcd
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// TestTransient: what a Storage retries. etcd's "too many requests" (it
+// sheds load while its applied index lags) is retried, as a lost leader
+// is; a full database or a refused request is not.
+func TestTransient(t *testing.T) {
+	live := context.Background()
+	ended, cancel := context.WithCancel(live)
+	cancel()
+	for _, tc := range []struct {
+		name string
+		ctx  context.Context
+		err  error
+		want bool
+	}{
+		{"too many requests", live, rpctypes.ErrTooManyRequests, true},
+		{"too many requests, as clientv3 hands it", live, rpctypes.Error(rpctypes.ErrGRPCRequestTooManyRequests), true},
+		{"too many requests, wrapped", live, fmt.Errorf("queue_push: %w", rpctypes.ErrTooManyRequests), true},
+		{"no leader", live, rpctypes.Error(rpctypes.ErrGRPCNoLeader), true},
+		{"unavailable", live, status.Error(codes.Unavailable, "connection refused"), true},
+		{"database full", live, rpctypes.ErrNoSpace, false},
+		{"request too large", live, rpctypes.ErrRequestTooLarge, false},
+		{"plain error", live, errors.New("no"), false},
+		{"too many requests, context ended", ended, rpctypes.ErrTooManyRequests, false},
+	} {
+		if got := transient(tc.ctx, tc.err); got != tc.want {
+			t.Errorf("%s: transient = %v, want %v", tc.name, got, tc.want)
+		}
+	}
+}
+
+// TestRetryTooManyRequests: an operation refused while etcd sheds load is
+// made again, after a pause, until it goes through; one that fails for
+// good is not.
+func TestRetryTooManyRequests(t *testing.T) {
+	s := &Storage{}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	calls := 0
+	start := time.Now()
+	err := s.retry(ctx, func(context.Context) error {
+		if calls++; calls < 3 {
+			return rpctypes.ErrTooManyRequests
+		}
+		return nil
+	})
+	if err != nil || calls != 3 {
+		t.Fatalf("retry: %v after %d calls", err, calls)
+	}
+	// Pauses of 50–150 ms, then 100–300 ms.
+	if took := time.Since(start); took < 150*time.Millisecond {
+		t.Errorf("3 calls in %v: no back-off", took)
+	}
+	calls = 0
+	if err := s.retry(ctx, func(context.Context) error { calls++; return rpctypes.ErrNoSpace }); !errors.Is(err, rpctypes.ErrNoSpace) || calls != 1 {
+		t.Errorf("database full: %v after %d calls, want it at once", err, calls)
+	}
+}
