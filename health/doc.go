@@ -46,6 +46,10 @@ type Event struct {
 	SeenAt time.Time
 	// Reason says why, in words a log line can carry.
 	Reason string
+	// Done (WorkerHung): the worker had said it was done, and its exit
+	// did not come within the done timeout: its work was over, its
+	// teardown is what hung.
+	Done bool
 }
 
 func (e Event) String() string {

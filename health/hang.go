@@ -31,12 +31,23 @@ const BlockedFactor = 10
 // (Expect) are watched from the first beat of any of them, with one more
 // timeout of grace: a rank that hangs before its first beat would
 // otherwise never be found, and its peers, blocked on it, would be.
+//
+// A worker that says it is done (Done) is no longer watched for beats: its
+// teardown, a final checkpoint save included, may take any time. With a
+// done timeout (SetDoneTimeout) it is declared hung all the same when it
+// has not exited that long after: a teardown that hangs (a stopped
+// process, a deadlock in a library's shutdown) would otherwise hold the
+// agent for ever, the job's work done.
 type HangDetector struct {
 	timeout time.Duration
 	blocked time.Duration
-	last    map[int]time.Time // rank → last progress beat (or first wait beat)
-	waiting map[int]time.Time // rank → last wait beat since its last progress beat
-	hung    map[int]bool      // reported and not beaten since
+	// doneTimeout bounds a done worker's teardown (0: unbounded); done
+	// holds the ranks that said done, whose last is when.
+	doneTimeout time.Duration
+	done        map[int]bool
+	last        map[int]time.Time // rank → last progress beat (or first wait beat)
+	waiting     map[int]time.Time // rank → last wait beat since its last progress beat
+	hung        map[int]bool      // reported and not beaten since
 	// expected are ranks started together and not watched yet; never are
 	// those watched because a peer beat, that have not beaten themselves.
 	expected map[int]bool
@@ -49,7 +60,20 @@ type HangDetector struct {
 func NewHangDetector(timeout time.Duration) *HangDetector {
 	return &HangDetector{timeout: timeout, blocked: BlockedFactor * timeout,
 		last: map[int]time.Time{}, waiting: map[int]time.Time{}, hung: map[int]bool{},
-		expected: map[int]bool{}, never: map[int]bool{}}
+		expected: map[int]bool{}, never: map[int]bool{}, done: map[int]bool{}}
+}
+
+// SetDoneTimeout bounds how long a worker that said it is done may take to
+// exit before it is declared hung; 0 (the default) leaves it unbounded.
+func (d *HangDetector) SetDoneTimeout(t time.Duration) { d.doneTimeout = max(t, 0) }
+
+// Done records that rank said at now that it is done: it is no longer
+// watched for beats, and with a done timeout it must exit within it.
+func (d *HangDetector) Done(rank int, now time.Time) {
+	d.Forget(rank)
+	if d.doneTimeout > 0 {
+		d.last[rank], d.done[rank] = now, true
+	}
 }
 
 // Expect says that ranks were started together (a group's local workers):
@@ -82,6 +106,7 @@ func (d *HangDetector) firstBeat(rank int, now time.Time) {
 
 // Beat records a progress beat from rank at now.
 func (d *HangDetector) Beat(rank int, now time.Time) {
+	d.undone(rank)
 	if prev, ok := d.last[rank]; !ok || d.never[rank] {
 		d.firstBeat(rank, now)
 		delete(d.waiting, rank)
@@ -95,6 +120,7 @@ func (d *HangDetector) Beat(rank int, now time.Time) {
 // Wait records a wait beat from rank at now: alive, blocked on its peers.
 // A worker's first beat may be one (it blocks in its first collective).
 func (d *HangDetector) Wait(rank int, now time.Time) {
+	d.undone(rank)
 	if _, ok := d.last[rank]; !ok || d.never[rank] {
 		d.firstBeat(rank, now)
 	}
@@ -105,8 +131,17 @@ func (d *HangDetector) Wait(rank int, now time.Time) {
 	delete(d.hung, rank)
 }
 
+// undone forgets that rank said it was done: it beats again (a worker
+// that said so too early, or another run of the same local rank).
+func (d *HangDetector) undone(rank int) {
+	if d.done[rank] {
+		d.Forget(rank)
+	}
+}
+
 // Forget stops watching rank (it exited, or its group was restarted).
 func (d *HangDetector) Forget(rank int) {
+	delete(d.done, rank)
 	delete(d.last, rank)
 	delete(d.waiting, rank)
 	delete(d.hung, rank)
@@ -117,6 +152,12 @@ func (d *HangDetector) Forget(rank int) {
 // deadline is when rank is declared hung if no beat comes, and why.
 func (d *HangDetector) deadline(rank int) (time.Time, func(now time.Time) string) {
 	last := d.last[rank]
+	if d.done[rank] {
+		return last.Add(d.doneTimeout), func(now time.Time) string {
+			return fmt.Sprintf("said it was done %v ago and has not exited (done timeout %v)",
+				now.Sub(last).Round(time.Millisecond), d.doneTimeout)
+		}
+	}
 	w, blocked := d.waiting[rank]
 	if d.never[rank] {
 		return last.Add(d.timeout), func(now time.Time) string {
@@ -150,7 +191,7 @@ func (d *HangDetector) Expired(now time.Time) []Event {
 			continue
 		}
 		d.hung[rank] = true
-		out = append(out, Event{Kind: WorkerHung, Rank: rank, SeenAt: now, Reason: why(now)})
+		out = append(out, Event{Kind: WorkerHung, Rank: rank, SeenAt: now, Reason: why(now), Done: d.done[rank]})
 	}
 	slices.SortFunc(out, func(a, b Event) int { return a.Rank - b.Rank })
 	return out

@@ -26,7 +26,7 @@ type beatKind int
 const (
 	beatProgress beatKind = iota // a step done
 	beatWait                     // alive, blocked on its peers
-	beatDone                     // training over: no longer watched, however long it takes to exit
+	beatDone                     // training over: no longer watched for beats; its exit is awaited (within the done timeout, if set)
 )
 
 // A heartbeat is one datagram whose payload starts with the worker's local
@@ -130,7 +130,7 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 			case beatWait:
 				m.det.Wait(b.rank, b.at)
 			case beatDone:
-				m.det.Forget(b.rank)
+				m.det.Done(b.rank, b.at)
 			default:
 				m.det.Beat(b.rank, b.at)
 			}
@@ -177,6 +177,11 @@ func (m *Monitor) read(beats chan<- beat) error {
 		}
 	}
 }
+
+// SetDoneTimeout bounds how long a worker that said it is done may take
+// to exit before it is reported hung (HangDetector.SetDoneTimeout); 0,
+// the default, leaves it unbounded. Call it before Run.
+func (m *Monitor) SetDoneTimeout(t time.Duration) { m.det.SetDoneTimeout(t) }
 
 // Forget stops watching a worker (it exited, or its group is being
 // replaced). Once Run has returned it does nothing.

@@ -195,6 +195,7 @@ func (a *agent) listenHeartbeats() error {
 		os.RemoveAll(dir)
 		return localf("--heartbeat-timeout: %w", err)
 	}
+	m.SetDoneTimeout(a.cfg.DoneTimeout)
 	ctx, cancel := context.WithCancel(context.Background())
 	a.heartbeats, a.hung, a.stopBeats, a.beatsDone = m, make(chan health.Event, 16), cancel, make(chan struct{})
 	go func() {

@@ -433,6 +433,16 @@ type Config struct {
 	// deadlocked, SIGSTOPped) is killed and counts as failed. 0 (default)
 	// leaves heartbeats off. --heartbeat-timeout.
 	HeartbeatTimeout time.Duration
+	// DoneTimeout bounds the teardown of a worker that said it was done
+	// (a "done" heartbeat: gorun_ft's close(), Go's health.Done): one
+	// that has not exited this long after is killed, and counts as a
+	// success, its work being over. A teardown that hangs (a stopped
+	// process, a library's shutdown deadlocked) would otherwise hold the
+	// agent and the job for ever. Needs HeartbeatTimeout (the done beat
+	// comes on the heartbeat socket). 0 (default) leaves it unbounded, as
+	// a final checkpoint saved after close() may take any time.
+	// --done-timeout.
+	DoneTimeout time.Duration
 	// NodeLiveness tunes the gossip among agents that finds a lost node in
 	// a multi-node job, and says when it runs.
 	NodeLiveness NodeLivenessConfig
@@ -753,6 +763,10 @@ func (c Config) validateFaultTolerance() error {
 		return invalidf("--grow-timeout %v: want a positive timeout", c.GrowTimeout)
 	case c.HeartbeatTimeout < 0:
 		return invalidf("--heartbeat-timeout %v: want 0 (off) or more", c.HeartbeatTimeout)
+	case c.DoneTimeout < 0:
+		return invalidf("--done-timeout %v: want 0 (unbounded) or more", c.DoneTimeout)
+	case c.DoneTimeout > 0 && c.HeartbeatTimeout == 0:
+		return invalidf("--done-timeout %v: needs --heartbeat-timeout (the done heartbeat comes on its socket)", c.DoneTimeout)
 	case c.NodeLiveness.Mode != "" && c.NodeLiveness.Mode != NodeLivenessAuto && c.NodeLiveness.Mode != NodeLivenessOn && c.NodeLiveness.Mode != NodeLivenessOff:
 		return invalidf("--node-liveness %q: want auto, on or off", c.NodeLiveness.Mode)
 	case c.NodeLiveness.ProbeInterval < 0:

@@ -36,8 +36,11 @@ type worker struct {
 	out       *workerOutput
 	exited    bool
 	exit      reaper.Exit
-	// hung says why the agent killed it for a lack of heartbeats.
-	hung string
+	// hung says why the agent killed it for a lack of heartbeats;
+	// finished, that it had said it was done, and its teardown outlasted
+	// the done timeout: its exit counts as a success.
+	hung     string
+	finished bool
 	// excluded: a shrink epoch excluded it while it ran, and the agent
 	// killed it. dropped: a newcomer the agent stopped because the job
 	// finished before its grow completed.
@@ -69,6 +72,10 @@ type workerExit struct {
 	w *worker
 	e reaper.Exit
 }
+
+// ok reports whether the worker succeeded: it exited 0, or it had said
+// it was done and the agent ended its teardown (--done-timeout).
+func (x workerExit) ok() bool { return x.e.Code() == 0 || x.w.finished }
 
 // spawnSpec is what startGroup needs besides the assignments.
 type spawnSpec struct {

@@ -18,7 +18,7 @@ func (a *agent) superviseRestart(ctx context.Context, w *roundWatch) outcome {
 		case evStopped:
 			return ev.stopped
 		case evWorkerExit:
-			if ev.exit.e.Code() == 0 {
+			if ev.exit.ok() {
 				continue
 			}
 			// Collect the failures that come together (within a monitor

@@ -236,7 +236,7 @@ func (w *roundWatch) gatherFailures(first Failure, window time.Duration) []Failu
 		select {
 		case y := <-w.g.exits:
 			w.g.record(y)
-			if y.e.Code() != 0 {
+			if !y.ok() {
 				failures = append(failures, w.a.failure(y))
 			}
 		case <-t.C:
@@ -319,11 +319,18 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 }
 
 // stopHung kills a worker whose heartbeats stopped: its exit then counts
-// as its failure, in either mode.
+// as its failure, in either mode; or one whose teardown outlasted the done
+// timeout after it said it was done: its exit counts as a success.
 func (a *agent) stopHung(g *group, ev health.Event) {
 	for _, w := range g.workers {
 		if w.a.LocalRank == ev.Rank && !w.exited {
-			a.log.Warn("worker hung; killing it", zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))
+			if ev.Done {
+				a.log.Warn("worker's teardown hung; killing it (its work was done: it counts as a success)",
+					zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))
+				w.finished = true
+			} else {
+				a.log.Warn("worker hung; killing it", zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))
+			}
 			w.hung = ev.Reason
 			syscall.Kill(-w.proc.Pid, syscall.SIGKILL)
 			return
@@ -337,7 +344,7 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 		a.heartbeats.Forget(w.a.LocalRank)
 	}
 	switch {
-	case w.exit.Code() == 0:
+	case w.exit.Code() == 0 || w.finished:
 		a.endpoint.WorkerExited(true, "")
 	case stopped || w.excluded:
 		a.endpoint.WorkerExited(false, ReasonStopped)

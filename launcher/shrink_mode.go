@@ -41,7 +41,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		case evStopped:
 			return ev.stopped
 		case evWorkerExit:
-			if ev.exit.e.Code() == 0 {
+			if ev.exit.ok() {
 				a.finishedHere(w, sv)
 				continue
 			}

@@ -188,3 +188,63 @@ func TestHungWorker(t *testing.T) {
 		}
 	})
 }
+
+// doneBeat is shell that says this worker is done: its training is over.
+const doneBeat = `python3 -c 'import os, socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto((os.environ["LOCAL_RANK"] + " done").encode(), os.environ["GORUN_HEARTBEAT"])'`
+
+// TestDoneTimeout: a worker that said it was done and then hangs in its
+// teardown (it stops itself) is killed --done-timeout later, and the job
+// succeeds, its work being over, in restart and in shrink mode. Without
+// the bound the agent waits for the stopped worker: the control, ended by
+// the test after 6 s, shows that the bound is what ends the others.
+func TestDoneTimeout(t *testing.T) {
+	worker := heartbeatOnce + ` || exit 8
+		` + doneBeat + ` || exit 8
+		[ "$RANK" = 0 ] && kill -STOP $$
+		exit 0`
+	for _, mode := range []string{OnFailureRestart, OnFailureShrink} {
+		t.Run(mode, func(t *testing.T) {
+			cfg := shConfig(t, 2, worker)
+			cfg.OnFailure = mode
+			cfg.MaxRestarts = 0
+			cfg.HeartbeatTimeout = time.Second
+			cfg.DoneTimeout = 2 * time.Second
+			start := time.Now()
+			err, out, errs, logs := runAgentLogged(t, cfg, 60*time.Second)
+			if err != nil {
+				t.Fatalf("run: %v\nstdout:\n%s\nstderr:\n%s\nlog:\n%s", err, out, errs, logText(logs))
+			}
+			if d := time.Since(start); d < 2*time.Second || d > 15*time.Second {
+				t.Errorf("the job ended after %v, want the 2-s done timeout and little more", d)
+			}
+			if n := len(logs.FilterMessageSnippet("teardown hung").All()); n != 1 {
+				t.Errorf("%d teardowns killed, want rank 0's\n%s", n, logText(logs))
+			}
+		})
+	}
+	t.Run("unbounded", func(t *testing.T) {
+		cfg := shConfig(t, 2, worker)
+		cfg.HeartbeatTimeout = time.Second
+		ctx, cancel := context.WithTimeout(context.Background(), 6*time.Second)
+		defer cancel()
+		var out, errb testutil.SyncBuffer
+		err := run(ctx, cfg, zap.NewNop(), &out, &errb)
+		if ctx.Err() == nil {
+			t.Fatalf("the agent returned (%v) while a worker that said done was stopped: nothing bounds its teardown by default", err)
+		}
+	})
+}
+
+// TestDoneTimeoutNeedsHeartbeats: --done-timeout without
+// --heartbeat-timeout is refused (the done beat comes on its socket).
+func TestDoneTimeoutNeedsHeartbeats(t *testing.T) {
+	cfg := shConfig(t, 1, "exit 0")
+	cfg.DoneTimeout = time.Second
+	if err := cfg.Validate(); err == nil || !strings.Contains(err.Error(), "--done-timeout") {
+		t.Fatalf("Validate = %v", err)
+	}
+	cfg.HeartbeatTimeout = time.Second
+	if err := cfg.Validate(); err != nil {
+		t.Fatalf("Validate with heartbeats = %v", err)
+	}
+}

@@ -174,6 +174,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.job.StepMs, "step-ms", 50, "each step's cost: the worker's pause before it, ms")
 	fs.StringVar(&c.job.WorkerTimeout, "worker-timeout", "15s", "the worker's --timeout (train_elastic.py's in seconds): how long a collective waits on a silent peer")
 	fs.StringVar(&c.job.HeartbeatTimeout, "heartbeat-timeout", "2", "gorun's --heartbeat-timeout, seconds (a hung rank)")
+	fs.StringVar(&c.job.DoneTimeout, "done-timeout", "10", "gorun's --done-timeout, seconds (a rank hung in its teardown, after it said it was done); empty: unbounded")
 	fs.StringVar(&c.job.RespawnBackoff, "respawn-backoff", "0.1", "gorun's --respawn-backoff in the heal row, seconds")
 	fs.StringVar(&c.job.ShutdownTimeout, "shutdown-timeout", "", "gorun's --shutdown-timeout, seconds (default gorun's, 30: a hung rank ignores SIGTERM)")
 	fs.StringVar(&c.job.Gorun, "gorun", "", "gorun binary (default: build ./cmd/gorun)")

@@ -50,13 +50,13 @@ func TestSelectRows(t *testing.T) {
 // TestAgentArgv: each row's agent gets its failure mode, and every row the
 // same worker with progress lines and a checkpoint.
 func TestAgentArgv(t *testing.T) {
-	j := Job{Gorun: "/g", Worker: "/w", Python: "/py", Nproc: 4, Steps: 10, StepMs: 5, WorkerTimeout: "15s", HeartbeatTimeout: "2", RespawnBackoff: "0.1"}
+	j := Job{Gorun: "/g", Worker: "/w", Python: "/py", Nproc: 4, Steps: 10, StepMs: 5, WorkerTimeout: "15s", HeartbeatTimeout: "2", DoneTimeout: "10", RespawnBackoff: "0.1"}
 	worker := "/w --steps 10 --step-ms 5 --progress --checkpoint /d/checkpoint --timeout 15s"
 	tests := []struct {
 		row  Row
 		want []string // substrings of the command line
 	}{
-		{rows[1], []string{"/g --standalone --nproc-per-node 4", "--health-addr 127.0.0.1:9", "--heartbeat-timeout 2", "--on-failure restart", worker}},
+		{rows[1], []string{"/g --standalone --nproc-per-node 4", "--health-addr 127.0.0.1:9", "--heartbeat-timeout 2", "--done-timeout 10", "--on-failure restart", worker}},
 		{rows[2], []string{"--on-failure shrink --regrow off", worker}},
 		{rows[3], []string{"--on-failure shrink --regrow on --max-respawns 100000 --respawn-backoff 0.1", worker}},
 		{rows[4], []string{"/py -m torch.distributed.run --redirects 1 --tee 1 --standalone --nproc_per_node 4 --max_restarts 100000", worker}},

@@ -140,6 +140,10 @@ type Job struct {
 	// HeartbeatTimeout is gorun's --heartbeat-timeout, in seconds: a
 	// rank that has not stepped for that long is hung.
 	HeartbeatTimeout string
+	// DoneTimeout is gorun's --done-timeout, seconds ("": unbounded): a
+	// rank the schedule stops after it said it was done (a hang in its
+	// teardown) is killed that long after, and the job ends.
+	DoneTimeout string
 	// RespawnBackoff is gorun's --respawn-backoff in the heal rows.
 	RespawnBackoff string
 	// ShutdownTimeout is gorun's --shutdown-timeout, seconds; "" for its
@@ -216,6 +220,9 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 		"--health-addr", healthAddr, "--heartbeat-timeout", j.HeartbeatTimeout, "--max-restarts", plenty)
 	if j.ShutdownTimeout != "" {
 		argv = append(argv, "--shutdown-timeout", j.ShutdownTimeout)
+	}
+	if j.DoneTimeout != "" {
+		argv = append(argv, "--done-timeout", j.DoneTimeout)
 	}
 	switch r.Mode {
 	case modeRestart:

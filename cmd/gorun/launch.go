@@ -176,6 +176,9 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "heartbeat-timeout", Value: 0,
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
+		&cli.Float64Flag{Name: "done-timeout", Value: 0,
+			Usage:   "`SECONDS` a worker that said it was done (a \"done\" heartbeat: gorun_ft's close()) may take to exit; past it, it is killed and counts as a success (its work was over). 0 leaves its teardown unbounded. Needs --heartbeat-timeout",
+			EnvVars: []string{"GORUN_DONE_TIMEOUT"}, Category: catFT},
 		&cli.StringFlag{Name: "node-liveness", Value: def.NodeLiveness.Mode,
 			Usage:   "several nodes: when agents gossip to find a crashed, frozen or cut-off node in about 0.6 s: `auto` (shrink mode only), on (restart mode too), off (the rendezvous keep-alive or etcd lease only)",
 			EnvVars: []string{"GORUN_NODE_LIVENESS"}, Category: catFT},
@@ -339,6 +342,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 		{"respawn-backoff", &cfg.RespawnBackoff},
 		{"grow-timeout", &cfg.GrowTimeout},
 		{"heartbeat-timeout", &cfg.HeartbeatTimeout},
+		{"done-timeout", &cfg.DoneTimeout},
 		{"node-probe-interval", &cfg.NodeLiveness.ProbeInterval},
 	} {
 		if *d.dst, err = seconds(c.Float64(d.flag)); err != nil {
