@@ -490,33 +490,25 @@ func (j *jobNode) admit(ctx context.Context, groupRank int) (string, error) {
 }
 
 // failed counts the round's failure once for the whole job: the first node
-// to report it increments the job's restart counter, the others read it.
+// to report it increments the job's restart counter; the others find the
+// round counted there and read the count. (A key per round saying who
+// counted, as before, was left in the store for good: one per restart, 100
+// after a hundred.)
 func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {
-	rs := j.round.Store(j.store, j.runID)
-	me := []byte(j.me.String())
-	got, err := rs.CompareSet(ctx, "failed", nil, me)
+	n, counted, err := countRestart(ctx, j.store, j.restartsKey(), p.round, j.me.String())
 	if err != nil {
 		return false, fmt.Errorf("rendezvous store: %w", err)
 	}
-	var n int64
-	if string(got) == string(me) {
-		j.log.Warn("round failed; counting a restart for the job", zap.Int("round", p.round), zap.String("cause", cause))
-		n, err = countRestart(ctx, j.store, j.restartsKey(), p.round)
-	} else {
-		var v []byte
-		if v, err = j.store.Get(ctx, j.restartsKey()); err == nil {
-			n, _, err = parseRestarts(v)
-		}
-	}
-	if err != nil {
-		return false, fmt.Errorf("rendezvous store: %w", err)
+	if counted {
+		j.log.Warn("round failed; counted a restart for the job", zap.Int("round", p.round), zap.String("cause", cause), zap.Int64("restarts", n))
 	}
 	return n <= int64(j.cfg.MaxRestarts), nil
 }
 
-// The job's restart counter holds "COUNT ROUND": the restarts counted so
-// far and the round whose failure was counted last (plain "COUNT" before
-// the first). A node reads it once its round has completed, and a round's
+// The job's restart counter holds "COUNT ROUND BY": the restarts counted
+// so far, the round whose failure was counted last and the node that
+// counted it (plain "COUNT" before the first; "COUNT ROUND" as an older
+// agent wrote it). A node reads it once its round has completed, and a round's
 // failure can be counted before then: a faster node's workers started and
 // failed while this node's had not started yet. That restart is not one of
 // the round's own, so restartsBefore leaves it out; without ROUND the slow
@@ -533,6 +525,7 @@ func parseRestarts(v []byte) (n int64, round int, err error) {
 	}
 	round = -1
 	if found {
+		last, _, _ = strings.Cut(last, " ") // the counting node, if named
 		if round, err = strconv.Atoi(last); err != nil {
 			return 0, 0, fmt.Errorf("restart count %q: %w", v, err)
 		}
@@ -551,23 +544,31 @@ func restartsBefore(v []byte, round int) (int64, error) {
 }
 
 // countRestart adds the failure of round to the job's restart counter (a
-// compare-and-set, as the value is not a plain number) and returns the
-// new count.
-func countRestart(ctx context.Context, s rendezvous.Store, key string, round int) (int64, error) {
+// compare-and-set, as the value is not a plain number) unless it is
+// counted already, and returns the count and whether this call, by the
+// node named by, added to it. Rounds only grow, and a round fails once: a
+// counter whose last round is round or later has counted it (the later
+// round came after it ended). The counter names who counted last, so
+// that two nodes counting the same round at once cannot both read the
+// winner's value as their own.
+func countRestart(ctx context.Context, s rendezvous.Store, key string, round int, by string) (n int64, counted bool, err error) {
 	cur, err := s.Get(ctx, key)
 	for err == nil {
-		var n int64
-		if n, _, err = parseRestarts(cur); err != nil {
+		var last int
+		if n, last, err = parseRestarts(cur); err != nil {
 			break
 		}
-		next := []byte(strconv.FormatInt(n+1, 10) + " " + strconv.Itoa(round))
+		if last >= round {
+			return n, false, nil
+		}
+		next := []byte(strconv.FormatInt(n+1, 10) + " " + strconv.Itoa(round) + " " + by)
 		var got []byte
 		if got, err = s.CompareSet(ctx, key, cur, next); err == nil && bytes.Equal(got, next) {
-			return n + 1, nil
+			return n + 1, true, nil
 		}
-		cur = got // another round's count came between: again
+		cur = got // another node's count came between: again
 	}
-	return 0, err
+	return 0, false, err
 }
 
 // finish ends the job with this node's outcome: after a success it waits

@@ -48,8 +48,8 @@ func TestJobNodeSeal(t *testing.T) {
 	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
 		t.Fatal(err)
 	}
-	if n, err := countRestart(ctx, j.store, j.restartsKey(), 0); err != nil || n != 1 {
-		t.Fatalf("restart count: %d, %v", n, err)
+	if n, counted, err := countRestart(ctx, j.store, j.restartsKey(), 0, "me"); err != nil || n != 1 || !counted {
+		t.Fatalf("restart count: %d, %v, %v", n, counted, err)
 	}
 	if n, err := j.store.Add(ctx, j.seenClosedKey(), 2); err != nil || n != 2 {
 		t.Fatalf("seen-closed counter: %d, %v", n, err)

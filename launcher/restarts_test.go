@@ -2,6 +2,9 @@ package launcher
 
 import (
 	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -45,8 +48,12 @@ func TestRestartCountOfARound(t *testing.T) {
 		t.Fatalf("round 0 before any failure: %d restarts", n)
 	}
 	// Round 0 fails on a fast node before the slow one has read.
-	if n, err := countRestart(ctx, c, key, 0); err != nil || n != 1 {
-		t.Fatalf("counting round 0's failure: %d, %v", n, err)
+	if n, counted, err := countRestart(ctx, c, key, 0, "fast"); err != nil || n != 1 || !counted {
+		t.Fatalf("counting round 0's failure: %d, %v, %v", n, counted, err)
+	}
+	// The slow node reports the same failure: counted already.
+	if n, counted, err := countRestart(ctx, c, key, 0, "fast"); err != nil || n != 1 || counted {
+		t.Fatalf("round 0's failure reported again: %d, counted %v, %v", n, counted, err)
 	}
 	if n := read(0); n != 0 {
 		t.Fatalf("round 0 read after its own failure was counted: %d restarts, want 0", n)
@@ -54,8 +61,13 @@ func TestRestartCountOfARound(t *testing.T) {
 	if n := read(1); n != 1 {
 		t.Fatalf("round 1: %d restarts, want 1", n)
 	}
-	if n, err := countRestart(ctx, c, key, 3); err != nil || n != 2 {
-		t.Fatalf("counting round 3's failure: %d, %v", n, err)
+	if n, counted, err := countRestart(ctx, c, key, 3, "fast"); err != nil || n != 2 || !counted {
+		t.Fatalf("counting round 3's failure: %d, %v, %v", n, counted, err)
+	}
+	// A node still in round 1 reports its failure after round 3's was
+	// counted: round 1 ended before round 3 began, and was counted then.
+	if n, counted, err := countRestart(ctx, c, key, 1, "slow"); err != nil || n != 2 || counted {
+		t.Fatalf("round 1's failure reported after round 3's: %d, counted %v, %v", n, counted, err)
 	}
 	for round, want := range map[int]int64{3: 1, 4: 2} {
 		if n := read(round); n != want {
@@ -71,5 +83,53 @@ func TestRestartCountOfARound(t *testing.T) {
 	}
 	if _, _, err := parseRestarts([]byte("2 x")); err == nil {
 		t.Fatal(`"2 x" parsed`)
+	}
+	if n, round, err := parseRestarts([]byte("2 7 10.0.0.1_42_0")); err != nil || n != 2 || round != 7 {
+		t.Fatalf(`"2 7 10.0.0.1_42_0": %d, %d, %v`, n, round, err)
+	}
+}
+
+// TestRestartCountedOnce: every node of a round reports its failure at
+// once; the job's counter goes up by one, one node says it counted it, and
+// nothing per round is left in the store (the nodes used to mark the
+// round's failure with a key of their own for good).
+func TestRestartCountedOnce(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	const key = "gorun.job.restarts"
+	if err := c.Set(ctx, key, []byte("0")); err != nil {
+		t.Fatal(err)
+	}
+	for round := range 5 {
+		var wg sync.WaitGroup
+		var counted atomic.Int32
+		for node := range 8 {
+			wg.Go(func() {
+				n, ok, err := countRestart(ctx, c, key, round, fmt.Sprint("node", node))
+				if err != nil || n != int64(round+1) {
+					t.Errorf("round %d: count %d, %v", round, n, err)
+				}
+				if ok {
+					counted.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		if counted.Load() != 1 {
+			t.Errorf("round %d: %d nodes counted its failure", round, counted.Load())
+		}
+	}
+	if n, err := c.NumKeys(ctx); err != nil || n != 1 {
+		t.Errorf("%d keys in the store (%v), want the counter alone", n, err)
 	}
 }
