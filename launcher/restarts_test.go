@@ -11,6 +11,28 @@ import (
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 )
 
+const key = "gorun.job.restarts"
+
+// restartCounter serves a TCPStore for the test and returns a client of
+// it holding the job's restart counter at 0 under key.
+func restartCounter(ctx context.Context, t *testing.T) *tcpstore.Client {
+	t.Helper()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := c.Set(ctx, key, []byte("0")); err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // TestRestartCountOfARound: a round's own failure, counted by a faster node
 // before a slower one read the counter, is not in the slower node's count;
 // earlier rounds' failures are. Plain counts (the counter as created, or
@@ -18,20 +40,7 @@ import (
 func TestRestartCountOfARound(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	const key = "gorun.job.restarts"
-	if err := c.Set(ctx, key, []byte("0")); err != nil {
-		t.Fatal(err)
-	}
+	c := restartCounter(ctx, t)
 	read := func(round int) int64 {
 		t.Helper()
 		v, err := c.Get(ctx, key)
@@ -96,20 +105,7 @@ func TestRestartCountOfARound(t *testing.T) {
 func TestRestartCountedOnce(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer srv.Close()
-	c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	const key = "gorun.job.restarts"
-	if err := c.Set(ctx, key, []byte("0")); err != nil {
-		t.Fatal(err)
-	}
+	c := restartCounter(ctx, t)
 	for round := range 5 {
 		var wg sync.WaitGroup
 		var counted atomic.Int32
