@@ -248,7 +248,8 @@ func (c DynamicConfig) ttl() time.Duration { return c.DropTimeout() }
 // ParseDynamicConfig builds a DynamicConfig from torchrun's --rdzv-conf
 // keys: join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
 // keep_alive_interval (seconds; fractions are accepted where torchrun takes
-// only integers) and keep_alive_max_attempt. Keys it does not know belong to
+// only integers) and keep_alive_max_attempt; and gorun's crowd_rate
+// (DynamicConfig.CrowdRate, a positive integer). Keys it does not know belong to
 // the store backend (read_timeout, is_host, store_type, …) and are ignored.
 // A malformed or non-positive value is an error wrapping ErrInvalidArgument
 // (torchrun rejects non-positive timeouts too).
