@@ -41,8 +41,9 @@ const BlockedFactor = 10
 type HangDetector struct {
 	timeout time.Duration
 	blocked time.Duration
-	// doneTimeout bounds a done worker's teardown (0: unbounded); done
-	// holds the ranks that said done, whose last is when.
+	// doneTimeout bounds a done worker's teardown (0: unbounded). done
+	// marks the ranks that said they were done (then watched only with a
+	// done timeout, last holding when they said it).
 	doneTimeout time.Duration
 	done        map[int]bool
 	last        map[int]time.Time // rank → last progress beat (or first wait beat)

@@ -491,9 +491,8 @@ func (j *jobNode) admit(ctx context.Context, groupRank int) (string, error) {
 
 // failed counts the round's failure once for the whole job: the first node
 // to report it increments the job's restart counter; the others find the
-// round counted there and read the count. (A key per round saying who
-// counted, as before, was left in the store for good: one per restart, 100
-// after a hundred.)
+// round counted there and read the count. Nothing is kept per round: a job
+// restarted a thousand times leaves one key.
 func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, error) {
 	n, counted, err := countRestart(ctx, j.store, j.restartsKey(), p.round, j.me.String())
 	if err != nil {
@@ -508,8 +507,8 @@ func (j *jobNode) failed(ctx context.Context, p *plan, cause string) (bool, erro
 // The job's restart counter holds "COUNT ROUND BY": the restarts counted
 // so far, the round whose failure was counted last and the node that
 // counted it (plain "COUNT" before the first; "COUNT ROUND" as an older
-// agent wrote it). A node reads it once its round has completed, and a round's
-// failure can be counted before then: a faster node's workers started and
+// agent wrote it). A node reads it once its round has completed, and a
+// round's failure can be counted before then: a faster node's workers started and
 // failed while this node's had not started yet. That restart is not one of
 // the round's own, so restartsBefore leaves it out; without ROUND the slow
 // node started its workers with TORCHELASTIC_RESTART_COUNT one too high

@@ -344,7 +344,7 @@ func (a *agent) reportExit(w *worker, stopped bool) {
 		a.heartbeats.Forget(w.a.LocalRank)
 	}
 	switch {
-	case w.exit.Code() == 0 || w.finished:
+	case (workerExit{w, w.exit}).ok():
 		a.endpoint.WorkerExited(true, "")
 	case stopped || w.excluded:
 		a.endpoint.WorkerExited(false, ReasonStopped)

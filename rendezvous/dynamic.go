@@ -239,18 +239,16 @@ func (c DynamicConfig) HeartbeatInterval() time.Duration {
 // DropTimeout is how long a heartbeat keeps a node alive in the others'
 // eyes: KeepAliveMaxAttempt heartbeat intervals.
 func (c DynamicConfig) DropTimeout() time.Duration {
-	c = c.withDefaults()
-	return c.HeartbeatInterval() * time.Duration(c.KeepAliveMaxAttempt)
+	return c.HeartbeatInterval() * time.Duration(c.withDefaults().KeepAliveMaxAttempt)
 }
-
-func (c DynamicConfig) ttl() time.Duration { return c.DropTimeout() }
 
 // ParseDynamicConfig builds a DynamicConfig from torchrun's --rdzv-conf
 // keys: join_timeout, last_call_timeout, close_timeout, heartbeat_timeout,
 // keep_alive_interval (seconds; fractions are accepted where torchrun takes
 // only integers) and keep_alive_max_attempt; and gorun's crowd_rate
-// (DynamicConfig.CrowdRate, a positive integer). Keys it does not know belong to
-// the store backend (read_timeout, is_host, store_type, …) and are ignored.
+// (DynamicConfig.CrowdRate, a positive integer). Keys it does not know
+// belong to the store backend (read_timeout, is_host, store_type, …) and
+// are ignored.
 // A malformed or non-positive value is an error wrapping ErrInvalidArgument
 // (torchrun rejects non-positive timeouts too).
 func ParseDynamicConfig(runID string, minNodes, maxNodes int, conf Conf) (DynamicConfig, error) {
@@ -801,7 +799,7 @@ func (s *dynState) completeIfRejoined(cfg DynamicConfig) {
 // on every read, so a dead node is gone for everyone at about the same
 // time whether or not anyone writes.
 func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
-	expire := now.Add(-cfg.ttl())
+	expire := now.Add(-cfg.DropTimeout())
 	dropped, participant := false, false
 	s.Nodes = slices.DeleteFunc(s.Nodes, func(e nodeState) bool {
 		if !e.Heartbeat.Before(expire) {
@@ -835,7 +833,8 @@ func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
 // sanitize can decide differently on the same state. It is never later
 // than one heartbeat interval from now.
 func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfig) time.Time {
-	at := now.Add(cfg.HeartbeatInterval())
+	beat, drop := cfg.HeartbeatInterval(), cfg.DropTimeout()
+	at := now.Add(beat)
 	consider := func(t time.Time) {
 		if t.After(now) && t.Before(at) {
 			at = t
@@ -849,16 +848,16 @@ func (s *dynState) wakeAt(me NodeDesc, now, deadline time.Time, cfg DynamicConfi
 	for _, e := range s.Nodes {
 		switch {
 		case e.NodeDesc == me:
-			consider(e.Heartbeat.Add(cfg.HeartbeatInterval()))
+			consider(e.Heartbeat.Add(beat))
 		case !s.view:
 			// A view's node never sanitizes (the state's writers do), and
 			// its bucket's heartbeats are as old as its last rewrite.
-			consider(e.Heartbeat.Add(cfg.ttl() + time.Nanosecond))
+			consider(e.Heartbeat.Add(drop + time.Nanosecond))
 		}
 	}
 	for _, r := range s.Rejoin {
 		if _, in := s.find(r.NodeDesc); !in {
-			consider(r.Left.Add(cfg.ttl() + time.Nanosecond))
+			consider(r.Left.Add(drop + time.Nanosecond))
 		}
 	}
 	return at

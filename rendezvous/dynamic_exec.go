@@ -101,8 +101,9 @@ var ErrNoWaitingNode = errors.New("no node is waiting to join")
 //
 // Next, Leave and SetClosed run one at a time; Status and Close may be
 // called at any time. Next holds the store (a Wait) for up to one
-// heartbeat interval (DynamicConfig.HeartbeatInterval) at a time, so a tcpstore.Client given to a Dynamic is
-// best not shared with callers that cannot wait that long.
+// heartbeat interval (DynamicConfig.HeartbeatInterval) at a time, so a
+// tcpstore.Client given to a Dynamic is best not shared with callers that
+// cannot wait that long.
 type Dynamic struct {
 	store Store
 	me    NodeDesc

@@ -172,8 +172,9 @@ func bucketOf(n NodeDesc, nb int) int {
 func (s *dynState) marker(cfg DynamicConfig) marker {
 	m := marker{Pub: s.Pub, Round: s.Round, Complete: s.Complete, Closed: s.Closed, Deadline: s.Deadline,
 		Size: s.Size, Wake: s.Wake, Batch: s.Batch}
+	drop := cfg.DropTimeout()
 	for _, e := range s.Nodes {
-		if exp := e.Heartbeat.Add(cfg.ttl()); m.Expires.IsZero() || exp.Before(m.Expires) {
+		if exp := e.Heartbeat.Add(drop); m.Expires.IsZero() || exp.Before(m.Expires) {
 			m.Expires = exp
 		}
 		switch {

@@ -85,7 +85,7 @@ func TestHeartbeatStretchesWithTheCrowd(t *testing.T) {
 		if got := c.DropTimeout(); got != tc.drop {
 			t.Errorf("%d nodes at rate %d: drop timeout %v, want %v", tc.max, tc.rate, got, tc.drop)
 		}
-		if got := c.withDefaults().ttl(); got != tc.drop {
+		if got := c.withDefaults().DropTimeout(); got != tc.drop {
 			t.Errorf("%d nodes at rate %d: sanitize's ttl %v, want %v", tc.max, tc.rate, got, tc.drop)
 		}
 	}
@@ -102,8 +102,8 @@ func TestParseDynamicConfig(t *testing.T) {
 	if !reflect.DeepEqual(c, want) {
 		t.Errorf("defaults = %+v, want %+v", c, want)
 	}
-	if c.ttl() != 15*time.Second {
-		t.Errorf("ttl = %v, want torchrun's 15s", c.ttl())
+	if c.DropTimeout() != 15*time.Second {
+		t.Errorf("drop timeout = %v, want torchrun's 15s", c.DropTimeout())
 	}
 
 	c, err = ParseDynamicConfig("job", 1, 1, map[string]string{
@@ -622,11 +622,11 @@ func TestRejoin(t *testing.T) {
 	}
 	s.apply(actAddToParticipants, nd(0), nil, now, cfg)
 	s.apply(actAddToParticipants, nd(1), nil, now, cfg)
-	if s.sanitize(now.Add(cfg.ttl()), cfg) || s.Complete {
+	if s.sanitize(now.Add(cfg.DropTimeout()), cfg) || s.Complete {
 		t.Fatal("a rejoiner forgotten at exactly its TTL")
 	}
-	s.Nodes[0].Heartbeat, s.Nodes[1].Heartbeat = now.Add(cfg.ttl()), now.Add(cfg.ttl())
-	if !s.sanitize(now.Add(cfg.ttl()+1), cfg) || !s.Complete || s.Size != 2 {
+	s.Nodes[0].Heartbeat, s.Nodes[1].Heartbeat = now.Add(cfg.DropTimeout()), now.Add(cfg.DropTimeout())
+	if !s.sanitize(now.Add(cfg.DropTimeout()+1), cfg) || !s.Complete || s.Size != 2 {
 		t.Fatalf("dead rejoiner: changed, complete %v size %d rejoin %v", s.Complete, s.Size, s.Rejoin)
 	}
 	if got := s.wakeAt(nd(0), now, at(time.Hour), cfg); !got.Equal(now.Add(cfg.KeepAliveInterval)) {
@@ -634,7 +634,7 @@ func TestRejoin(t *testing.T) {
 	}
 	s = round0(2)
 	s.apply(actRemoveToRejoin, nd(1), nil, now, cfg)
-	if got, want := s.wakeAt(nd(0), now.Add(14*time.Second), at(time.Hour), cfg), now.Add(cfg.ttl()+1); !got.Equal(want) {
+	if got, want := s.wakeAt(nd(0), now.Add(14*time.Second), at(time.Hour), cfg), now.Add(cfg.DropTimeout()+1); !got.Equal(want) {
 		t.Errorf("wake at %v, want the rejoiner's TTL %v", got.Sub(t0), want.Sub(t0))
 	}
 }

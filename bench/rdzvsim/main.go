@@ -44,12 +44,12 @@ import (
 )
 
 var (
-	loss     bool         // -loss
-	members  bool         // -members
-	plans    bool         // -plan
-	progress bool         // -progress
-	detail   bool         // -breakdown
-	assigned atomic.Int64 // agents whose Next has returned, for -progress
+	loss      bool         // -loss
+	members   bool         // -members
+	plans     bool         // -plan
+	progress  bool         // -progress
+	breakdown bool         // -breakdown
+	assigned  atomic.Int64 // agents whose Next has returned, for -progress
 )
 
 // watchProgress prints the rendezvous's marker and the requests so far
@@ -100,7 +100,7 @@ func main() {
 		"(and still does in shrink mode, with node liveness, and with static rendezvous)")
 	flag.BoolVar(&plans, "plan", false, "every agent plans its round from its summary, as the launcher does in restart mode "+
 		"(the folder computes each agent's rank offset, the world size and rank 0 from every agent's nproc; checked)")
-	flag.BoolVar(&detail, "breakdown", false, "after each N's row, the requests and bytes per agent by operation and key (stderr)")
+	flag.BoolVar(&breakdown, "breakdown", false, "after each N's row, the requests and bytes per agent by operation and key (stderr)")
 	flag.BoolVar(&progress, "progress", false, "print the marker and the requests so far every second (stderr)")
 	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
@@ -338,7 +338,7 @@ func perAgent(r *result, c *storecount.Counts) {
 	r.sent = float64(c.Sent.Load()) / n
 	r.recv = float64(c.Received.Load()) / n
 	r.written = float64(c.Written.Load()) / n
-	if detail {
+	if breakdown {
 		printBreakdown(os.Stderr, r.n, c)
 	}
 }
@@ -435,7 +435,7 @@ func runC10d(n, size int, timeout time.Duration) result {
 		return r
 	}
 	defer srv.stop()
-	c := storecount.Counts{Detail: detail}
+	c := storecount.Counts{Detail: breakdown}
 	stores := make([]rendezvous.Store, n)
 	for i := range stores {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -480,7 +480,7 @@ func runEtcd(n, size int, timeout time.Duration, bin string, clients int) result
 		defer cli.Close()
 		clis[i] = cli
 	}
-	c := storecount.Counts{Detail: detail}
+	c := storecount.Counts{Detail: breakdown}
 	stores := make([]rendezvous.Store, n)
 	for i := range stores {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)

@@ -26,7 +26,7 @@ type Counts struct {
 	// operation and key (Breakdown), where a benchmark needs to say which
 	// requests a cost is made of.
 	Detail bool
-	detail sync.Map // Kind -> *Tally
+	byKind sync.Map // Kind -> *Tally
 }
 
 // Kind names a class of requests: an operation and its key with every
@@ -41,7 +41,7 @@ type Tally struct {
 // Breakdown returns the tallies so far by Kind (empty unless Detail).
 func (c *Counts) Breakdown() map[Kind]*Tally {
 	out := map[Kind]*Tally{}
-	c.detail.Range(func(k, v any) bool {
+	c.byKind.Range(func(k, v any) bool {
 		out[k.(Kind)] = v.(*Tally)
 		return true
 	})
@@ -94,9 +94,9 @@ func (s *Store) req(op, key string, sent int, write bool) *Tally {
 		return nil
 	}
 	k := Kind{Op: op, Key: keyClass(key)}
-	v, ok := s.C.detail.Load(k)
+	v, ok := s.C.byKind.Load(k)
 	if !ok {
-		v, _ = s.C.detail.LoadOrStore(k, new(Tally))
+		v, _ = s.C.byKind.LoadOrStore(k, new(Tally))
 	}
 	t := v.(*Tally)
 	t.Requests.Add(1)
