@@ -334,6 +334,7 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 		case done:
 			a.endpoint.SetPhase(PhaseFailed)
 			return err
+		case out.placeTaken:
 		case len(out.failures) > 0 || (out.change != nil && len(out.change.lost) > 0):
 			a.endpoint.Restarted()
 		}
@@ -382,6 +383,10 @@ func (a *agent) decide(ctx context.Context, p *plan, out outcome, sv *survivors)
 		// Scale-up: not a failure, not counted as a restart (torchrun's
 		// rule).
 		a.log.Info("membership changed; re-rendezvous", zap.Int("waiting", out.change.waiting))
+		return false, nil
+	case out.placeTaken:
+		// Not a failure of the job: the job goes on without this node,
+		// which waits to be admitted again.
 		return false, nil
 	case out.fallback != "":
 		// Shrink mode gave up: a restart, counted as restart mode counts

@@ -32,6 +32,10 @@ type outcome struct {
 	// fallback says why shrink mode gave up and hands the round to a
 	// restart; "" when it did not.
 	fallback string
+	// placeTaken: the others took this node for lost and admitted another
+	// in its place (shrink mode, heal); it joins the job again as a
+	// waiting node.
+	placeTaken bool
 }
 
 // roundEventKind says what a roundEvent is.

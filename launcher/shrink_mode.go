@@ -111,6 +111,9 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				// with heal, a node waiting to join takes a lost node's
 				// place, else it joins at the next round.
 				for _, ad := range ev.change.admitted {
+					if ad.groupRank == sv.me {
+						return a.placeTaken(w, ad, out)
+					}
 					w.p.replace(ad)
 					sv.replaced(ad.groupRank, ad.id)
 				}
@@ -131,6 +134,23 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		}
 	}
 	w.finish()
+	return out
+}
+
+// placeTaken ends the round on a node whose own place in it went to
+// another (ad): the others took it for lost (a link cut, a keep-alive
+// that lapsed) and, with heal, admitted a waiting node (a hot spare) in
+// its place. Its workers are out of the job, whatever their state; the
+// node stops them and joins again as a waiting node, a spare for the
+// next loss. No failure of the job: nothing is counted. (Left to run on,
+// it reported failures for ranks another node now holds, waited for an
+// agreement that would never decide them, and fell back to a restart it
+// counted against the job.)
+func (a *agent) placeTaken(w *roundWatch, ad admitted, out outcome) outcome {
+	a.log.Warn("this node's place in the round went to another node (the others took it for lost); "+
+		"stopping its workers and joining again as a waiting node", zap.Int("group_rank", ad.groupRank), zap.String("node", ad.id))
+	w.stop(syscall.SIGTERM)
+	out.placeTaken = true
 	return out
 }
 

@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -43,7 +44,10 @@ type agent struct {
 	scanned chan struct{}
 	killed  bool // by a fault
 	standby bool // came to a running job: a spare, a replacement
-	stopped bool // still standing by at the end, stopped by the harness
+	// placeTaken: its place in the round went to another node; it waits
+	// to join again, as a spare does.
+	placeTaken atomic.Bool
+	stopped    bool // still standing by at the end, stopped by the harness
 }
 
 func (a *agent) done() bool {
@@ -113,7 +117,10 @@ func (ru *runner) start(host int, standby bool) error {
 	}
 	a := &agent{host: host, cmd: cmd, pipe: pr, exited: make(chan struct{}), scanned: make(chan struct{}), standby: standby}
 	ru.agents = append(ru.agents, a)
-	go func() { ru.out.scan(pr, ru.env.console, ru.t0, label, ru.j.Nproc); close(a.scanned) }()
+	go func() {
+		ru.out.scan(pr, ru.env.console, ru.t0, label, ru.j.Nproc, func() { a.placeTaken.Store(true) })
+		close(a.scanned)
+	}()
 	go func() { a.err = cmd.Wait(); a.at = time.Now(); close(a.exited) }()
 	return nil
 }
@@ -287,8 +294,9 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 			continue
 		}
 		// A replacement that came as the job ended finds it over:
-		// gorun's exit code 7, no failure.
-		late := a.standby && a.cmd.ProcessState != nil && a.cmd.ProcessState.ExitCode() == exitJobEnded
+		// gorun's exit code 7, no failure; so does an agent whose place
+		// went to another while it was cut off, waiting to join again.
+		late := (a.standby || a.placeTaken.Load()) && a.cmd.ProcessState != nil && a.cmd.ProcessState.ExitCode() == exitJobEnded
 		if !a.killed && !a.stopped && !late && a.err != nil && waitErr == nil {
 			waitErr = fmt.Errorf("the agent on host %d: %w", a.host, a.err)
 		}

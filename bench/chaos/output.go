@@ -27,6 +27,11 @@ var (
 	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) (?:sum|loss)=(\S+)`)
 )
 
+// placeTakenLine is gorun's log when the others took its node for lost
+// and admitted another in its place (a link cut past the liveness
+// timeout, with a spare or a replacement waiting).
+const placeTakenLine = "this node's place in the round went to another node"
+
 // output is what the run's scanner gathers from the agents' output.
 type output struct {
 	mu sync.Mutex
@@ -81,7 +86,9 @@ type doneLine struct {
 // nproc + the local rank, the group rank from the agent's latest
 // "starting workers" or "admitted into the running round" line, or
 // torchrun's "Rendezvous complete" (0 until there is one: one host).
-func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string, nproc int) {
+// placeTaken is called when the agent says the others gave its place in
+// the round to another node: it waits to join again, as a spare.
+func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string, nproc int, placeTaken func()) {
 	sc := bufio.NewScanner(r)
 	sc.Buffer(make([]byte, 64<<10), 1<<20)
 	groupRank := 0
@@ -94,6 +101,9 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 			if m := groupRankRE.FindStringSubmatch(line); m != nil {
 				groupRank, _ = strconv.Atoi(m[1] + m[2])
 			}
+		}
+		if strings.Contains(line, placeTakenLine) {
+			placeTaken()
 		}
 		if m := progressRE.FindStringSubmatch(line); m != nil {
 			var v [6]int64

@@ -234,7 +234,7 @@ func TestScanDone(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			o := newOutput()
-			o.scan(strings.NewReader(tt.in), io.Discard, time.Now(), "", 2)
+			o.scan(strings.NewReader(tt.in), io.Discard, time.Now(), "", 2, func() {})
 			if !slices.Equal(o.done, tt.want) {
 				t.Errorf("done = %+v, want %+v", o.done, tt.want)
 			}
@@ -324,6 +324,25 @@ func TestTorchWorkerRows(t *testing.T) {
 		}
 		if !r.Row.FaultFree && r.Brought() != 1 {
 			t.Errorf("%s: %d faults brought, want 1\n%s", r.Row.Name, r.Brought(), progress)
+		}
+	}
+}
+
+// TestScanPlaceTaken: the scanner tells the agent's runner when gorun says
+// its place went to another node (then exit 7 at the job's end is no
+// failure), and only then.
+func TestScanPlaceTaken(t *testing.T) {
+	for _, tt := range []struct {
+		in   string
+		want bool
+	}{
+		{"2026-11-27T13:00:57.692Z\tWARN\tgorun\tthis node's place in the round went to another node (the others took it for lost); stopping its workers\n", true},
+		{"2026-11-27T13:00:57.692Z\tWARN\tgorun.shrink\ta node takes a lost node's place; its workers join by a grow\n", false},
+	} {
+		taken := false
+		newOutput().scan(strings.NewReader(tt.in), io.Discard, time.Now(), "[h1] ", 2, func() { taken = true })
+		if taken != tt.want {
+			t.Errorf("%q: place taken %v, want %v", tt.in, taken, tt.want)
 		}
 	}
 }

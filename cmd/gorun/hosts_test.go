@@ -119,8 +119,28 @@ func TestHostsShrinkBlackhole(t *testing.T) {
 // replacement agent on host 2, started with the job's command, is admitted
 // in host 1's place, and its four workers are grown in: everyone finishes
 // at world 8 with the sum 1+…+8.
+//
+// "link back": host 1's link then heals while the job runs. Its agent
+// finds its place taken, stops its workers and waits to join again, as a
+// spare would: it counts no restart for the job (it did, falling back to
+// a restart after reporting failures of ranks another node held, found by
+// bench/chaos), and ends with the job: exit 7, the job over before it was
+// admitted again.
 func TestHostsHealBlackhole(t *testing.T) {
 	t.Parallel()
+	for _, linkBack := range []bool{false, true} {
+		name := "link stays cut"
+		if linkBack {
+			name = "link back"
+		}
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			testHostsHealBlackhole(t, linkBack)
+		})
+	}
+}
+
+func testHostsHealBlackhole(t *testing.T, linkBack bool) {
 	const nodes, nproc, steps = 2, 4, 1600
 	at, bed := onBed(t, 3)
 	j := startShrinkJobAt(t, at, nodes, nproc, steps, "--rdzv-conf", slowKeepAlive, "--regrow", "on", "--respawn-backoff", "0.1")
@@ -133,13 +153,28 @@ func TestHostsHealBlackhole(t *testing.T) {
 	replacement := j.start(t, 2)
 	j.await(t, "]:grow epoch=2 world=8 added=[4 5 6 7]", 8, 30*time.Second)
 	t.Logf("replacement agent started → grown in: %v", time.Since(started).Round(time.Millisecond))
+	cutOff := j.agents[1]
+	if linkBack {
+		if err := bed.Hosts[1].Heal(); err != nil {
+			t.Fatal(err)
+		}
+		waitStderr(t, cutOff, "this node's place in the round went to another node")
+	}
 	for i, p := range []*agentProc{j.agents[0], replacement} {
 		if code := p.exitCode(t, 90*time.Second); code != 0 {
 			t.Fatalf("agent %d exited %d\n%s", i, code, j.report())
 		}
 	}
-	// The cut-off agent cannot learn the job's end; the bed kills it.
-	if err := bed.Hosts[1].Kill(); err != nil {
+	if linkBack {
+		if code := cutOff.exitCode(t, 30*time.Second); code != ExitRendezvousClosed {
+			t.Errorf("the agent whose place was taken exited %d, want %d (the job ended while it waited)\n%s",
+				code, ExitRendezvousClosed, cutOff.stderr)
+		}
+		if log := cutOff.stderr.String(); strings.Contains(log, "counted a restart") || strings.Contains(log, "shrink mode gives up") {
+			t.Errorf("the agent whose place was taken counted a restart or gave shrink mode up:\n%s", log)
+		}
+	} else if err := bed.Hosts[1].Kill(); err != nil {
+		// The cut-off agent cannot learn the job's end; the bed kills it.
 		t.Fatal(err)
 	}
 	done := doneRE.FindAllStringSubmatch(j.output(), -1)
