@@ -284,3 +284,63 @@ func TestBubbleCrowdLooksBounded(t *testing.T) {
 		})
 	}
 }
+
+// TestBubbleCrowdGathered: a crowd's joins reach the queue over seconds
+// (here 40 nodes, one every 100 ms); beyond CrowdRate × KeepAliveInterval
+// nodes the folder gathers them and writes the state once or twice for
+// the round, where it wrote it whenever it found the queue empty: a
+// write of O(N) bytes (and of every bucket's share) per few joins, so
+// that the bytes written per node grew with N. The round still completes
+// within the quiet wait of the last join.
+func TestBubbleCrowdGathered(t *testing.T) {
+	const (
+		n      = 40
+		spread = 100 * time.Millisecond
+	)
+	for _, tc := range []struct {
+		name      string
+		rate      int // CrowdRate: 1 makes 40 nodes a crowd; -1 never
+		maxWrites int
+		minWrites int
+	}{
+		{"crowd", 1, 2, 1},
+		{"no crowd", -1, 1 << 30, 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p := newPeekMemStore()
+				start := time.Now()
+				chs := make([]<-chan bubbleResult, n)
+				for i := range chs {
+					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: tc.rate})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					chs[i] = goNext(d, start)
+					time.Sleep(spread)
+				}
+				arrived := time.Since(start)
+				var last time.Duration
+				for i, ch := range chs {
+					x := <-ch
+					if x.err != nil || x.r.Size != n {
+						t.Fatalf("node %d: %+v (%v), want a round of %d", i, x.r, x.err, n)
+					}
+					last = max(last, x.at)
+				}
+				writes := p.casOf("gorun.rendezvous.job")
+				t.Logf("%d writes of the state; the last node assigned %v after the start, %v after the last join",
+					writes, last, last-arrived)
+				if writes > tc.maxWrites || writes < tc.minWrites {
+					t.Errorf("%d writes of the state for %d joins, want %d to %d", writes, n, tc.minWrites, tc.maxWrites)
+				}
+				// The last join, then the quiet wait (lazyDelay ÷ 2), then
+				// the write and the wake-up.
+				if d := last - arrived; d > 2*time.Second {
+					t.Errorf("the last node assigned %v after the last join, want within 2 s", d)
+				}
+			})
+		})
+	}
+}

@@ -336,7 +336,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 	applied := false
 	start := d.now()
 	for {
-		reqs, more, err := d.pop(ctx)
+		reqs, more, err := d.pop(ctx, d.gatherFor())
 		if err != nil {
 			return applied, err
 		}
@@ -521,6 +521,29 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 	return b, bytes.Equal(cur, b), nil
 }
 
+// gatherFor is how long a pass may gather a crowd's joins before it
+// writes them (pop): zero for a run of at most CrowdRate ×
+// KeepAliveInterval nodes, where every batch is small and written as it
+// comes; beyond, half a heartbeat interval. A crowd of thousands reaches
+// the queue over seconds (its pushes are what a loaded store serves),
+// and a pass that wrote whenever it found the queue empty for a moment, or
+// every lazyDelay, wrote the whole state (O(N) bytes, and every bucket's
+// share) four or five times for one round: bytes written per node grew
+// with N. Gathered, the crowd's joins go out in one or two writes. The
+// nodes in the state lose nothing by the wait: a heartbeat in the batch
+// is stamped when it lands, and half an interval is a sixth of the drop
+// timeout.
+func (d *Dynamic) gatherFor() time.Duration {
+	if d.cfg.crowdPeriod() <= d.cfg.KeepAliveInterval {
+		return 0
+	}
+	return d.cfg.HeartbeatInterval() / 2
+}
+
+// gatherQuiet is how long a gathering pass waits for more joins on an
+// empty queue before it writes what it has: the crowd has stopped coming.
+func (d *Dynamic) gatherQuiet() time.Duration { return d.lazyDelay() / 2 }
+
 // pop takes up to foldBatch requests off the queue, skipping any that do
 // not decode (they are not a gorun node's), and reports whether it
 // stopped before the queue was empty: at foldBatch, or after lazyDelay
@@ -529,25 +552,40 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 // pops, one round trip each on a loaded store, would outlast the lock,
 // and a second folder then race the first with O(N)-byte compare-sets).
 //
+// With gather (gatherFor: a crowd), a pop that has taken a join goes on
+// for up to gather, and an empty queue ends it only once it has stayed
+// empty for gatherQuiet; it holds up to twice MaxNodes requests.
+//
 // It pops in batches where the store can (BatchPopper: etcd, where a pop
 // is two round trips), one by one elsewhere.
-func (d *Dynamic) pop(ctx context.Context) ([]request, bool, error) {
+func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, bool, error) {
 	var reqs []request
-	until := d.now().Add(min(d.lazyDelay(), d.lockHold()/2))
+	start := d.now()
+	until := start.Add(min(d.lazyDelay(), d.lockHold()/2))
+	joins := false
 	add := func(b []byte) {
 		var r request
 		if json.Unmarshal(b, &r) == nil && (r.Call != 0 || r.KeepAlive) && r.Node.Addr != "" {
 			reqs = append(reqs, r)
+			if !r.KeepAlive && gather > 0 && !joins {
+				joins, until = true, start.Add(gather)
+			}
 		}
 	}
 	bp, batch := d.store.(BatchPopper)
-	for len(reqs) < foldBatch {
+	waited := false // on an empty queue, gathering
+	limit := foldBatch
+	if gather > 0 {
+		limit = max(foldBatch, 2*d.cfg.MaxNodes) // the whole crowd, its heartbeats too
+	}
+	for len(reqs) < limit {
 		if d.now().After(until) {
 			return reqs, true, nil
 		}
+		var got bool
 		if batch {
 			start := d.now()
-			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, foldBatch-len(reqs))
+			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, limit-len(reqs))
 			d.observe(start)
 			switch {
 			case errors.Is(err, ErrNotSupported):
@@ -555,22 +593,33 @@ func (d *Dynamic) pop(ctx context.Context) ([]request, bool, error) {
 				continue
 			case err != nil:
 				return reqs, false, fmt.Errorf("pop requests: %w", err)
-			case len(bs) == 0:
-				return reqs, false, nil
 			}
 			for _, b := range bs {
 				add(b)
 			}
-			continue
+			got = len(bs) > 0
+		} else {
+			b, err := d.store.QueuePop(ctx, d.key+queueSuffix, false)
+			switch {
+			case errors.Is(err, ErrQueueEmpty):
+			case err != nil:
+				return reqs, false, fmt.Errorf("pop requests: %w", err)
+			default:
+				add(b)
+				got = true
+			}
 		}
-		b, err := d.store.QueuePop(ctx, d.key+queueSuffix, false)
 		switch {
-		case errors.Is(err, ErrQueueEmpty):
+		case got:
+			waited = false
+		case waited || !joins || d.now().Add(d.gatherQuiet()).After(until):
 			return reqs, false, nil
-		case err != nil:
-			return reqs, false, fmt.Errorf("pop requests: %w", err)
+		default:
+			waited = true
+			if err := sleep(ctx, d.gatherQuiet()); err != nil {
+				return reqs, false, err
+			}
 		}
-		add(b)
 	}
 	return reqs, true, nil
 }
