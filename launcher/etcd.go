@@ -36,14 +36,17 @@ import (
 // renewed: BENCHMARKS.md).
 //
 // The dynamic rendezvous runs as with c10d, on an etcd.Store. Liveness is
-// the leases': a node whose lease expires is seen lost through a watch of
-// alive/ within about lease_ttl (etcd.Liveness), by etcd's clock, which a
-// leader change does not stop (the new leader extends every lease). Every
-// node that sees a lease go takes that node out of the rendezvous state, as
-// the node would have left itself, so that the survivors' next round does
-// not wait for its heartbeat there to lapse; those heartbeats
+// the leases': a node whose lease expires is seen gone by its successor in
+// alive/ (etcd.Liveness: each node watches its own stretch of the
+// directory, O(1) whatever N), which announces it on one news key every
+// node watches, within about lease_ttl, by etcd's clock, which a leader
+// change does not stop (the new leader extends every lease). The
+// successor also takes that node out of the rendezvous state, as the node
+// would have left itself, so that the survivors' next round does not wait
+// for its heartbeat there to lapse; those heartbeats
 // (keep_alive_interval × keep_alive_max_attempt, 15 s by default) remain as
-// a backstop.
+// a backstop (a node lost while no successor watched it, before the
+// others started, is dropped by them).
 //
 // Every agent serves the worker store on its own node: a tcpstore server
 // whose keys live in etcd under the round's directory, so MASTER_ADDR is
@@ -58,22 +61,17 @@ type etcdNode struct {
 	rdzv *etcd.Storage // under the rendezvous store
 	live *etcd.Liveness
 	// members names the current round's nodes, since is the liveness
-	// view's revision when the round began, back its revision once the
-	// round had formed (a member that lapsed and was readmitted before
-	// then is the round's member, not lost: Liveness.Lost), and synced
-	// says whether the view has been read since the round completed: only
-	// then does a member absent from it count as lost (see watch).
+	// view's revision when the round began, and back its revision once
+	// the round had formed (a member that lapsed and was readmitted before
+	// then is the round's member, not lost: Liveness.Lost).
 	//
 	// A round planned from its summary (queue mode) comes without member
-	// names: members stays nil and size counts them, and watch reads the
-	// names only once the view shows a departure or fewer keys than
-	// members (lazyMembers): O(N) bytes a node only in a round that may
-	// have lost one.
+	// names: members stays nil, and watch reads the names only once the
+	// view shows a departure (lazyMembers): O(N) bytes a node only in a
+	// round that may have lost one.
 	members     []string
-	size        int
 	lazyMembers bool
 	since, back int64
-	synced      bool
 	// reported are the members whose loss watch has reported this round
 	// (see unreported).
 	reported []string
@@ -193,7 +191,7 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
 		Dir: e.base + "alive/", Name: me, Value: []byte(e.job.addr),
 		TTL: e.settings.LeaseTTL, Logger: e.job.log.Named("liveness"),
-		OnDelete: func(name string) {
+		OnLapse: func(name string) {
 			if name == me || e.over.Load() {
 				return // this node's own loss ends its round (watch)
 			}
@@ -237,11 +235,11 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 // expelLapsed takes each node whose presence key went out of the rendezvous
 // state, leaving on its behalf: its lease expired, so it is gone, and the
 // round it was in is over. One node does it, the lapsed one's successor
-// among the present (Liveness.Successor): when every node did, a lapse
-// cost etcd one expulsion per node, and at 512 agents the lapses of a
-// starved join fed on the load they made. Should two nodes' views both
-// name themselves, the first to write wins and the other finds the node
-// out already; should none, the rendezvous state's keep-alives drop it.
+// (Liveness's OnLapse): when every node did, a lapse cost etcd one
+// expulsion per node, and at 512 agents the lapses of a starved join fed
+// on the load they made. Should two nodes act while their rings settle,
+// the first to write wins and the other finds the node out already;
+// should none, the rendezvous state's keep-alives drop it.
 func (e *etcdNode) expelLapsed(ctx context.Context) {
 	defer close(e.expellerDone)
 	for {
@@ -249,7 +247,7 @@ func (e *etcdNode) expelLapsed(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case name := <-e.gone:
-			if e.over.Load() || e.live.Successor(name) != e.job.me.String() {
+			if e.over.Load() {
 				continue
 			}
 			if err := e.expel(ctx, name); err != nil {
@@ -313,8 +311,8 @@ func (e *etcdNode) next(ctx context.Context) (*plan, error) {
 	// The store serves this node's workers and agent only (etcd holds
 	// what they share with the other nodes): on loopback.
 	p.env = workerEnv(e.job.cfg, e.job.runID, "127.0.0.1", srv.Addr().(*net.TCPAddr).Port, int(restarts), round.Number)
-	e.members, e.since, e.back, e.synced, e.reported = e.members[:0], since, back, false, e.reported[:0]
-	e.size, e.lazyMembers = rv.size, rv.ids == nil
+	e.members, e.since, e.back, e.reported = e.members[:0], since, back, e.reported[:0]
+	e.lazyMembers = rv.ids == nil
 	e.members = append(e.members, rv.ids...)
 	if rv.groupRank == 0 && round.Number > 0 {
 		e.dropBefore = round.Number
@@ -384,17 +382,8 @@ func (e *etcdNode) watchEvery(monitor time.Duration) time.Duration { return moni
 // gone; the rest (nodes waiting, the job closed) comes from the
 // rendezvous state, read every fifth of a keep-alive interval.
 func (e *etcdNode) watch(ctx context.Context) (*change, error) {
-	if !e.synced {
-		// Every member put its presence key before it joined: read now,
-		// the view holds them all unless they are gone.
-		if _, err := e.live.Sync(ctx); err != nil {
-			e.job.log.Debug("reading the etcd presence keys", zap.Error(err))
-		} else {
-			e.synced = true
-		}
-	}
 	if e.lazyMembers {
-		if deleted, present := e.live.Departures(e.since, e.back); deleted || e.synced && present < e.size {
+		if e.live.Departures(e.since, e.back) {
 			if ms, err := e.job.dyn.Members(ctx); err != nil {
 				e.job.log.Debug("reading the round's members", zap.Error(err))
 			} else {
@@ -405,7 +394,7 @@ func (e *etcdNode) watch(ctx context.Context) (*change, error) {
 			}
 		}
 	}
-	if lost := e.unreported(e.live.Lost(e.members, e.since, e.back, e.synced)); len(lost) > 0 {
+	if lost := e.unreported(e.live.Lost(e.members, e.since, e.back)); len(lost) > 0 {
 		return &change{lost: lost}, nil
 	}
 	if e.dropBefore > 0 {

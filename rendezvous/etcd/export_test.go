@@ -8,3 +8,6 @@ func (l *Liveness) LeaseID() clientv3.LeaseID {
 	defer l.mu.Unlock()
 	return l.lease
 }
+
+// Events counts the watch events the node's liveness received.
+func (l *Liveness) Events() int64 { return l.events.Load() }

@@ -5,7 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strconv"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/mvccpb"
@@ -37,28 +40,48 @@ type LivenessConfig struct {
 	TTL time.Duration
 	// Logger receives lease losses and watch interruptions. Default: none.
 	Logger *zap.Logger
-	// OnDelete, if set, is called with the name of every node whose key
-	// the watch sees deleted (its lease expired or was revoked), after
-	// the view took the deletion. It runs on the watch's goroutine and
-	// must not block.
-	OnDelete func(name string)
+	// OnLapse, if set, is called with the name of every node whose key
+	// this node saw deleted as its successor (its lease expired or was
+	// revoked): the one node that acts on the departure, so that a lapse
+	// costs etcd one action, not one per node. It runs on the ring
+	// watch's goroutine and must not block. Two nodes may be called for
+	// one departure while their rings settle (the action must be
+	// idempotent), and a departure whose successor died with it is
+	// called on the next live node.
+	OnLapse func(name string)
 }
 
 // Liveness is one node's presence in a directory of etcd keys bound to
-// leases, and its view of the others' presence.
+// leases, and its view of the others' departures.
 //
 // The node's key lives as long as its lease, renewed every third of the
 // TTL: a node that dies, hangs or loses etcd for a TTL is deleted by etcd
-// itself, on etcd's clock, and every other node learns it from its watch
-// on the directory, not by polling. A node whose own lease lapsed (etcd
-// unreachable for longer than the TTL, a long pause) takes a new one and
-// puts its key back, but the others have seen it deleted, and so does its
-// own view: Lost reports it, as it reports any node deleted since a mark.
+// itself, on etcd's clock. What each node watches costs it O(1) whatever
+// the number of nodes (a watch of the whole directory cost every node an
+// event per node's registration: N² events for N agents starting, and a
+// read of the directory per round):
+//
+//   - its ring: the keys between its predecessor (the greatest name below
+//     its own, wrapping to the greatest of all) and itself. It sees its
+//     predecessor deleted, and a node registering in between, which
+//     becomes its predecessor. The node whose predecessor is deleted is
+//     that node's successor: it announces the departure (OnLapse here);
+//   - the news: one key, Dir's name with ".news" (outside Dir), on which
+//     a successor announces a departure ("lost NAME") and a node that
+//     registered again after its lease was lost its return ("back NAME").
+//     Every node watches it: one event per departure, not per node.
+//
+// A node whose own lease lapsed (etcd unreachable for longer than the
+// TTL, a long pause) takes a new one and puts its key back, but its
+// successor has seen it deleted, and it announces both itself: every view,
+// its own included, reports it lost (Lost), as any node announced since a
+// mark.
 type Liveness struct {
-	cli *clientv3.Client
-	cfg LivenessConfig
-	key string
-	ttl int64 // granted, seconds
+	cli  *clientv3.Client
+	cfg  LivenessConfig
+	key  string
+	news string
+	ttl  int64 // granted, seconds
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -67,20 +90,31 @@ type Liveness struct {
 	closeOnce sync.Once
 	mu        sync.Mutex
 	lease     clientv3.LeaseID
-	nodes     map[string]*presence
-	rev       int64 // the revision the view reflects
-	closed    bool
+	// nodes are the nodes the news named, by name.
+	nodes  map[string]*presence
+	rev    int64 // the news's revision the view reflects
+	closed bool
+	// announced are the departures this node announced, by name: the
+	// deletion's revision (a replay of its ring would announce them
+	// again).
+	announced map[string]int64
+	// events counts the watch events this node received, ring and news:
+	// what its liveness costs it (a test reads it).
+	events atomic.Int64
 }
 
 // presence is one node's entry in the view.
 type presence struct {
 	alive   bool
-	deleted int64 // the revision of the last deletion seen; 0: none
+	deleted int64 // the news's revision of the last departure heard; 0: none
+	// keyRev is the revision of the node's key that the last news about
+	// it was of: its deletion (lost) or its put (back). News of an older
+	// one, come late, changes whether it is alive no more.
+	keyRev int64
 }
 
-// StartLiveness takes a lease for cfg.Name, puts its key, reads the
-// directory and starts renewing the lease and watching the directory until
-// Close.
+// StartLiveness takes a lease for cfg.Name, puts its key and starts
+// renewing the lease and watching its ring and the news until Close.
 func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig) (*Liveness, error) {
 	if cfg.Dir == "" || cfg.Name == "" {
 		return nil, fmt.Errorf("%w: etcd liveness needs a directory and a name", rendezvous.ErrInvalidArgument)
@@ -92,38 +126,40 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 		cfg.Logger = zap.NewNop()
 	}
 	l := &Liveness{
-		cli:   cli,
-		cfg:   cfg,
-		key:   cfg.Dir + cfg.Name,
-		ttl:   int64(math.Ceil(cfg.TTL.Seconds())),
-		nodes: make(map[string]*presence),
+		cli:       cli,
+		cfg:       cfg,
+		key:       cfg.Dir + cfg.Name,
+		news:      strings.TrimSuffix(cfg.Dir, "/") + ".news",
+		ttl:       int64(math.Ceil(cfg.TTL.Seconds())),
+		nodes:     make(map[string]*presence),
+		announced: make(map[string]int64),
 	}
-	if err := l.register(ctx); err != nil {
-		return nil, err
-	}
-	rev, err := l.Sync(ctx)
+	rev, err := l.register(ctx)
 	if err != nil {
-		l.revoke(ctx)
 		return nil, err
 	}
+	l.rev = rev
 	l.ctx, l.cancel = context.WithCancel(context.Background())
-	l.wg.Add(2)
+	l.wg.Add(3)
 	go l.keepAliveLoop()
-	go l.watchLoop(rev + 1)
+	go l.newsLoop(rev + 1)
+	go l.ringLoop(rev)
 	return l, nil
 }
 
-// register grants a lease and puts this node's key on it.
-func (l *Liveness) register(ctx context.Context) error {
+// register grants a lease and puts this node's key on it, returning the
+// put's revision.
+func (l *Liveness) register(ctx context.Context) (int64, error) {
 	g, err := l.cli.Grant(ctx, l.ttl)
 	if err != nil {
-		return fmt.Errorf("%w: etcd lease for %s: %w", rendezvous.ErrUnavailable, l.key, err)
+		return 0, fmt.Errorf("%w: etcd lease for %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
-	if _, err := l.cli.Put(ctx, l.key, string(l.cfg.Value), clientv3.WithLease(g.ID)); err != nil {
+	resp, err := l.cli.Put(ctx, l.key, string(l.cfg.Value), clientv3.WithLease(g.ID))
+	if err != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		l.cli.Revoke(rctx, g.ID)
 		cancel()
-		return fmt.Errorf("%w: etcd presence key %s: %w", rendezvous.ErrUnavailable, l.key, err)
+		return 0, fmt.Errorf("%w: etcd presence key %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
 	l.mu.Lock()
 	l.lease = g.ID
@@ -131,7 +167,7 @@ func (l *Liveness) register(ctx context.Context) error {
 		l.ttl = g.TTL // etcd may raise it to its minimum
 	}
 	l.mu.Unlock()
-	return nil
+	return resp.Header.Revision, nil
 }
 
 // Lease returns the lease the node's key is bound to now, for keys that
@@ -159,65 +195,6 @@ func (l *Liveness) TTL() time.Duration {
 	return time.Duration(l.ttl) * time.Second
 }
 
-// Sync reads the directory as it is now and brings the view up to it,
-// returning the revision read: from then on, a node is lost if it is
-// absent or deleted after that revision (Lost).
-func (l *Liveness) Sync(ctx context.Context) (int64, error) {
-	resp, err := l.cli.Get(ctx, l.cfg.Dir, clientv3.WithPrefix(), clientv3.WithKeysOnly())
-	if err != nil {
-		return 0, fmt.Errorf("%w: etcd presence directory %s: %w", rendezvous.ErrUnavailable, l.cfg.Dir, err)
-	}
-	rev := resp.Header.Revision
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	if rev <= l.rev {
-		return l.rev, nil // the watch is ahead of this read already
-	}
-	present := make(map[string]bool, len(resp.Kvs))
-	for _, kv := range resp.Kvs {
-		present[string(kv.Key[len(l.cfg.Dir):])] = true
-	}
-	for name, p := range l.nodes {
-		p.alive = present[name]
-	}
-	for name := range present {
-		if _, ok := l.nodes[name]; !ok {
-			l.nodes[name] = &presence{alive: true}
-		}
-	}
-	l.rev = rev
-	return rev, nil
-}
-
-// Successor returns the present node that follows name in the names'
-// order, wrapping around to the first; "" when no other node is present.
-// It names the one node that acts on name's departure, so that a lapse
-// costs etcd one action, not one per node: at 512 agents on two cores,
-// every agent taking every lapsed node out of the rendezvous made 62,111
-// expulsions in three minutes, which starved the renewals and made more
-// lapses. Views that differ for a moment may name two nodes (the action
-// must be idempotent) or none (the caller needs a slower way as well).
-func (l *Liveness) Successor(name string) string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var next, first string
-	for n, p := range l.nodes {
-		if !p.alive || n == name {
-			continue
-		}
-		if first == "" || n < first {
-			first = n
-		}
-		if n > name && (next == "" || n < next) {
-			next = n
-		}
-	}
-	if next == "" {
-		return first
-	}
-	return next
-}
-
 // Rev returns the revision the view reflects.
 func (l *Liveness) Rev() int64 {
 	l.mu.Lock()
@@ -225,25 +202,22 @@ func (l *Liveness) Rev() int64 {
 	return l.rev
 }
 
-// Lost returns those of names that were deleted after revision since (a
-// node that came back after a deletion was still lost) and, with absent,
-// those not present either. A node's key put before since but not yet seen
-// by the watch is absent from the view: count absence only once a Sync
-// (or the view's revision) is known to be past the puts in question.
+// Lost returns those of names whose departure the news announced after
+// revision since (a node that came back after a departure was still
+// lost). Marks are the view's revisions (Rev).
 //
-// One return is forgiven: a node present again whose deletion the view
-// had seen by revision back left and came back before that mark. A caller
+// One return is forgiven: a node back again whose departure the view had
+// seen by revision back left and came back before that mark. A caller
 // that marks since before joining a round and back once the round has
 // formed keeps a node that lapsed and was readmitted while the round
 // formed (it is the round's member in its new life) and still loses one
 // that lapses afterwards.
-func (l *Liveness) Lost(names []string, since, back int64, absent bool) []string {
+func (l *Liveness) Lost(names []string, since, back int64) []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	var lost []string
 	for _, n := range names {
-		p, ok := l.nodes[n]
-		if (ok && p.departed(since, back)) || (absent && (!ok || !p.alive)) {
+		if p, ok := l.nodes[n]; ok && p.departed(since, back) {
 			lost = append(lost, n)
 		}
 	}
@@ -256,21 +230,20 @@ func (p *presence) departed(since, back int64) bool {
 	return p.deleted > since && !(p.alive && p.deleted <= back)
 }
 
-// Departures reports whether any node's key was deleted after revision
-// since (and not forgiven by back, as in Lost), and how many keys the view
-// holds present: a caller that does not hold a round's member names (they
-// cost O(N) bytes to read) asks Lost about them only once either says that
-// one of them may be gone.
-func (l *Liveness) Departures(since, back int64) (deleted bool, present int) {
+// Departures reports whether the news announced any node's departure
+// after revision since (and not forgiven by back, as in Lost): a caller
+// that does not hold a round's member names (they cost O(N) bytes to
+// read) asks Lost about them only once this says that one of them may be
+// gone.
+func (l *Liveness) Departures(since, back int64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	for _, p := range l.nodes {
-		deleted = deleted || p.departed(since, back)
-		if p.alive {
-			present++
+		if p.departed(since, back) {
+			return true
 		}
 	}
-	return deleted, present
+	return false
 }
 
 // Close stops renewing the lease and revokes it, so that the node's key
@@ -349,7 +322,13 @@ func (l *Liveness) keepAliveLoop() {
 			zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)), zap.Error(err))
 		for l.ctx.Err() == nil {
 			ctx, cancel := context.WithTimeout(l.ctx, ttl)
-			err := l.register(ctx)
+			rev, err := l.register(ctx)
+			if err == nil {
+				// Its successor announces the departure too, unless it is
+				// alone or its successor is gone as well; then its return.
+				l.announce(ctx, newsLost, l.cfg.Name, rev-1)
+				l.announce(ctx, newsBack, l.cfg.Name, rev)
+			}
 			cancel()
 			if err == nil {
 				lastOK = time.Now()
@@ -363,30 +342,46 @@ func (l *Liveness) keepAliveLoop() {
 	}
 }
 
-// watchLoop follows the directory from rev on until Close. A broken watch
-// resumes where it stopped; a compacted one reads the directory again.
-func (l *Liveness) watchLoop(rev int64) {
+// The news's two words.
+const (
+	newsLost = "lost"
+	newsBack = "back"
+)
+
+// announce puts "WORD NAME KEYREV" on the news key, for every node's
+// view: keyRev is the revision of name's key that the news is of (its
+// deletion, or its put when it came back).
+func (l *Liveness) announce(ctx context.Context, word, name string, keyRev int64) {
+	ctx, cancel := context.WithTimeout(ctx, l.TTL())
+	defer cancel()
+	if _, err := l.cli.Put(ctx, l.news, word+" "+name+" "+strconv.FormatInt(keyRev, 10)); err != nil && ctx.Err() == nil {
+		l.cfg.Logger.Warn("etcd liveness: cannot announce a node's "+word, zap.String("node", name), zap.Error(err))
+	}
+}
+
+// newsLoop follows the news key from rev on until Close. A broken watch
+// resumes where it stopped; a compacted one goes on from the compaction
+// (the news in between is lost to this view; the rendezvous state's
+// keep-alives are the slower way).
+func (l *Liveness) newsLoop(rev int64) {
 	defer l.wg.Done()
 	for l.ctx.Err() == nil {
-		wch := l.cli.Watch(clientv3.WithRequireLeader(l.ctx), l.cfg.Dir, clientv3.WithPrefix(), clientv3.WithRev(rev))
+		wch := l.cli.Watch(clientv3.WithRequireLeader(l.ctx), l.news, clientv3.WithRev(rev))
 		for resp := range wch {
 			if resp.CompactRevision != 0 {
-				l.cfg.Logger.Warn("etcd liveness: watch compacted; reading the directory again",
-					zap.String("dir", l.cfg.Dir), zap.Int64("from", rev), zap.Int64("compacted", resp.CompactRevision))
-				ctx, cancel := context.WithTimeout(l.ctx, 10*time.Second)
-				if r, err := l.Sync(ctx); err == nil {
-					rev = r + 1
-				}
-				cancel()
+				l.cfg.Logger.Warn("etcd liveness: news watch compacted; going on from the compaction",
+					zap.String("key", l.news), zap.Int64("from", rev), zap.Int64("compacted", resp.CompactRevision))
+				rev = resp.CompactRevision
 				break
 			}
 			if err := resp.Err(); err != nil {
-				l.cfg.Logger.Debug("etcd liveness: watch interrupted; resuming", zap.String("dir", l.cfg.Dir), zap.Error(err))
+				l.cfg.Logger.Debug("etcd liveness: news watch interrupted; resuming", zap.String("key", l.news), zap.Error(err))
 				break
 			}
-			l.apply(resp.Events)
-			if n := len(resp.Events); n > 0 {
-				rev = resp.Events[n-1].Kv.ModRevision + 1
+			l.events.Add(int64(len(resp.Events)))
+			for _, ev := range resp.Events {
+				l.heard(ev)
+				rev = ev.Kv.ModRevision + 1
 			}
 		}
 		select {
@@ -396,37 +391,192 @@ func (l *Liveness) watchLoop(rev int64) {
 	}
 }
 
-// apply brings the view up to a watch response's events, then reports
-// the deletions.
-func (l *Liveness) apply(evs []*clientv3.Event) {
-	var deleted []string
-	defer func() {
-		if l.cfg.OnDelete != nil {
-			for _, name := range deleted {
-				l.cfg.OnDelete(name)
-			}
-		}
-	}()
+// heard brings the view up to one event of the news key.
+func (l *Liveness) heard(ev *clientv3.Event) {
+	if ev.Type != mvccpb.PUT {
+		return
+	}
+	f := strings.Fields(string(ev.Kv.Value))
+	if len(f) != 3 || (f[0] != newsLost && f[0] != newsBack) {
+		return
+	}
+	keyRev, err := strconv.ParseInt(f[2], 10, 64)
+	if err != nil {
+		return
+	}
+	rev := ev.Kv.ModRevision
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	synced := l.rev
-	for _, ev := range evs {
-		rev := ev.Kv.ModRevision
-		if rev <= synced {
-			continue // a Sync read past it already
+	p, ok := l.nodes[f[1]]
+	if !ok {
+		p = &presence{alive: true}
+		l.nodes[f[1]] = p
+	}
+	if f[0] == newsLost {
+		p.deleted = rev
+	}
+	if keyRev > p.keyRev {
+		p.alive, p.keyRev = f[0] == newsBack, keyRev
+	}
+	l.rev = max(l.rev, rev)
+}
+
+// ringLoop watches this node's ring until Close: its predecessor's key
+// and the keys between it and this node's own. Each time its predecessor
+// goes it watches the wider ring from revision from (this node's
+// registration) on: a node of it deleted while its own successor was
+// already gone (two neighbours lost together) shows in that history, and
+// is announced as well. When the ring narrows (a node registers in
+// between) it watches from that registration on.
+func (l *Liveness) ringLoop(from int64) {
+	defer l.wg.Done()
+	start := from
+	for l.ctx.Err() == nil {
+		pred, rev, err := l.predecessor()
+		if err != nil {
+			l.cfg.Logger.Debug("etcd liveness: reading this node's predecessor", zap.Error(err))
+			if !sleepCtx(l.ctx, 200*time.Millisecond) {
+				return
+			}
+			continue
 		}
-		name := string(ev.Kv.Key[len(l.cfg.Dir):])
-		p, ok := l.nodes[name]
-		if !ok {
-			p = &presence{}
-			l.nodes[name] = p
+		next, compacted := l.watchRing(pred, rev, start)
+		switch {
+		case compacted > 0:
+			from, start = max(from, compacted), compacted
+		case next == 0:
+			start = from
+		default:
+			start = next
 		}
-		if ev.Type == mvccpb.DELETE {
-			p.alive, p.deleted = false, rev
-			deleted = append(deleted, name)
-		} else {
-			p.alive = true
+	}
+}
+
+// predecessor reads this node's predecessor ("" when no other node is
+// present) and the revision of the read.
+func (l *Liveness) predecessor() (string, int64, error) {
+	ctx, cancel := context.WithTimeout(l.ctx, 10*time.Second)
+	defer cancel()
+	last := clientv3.WithSort(clientv3.SortByKey, clientv3.SortDescend)
+	resp, err := l.cli.Get(ctx, l.cfg.Dir, clientv3.WithRange(l.key), clientv3.WithKeysOnly(), clientv3.WithLimit(1), last)
+	if err != nil {
+		return "", 0, err
+	}
+	if len(resp.Kvs) == 1 {
+		return string(resp.Kvs[0].Key[len(l.cfg.Dir):]), resp.Header.Revision, nil
+	}
+	rev := resp.Header.Revision
+	resp, err = l.cli.Get(ctx, l.key+"\x00", clientv3.WithRange(clientv3.GetPrefixRangeEnd(l.cfg.Dir)), clientv3.WithKeysOnly(), clientv3.WithLimit(1), last)
+	if err != nil || len(resp.Kvs) == 0 {
+		return "", rev, err
+	}
+	return string(resp.Kvs[0].Key[len(l.cfg.Dir):]), rev, nil
+}
+
+// ringRanges are the key ranges of the ring from pred to this node: from
+// pred's key up to this node's, in two parts where it wraps around.
+func (l *Liveness) ringRanges(pred string) [][2]string {
+	end := clientv3.GetPrefixRangeEnd(l.cfg.Dir)
+	switch {
+	case pred == "":
+		return [][2]string{{l.cfg.Dir, l.key}, {l.key + "\x00", end}}
+	case pred < l.cfg.Name:
+		return [][2]string{{l.cfg.Dir + pred, l.key}}
+	default:
+		return [][2]string{{l.cfg.Dir, l.key}, {l.cfg.Dir + pred, end}}
+	}
+}
+
+// between reports whether name lies strictly between pred and this node
+// in the ring's order ("" pred: any other name).
+func (l *Liveness) between(pred, name string) bool {
+	me := l.cfg.Name
+	switch {
+	case name == me:
+		return false
+	case pred == "":
+		return true
+	case pred < me:
+		return pred < name && name < me
+	default:
+		return name > pred || name < me
+	}
+}
+
+// watchRing watches the ring from pred (read at revision rev) from
+// revision start on, until the ring changes: pred's deletion, announced
+// (next 0: replay the wider ring's history), or a key put between pred
+// and this node, the new predecessor (next: that put's revision). Events
+// up to rev are history: every deletion there of a key other than pred
+// is of a node gone by rev (no live key lies between pred and this
+// node), and is announced (once: lapsed). Where etcd compacted the
+// history it returns the compaction's revision; on Close, or a watch
+// interrupted, start.
+func (l *Liveness) watchRing(pred string, rev, start int64) (next, compacted int64) {
+	ctx, cancel := context.WithCancel(clientv3.WithRequireLeader(l.ctx))
+	defer cancel()
+	chans := make([]clientv3.WatchChan, 2)
+	for i, r := range l.ringRanges(pred) {
+		chans[i] = l.cli.Watch(ctx, r[0], clientv3.WithRange(r[1]), clientv3.WithRev(start))
+	}
+	for {
+		var resp clientv3.WatchResponse
+		var ok bool
+		select {
+		case resp, ok = <-chans[0]:
+		case resp, ok = <-chans[1]: // nil with one range: never ready
 		}
-		l.rev = max(l.rev, rev)
+		switch {
+		case !ok:
+			return start, 0 // closed, or its context ended
+		case resp.CompactRevision != 0:
+			return 0, resp.CompactRevision
+		case resp.Err() != nil:
+			l.cfg.Logger.Debug("etcd liveness: ring watch interrupted; resuming", zap.Error(resp.Err()))
+			return start, 0
+		}
+		l.events.Add(int64(len(resp.Events)))
+		for _, ev := range resp.Events {
+			name := string(ev.Kv.Key[len(l.cfg.Dir):])
+			evRev := ev.Kv.ModRevision
+			switch {
+			case ev.Type == mvccpb.DELETE && (name == pred) == (evRev > rev):
+				l.lapsed(name, evRev)
+				if evRev > rev {
+					return 0, 0
+				}
+			case ev.Type == mvccpb.PUT && evRev > rev && l.between(pred, name):
+				return evRev, 0
+			}
+		}
+	}
+}
+
+// lapsed announces the deletion of name's key at revision rev, which
+// this node saw as its successor, once, unless the news has told of it
+// (a replay of a wider ring finds departures its first successor told).
+func (l *Liveness) lapsed(name string, rev int64) {
+	l.mu.Lock()
+	p := l.nodes[name]
+	seen := l.announced[name] >= rev || (p != nil && p.keyRev >= rev)
+	if !seen {
+		l.announced[name] = rev
+	}
+	l.mu.Unlock()
+	if seen {
+		return
+	}
+	l.announce(l.ctx, newsLost, name, rev)
+	if l.cfg.OnLapse != nil {
+		l.cfg.OnLapse(name)
+	}
+}
+
+func sleepCtx(ctx context.Context, d time.Duration) bool {
+	select {
+	case <-ctx.Done():
+		return false
+	case <-time.After(d):
+		return true
 	}
 }

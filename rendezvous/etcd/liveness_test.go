@@ -3,7 +3,9 @@ package etcd_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"slices"
+	"sync"
 	"testing"
 	"time"
 
@@ -17,10 +19,15 @@ import (
 // node of its own), closed by the test's cleanup.
 func startLiveness(t *testing.T, cluster *etcdtest.Cluster, dir, name string, ttl time.Duration) (*etcd.Liveness, *clientv3.Client) {
 	t.Helper()
+	return startLivenessConfig(t, cluster, etcd.LivenessConfig{Dir: dir, Name: name, TTL: ttl})
+}
+
+func startLivenessConfig(t *testing.T, cluster *etcdtest.Cluster, cfg etcd.LivenessConfig) (*etcd.Liveness, *clientv3.Client) {
+	t.Helper()
 	cli := cluster.Client(t, nil)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	l, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: name, TTL: ttl})
+	l, err := etcd.StartLiveness(ctx, cli, cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,7 +44,7 @@ func startLiveness(t *testing.T, cluster *etcdtest.Cluster, dir, name string, tt
 func waitLost(t *testing.T, a *etcd.Liveness, name string, since int64, within time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
-	for !slices.Contains(a.Lost([]string{name}, since, since, true), name) {
+	for !slices.Contains(a.Lost([]string{name}, since, since), name) {
 		if time.Since(start) > within {
 			t.Fatalf("%s not reported lost within %v", name, within)
 		}
@@ -48,7 +55,7 @@ func waitLost(t *testing.T, a *etcd.Liveness, name string, since int64, within t
 
 // TestLivenessLeaseExpires: a node that stops renewing its lease (its
 // client is gone, as with a crashed agent) is reported lost by the others
-// within about the TTL, through their watch.
+// within about the TTL: its successor sees its key go and announces it.
 func TestLivenessLeaseExpires(t *testing.T) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
@@ -57,66 +64,118 @@ func TestLivenessLeaseExpires(t *testing.T) {
 	if got := b.TTL(); got != time.Second {
 		t.Fatalf("granted TTL %v; want 1s (the test cluster's minimum)", got)
 	}
-	ctx := testCtx(t, 20*time.Second)
-	since, err := a.Sync(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	since := a.Rev()
 	// Both alive for several TTLs: renewals keep them.
 	time.Sleep(2500 * time.Millisecond)
-	if lost := a.Lost([]string{"a", "b"}, since, since, true); len(lost) != 0 {
-		t.Fatalf("lost %v while both renew", lost)
-	}
-	if lost := a.Lost([]string{"c"}, since, since, true); !slices.Equal(lost, []string{"c"}) {
-		t.Fatalf("a node never seen: lost %v, want [c]", lost)
-	}
-	if lost := a.Lost([]string{"c"}, since, since, false); len(lost) != 0 {
-		t.Fatalf("a node never seen, absence not counted: lost %v, want none", lost)
+	if lost := a.Lost([]string{"a", "b", "c"}, since, since); len(lost) != 0 {
+		t.Fatalf("lost %v while both renew (c never was)", lost)
 	}
 	bcli.Close() // b stops renewing, without revoking
 	took := waitLost(t, a, "b", since, 5*time.Second)
 	t.Logf("lease of 1s: node lost after %v", took)
-	if lost := a.Lost([]string{"a"}, since, since, true); len(lost) != 0 {
+	if lost := a.Lost([]string{"a"}, since, since); len(lost) != 0 {
 		t.Fatalf("a lost itself: %v", lost)
 	}
 }
 
-// TestLivenessSuccessor: the present node after a name, in name order,
-// wrapping around, as every node's view names it; a node gone is skipped.
-func TestLivenessSuccessor(t *testing.T) {
+// TestLivenessRing: each node watches its own stretch of the directory;
+// the node after a departed one in name order (wrapping around) is the
+// one told (OnLapse), and every view hears of it. Two neighbours lost
+// together (b deleted while c, its successor, hangs and cannot tell) are
+// both told to d, which replays its wider stretch once c's key goes.
+func TestLivenessRing(t *testing.T) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	var mu sync.Mutex
+	told := map[string][]string{} // by the node told: the departed
 	views := map[string]*etcd.Liveness{}
-	for _, n := range []string{"b", "d", "a", "c"} {
-		views[n], _ = startLiveness(t, cluster, dir, n, 5*time.Second)
+	clients := map[string]*clientv3.Client{}
+	for _, n := range []string{"b", "e", "d", "a", "c"} {
+		views[n], clients[n] = startLivenessConfig(t, cluster, etcd.LivenessConfig{Dir: dir, Name: n, TTL: time.Second,
+			OnLapse: func(name string) {
+				mu.Lock()
+				told[n] = append(told[n], name)
+				mu.Unlock()
+			}})
 	}
-	ctx := testCtx(t, 20*time.Second)
-	for _, v := range views {
-		if _, err := v.Sync(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	check := func(want map[string]string) {
+	since := views["a"].Rev()
+	waitTold := func(want map[string][]string) {
 		t.Helper()
-		for name, v := range views {
-			for of, w := range want {
-				if got := v.Successor(of); got != w {
-					t.Errorf("%s's view: Successor(%q) = %q, want %q", name, of, got, w)
-				}
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			mu.Lock()
+			got := map[string][]string{}
+			for k, v := range told {
+				got[k] = slices.Sorted(slices.Values(v))
 			}
+			mu.Unlock()
+			if fmt.Sprint(got) == fmt.Sprint(want) {
+				return
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("told %v, want %v", got, want)
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	check(map[string]string{"a": "b", "b": "c", "c": "d", "d": "a", "bb": "c", "z": "a"})
-	if err := views["c"].Close(ctx); err != nil {
+	ctx := testCtx(t, 30*time.Second)
+	// a, the first in order: its successor is b.
+	if err := views["a"].Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	delete(views, "c")
-	for _, v := range views {
-		if _, err := v.Sync(ctx); err != nil {
-			t.Fatal(err)
+	waitTold(map[string][]string{"b": {"a"}})
+	// e, the last: its successor wraps around to b, a being gone.
+	if err := views["e"].Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitTold(map[string][]string{"b": {"a", "e"}})
+	// c hangs (its client gone: no renewal, no watch), then b goes at
+	// once: c cannot tell; d learns both once c's lease lapses.
+	clients["c"].Close()
+	if err := views["b"].Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	waitTold(map[string][]string{"b": {"a", "e"}, "d": {"b", "c"}})
+	for _, n := range []string{"a", "b", "c", "e"} {
+		waitLost(t, views["d"], n, since, 5*time.Second)
+	}
+	if lost := views["d"].Lost([]string{"d"}, since, since); len(lost) != 0 {
+		t.Fatalf("d lost itself: %v", lost)
+	}
+}
+
+// TestLivenessCostFlat: what a node's liveness receives does not grow
+// with the number of nodes as a watch of the whole directory did (every
+// node an event per later registration: n²/2 in all, n for the first).
+// Nodes registering one after another, in a shuffled name order: the
+// events a node gets grow with log n (how often a registration lands in
+// its stretch of the ring), so 4 times the nodes may cost each a few
+// more, never 4 times as many.
+func TestLivenessCostFlat(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	perNode := map[int]float64{}
+	for _, n := range []int{16, 64} {
+		dir := fmt.Sprintf("/test/%s/%d/alive/", t.Name(), n)
+		views := make([]*etcd.Liveness, n)
+		for i, k := range rand.New(rand.NewPCG(1, uint64(n))).Perm(n) {
+			views[i], _ = startLiveness(t, cluster, dir, fmt.Sprintf("node%03d", k), 5*time.Second)
+		}
+		time.Sleep(500 * time.Millisecond) // the last rings settle
+		var total, most int64
+		for _, v := range views {
+			total += v.Events()
+			most = max(most, v.Events())
+		}
+		perNode[n] = float64(total) / float64(n)
+		t.Logf("%d nodes: %d ring and news events in all, %.1f a node, at most %d (a directory watch: about %d in all, at most %d)",
+			n, total, perNode[n], most, n*n/2, n-1)
+		if n == 64 && most >= int64(n/4) {
+			t.Errorf("%d nodes: a node got %d events", n, most)
 		}
 	}
-	check(map[string]string{"b": "d", "c": "d", "d": "a"})
+	if perNode[64] > 2*perNode[16]+1 {
+		t.Errorf("events a node: %.1f at 16 nodes, %.1f at 64: growing with n", perNode[16], perNode[64])
+	}
 }
 
 // TestLivenessCloseRevokes: a node that closes cleanly is gone at once
@@ -127,10 +186,7 @@ func TestLivenessCloseRevokes(t *testing.T) {
 	a, _ := startLiveness(t, cluster, dir, "a", 5*time.Second)
 	b, _ := startLiveness(t, cluster, dir, "b", 5*time.Second)
 	ctx := testCtx(t, 20*time.Second)
-	since, err := a.Sync(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	since := a.Rev()
 	if err := b.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -149,53 +205,41 @@ func TestLivenessLeaseLostAndBack(t *testing.T) {
 	a, acli := startLiveness(t, cluster, dir, "a", time.Second)
 	b, _ := startLiveness(t, cluster, dir, "b", time.Second)
 	ctx := testCtx(t, 20*time.Second)
-	since, err := b.Sync(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	since := b.Rev()
 	old := a.LeaseID()
 	if _, err := acli.Revoke(ctx, old); err != nil {
 		t.Fatal(err)
 	}
 	waitLost(t, b, "a", since, 5*time.Second)
 	waitLost(t, a, "a", since, 5*time.Second)
-	// a comes back under a new lease: present again for a new mark.
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		r, err := acli.Get(ctx, dir+"a")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(r.Kvs) == 1 && clientv3.LeaseID(r.Kvs[0].Lease) != old {
+	// a comes back under a new lease and says so: for a mark taken once
+	// b has heard it, its return is forgiven.
+	var now int64
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		now = b.Rev()
+		if len(b.Lost([]string{"a"}, since, now)) == 0 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("a did not register again: %v", r.Kvs)
+			t.Fatal("b never heard a came back")
 		}
-		time.Sleep(20 * time.Millisecond)
 	}
-	now, err := b.Sync(ctx)
-	if err != nil {
-		t.Fatal(err)
+	if a.LeaseID() == old {
+		t.Fatal("a back under its old lease")
 	}
-	if lost := b.Lost([]string{"a", "b"}, now, now, true); len(lost) != 0 {
+	if lost := b.Lost([]string{"a", "b"}, now, now); len(lost) != 0 {
 		t.Fatalf("after a registered again: lost %v since the new mark", lost)
 	}
-	if lost := b.Lost([]string{"a"}, since, since, false); len(lost) != 1 {
+	if lost := b.Lost([]string{"a"}, since, since); len(lost) != 1 {
 		t.Fatalf("a not lost since the old mark: %v", lost)
 	}
-	// Marked back once it had returned (a round that formed while it
-	// lapsed and came back): its return is forgiven, not a later lapse.
-	if lost := b.Lost([]string{"a"}, since, now, false); len(lost) != 0 {
-		t.Fatalf("a lost since the old mark though it was back by %d: %v", now, lost)
-	}
-	if deleted, present := b.Departures(since, now); deleted || present != 2 {
-		t.Fatalf("Departures(since, back) = %v, %d; want none forgiven away and 2 present", deleted, present)
+	if b.Departures(since, now) {
+		t.Fatal("Departures(since, back): a departure not forgiven by its return")
 	}
 	if _, err := acli.Revoke(ctx, a.LeaseID()); err != nil {
 		t.Fatal(err)
 	}
-	for deadline := time.Now().Add(5 * time.Second); len(b.Lost([]string{"a"}, since, now, false)) != 1; time.Sleep(20 * time.Millisecond) {
+	for deadline := time.Now().Add(5 * time.Second); len(b.Lost([]string{"a"}, since, now)) != 1; time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatal("a lapsed again after the mark back, and is not lost")
 		}
