@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -56,11 +57,23 @@ func parseBeat(b []byte) (rank int, kind beatKind, err error) {
 
 // Monitor receives heartbeats on a unix datagram socket and reports workers
 // whose heartbeats stop. It is the I/O around a HangDetector.
+//
+// A local rank is one worker after another (a respawn, the next round's),
+// and what one of them sent must not count for the next: a worker that
+// exits is forgotten (Forget), and the beats that still come for its rank
+// (a datagram it sent as it exited, read after its exit was handled) are
+// dropped until a worker starts in that rank again (Start, Expect);
+// reports about it not yet taken are withdrawn. Reports wait in Run for
+// the caller, which may not be listening (an agent between rounds), while
+// beats go on being read: a stale "done" once stood in line there for
+// the next round and was taken for its new worker's, which was killed as
+// finished and ended the job.
 type Monitor struct {
 	conn    *net.UnixConn
 	path    string
 	det     *HangDetector
 	forget  chan int
+	start   chan int
 	expect  chan []int
 	ended   chan struct{} // closed when Run returns: Forget and Expect no longer wait for it
 	closing chan struct{}
@@ -83,7 +96,7 @@ func ListenHeartbeats(path string, timeout time.Duration) (*Monitor, error) {
 	}
 	return &Monitor{
 		conn: conn, path: path, det: NewHangDetector(timeout),
-		forget: make(chan int), expect: make(chan []int), ended: make(chan struct{}), closing: make(chan struct{}),
+		forget: make(chan int), start: make(chan int), expect: make(chan []int), ended: make(chan struct{}), closing: make(chan struct{}),
 	}, nil
 }
 
@@ -98,13 +111,16 @@ type beat struct {
 
 // Run reads heartbeats and sends an Event on events for every worker that
 // stops beating, until ctx is done or the Monitor is closed. Malformed
-// datagrams are ignored.
+// datagrams are ignored. Events wait in Run until events takes them (or
+// their worker is forgotten); beats are handled meanwhile.
 func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 	defer close(m.ended)
 	beats := make(chan beat, 64)
 	readErr := make(chan error, 1)
 	go func() { readErr <- m.read(beats) }()
 
+	var pending []Event
+	gone := map[int]bool{} // forgotten and not started again
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
 	rearm := func() {
@@ -115,6 +131,11 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 	}
 	rearm()
 	for {
+		var out chan<- Event // nil (never ready) with nothing to send
+		var first Event
+		if len(pending) > 0 {
+			out, first = events, pending[0]
+		}
 		select {
 		case <-ctx.Done():
 			m.Close()
@@ -125,7 +146,12 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 			return nil
 		case err := <-readErr:
 			return err
+		case out <- first:
+			pending = pending[1:]
 		case b := <-beats:
+			if gone[b.rank] {
+				continue // its worker's last words, read after it was forgotten
+			}
 			switch b.kind {
 			case beatWait:
 				m.det.Wait(b.rank, b.at)
@@ -137,17 +163,18 @@ func (m *Monitor) Run(ctx context.Context, events chan<- Event) error {
 			rearm()
 		case rank := <-m.forget:
 			m.det.Forget(rank)
+			gone[rank] = true
+			pending = slices.DeleteFunc(pending, func(ev Event) bool { return ev.Rank == rank })
 			rearm()
+		case rank := <-m.start:
+			delete(gone, rank)
 		case ranks := <-m.expect:
+			for _, r := range ranks {
+				delete(gone, r)
+			}
 			m.det.Expect(ranks)
 		case now := <-timer.C:
-			for _, ev := range m.det.Expired(now) {
-				select {
-				case events <- ev:
-				case <-ctx.Done():
-				case <-m.closing:
-				}
-			}
+			pending = append(pending, m.det.Expired(now)...)
 			rearm()
 		}
 	}
@@ -184,10 +211,23 @@ func (m *Monitor) read(beats chan<- beat) error {
 func (m *Monitor) SetDoneTimeout(t time.Duration) { m.det.SetDoneTimeout(t) }
 
 // Forget stops watching a worker (it exited, or its group is being
-// replaced). Once Run has returned it does nothing.
+// replaced): beats for its rank are dropped until a worker starts there
+// again (Start, Expect), and its reports not yet taken are withdrawn.
+// Once Run has returned it does nothing.
 func (m *Monitor) Forget(rank int) {
 	select {
 	case m.forget <- rank:
+	case <-m.ended:
+	case <-m.closing:
+	}
+}
+
+// Start says that a worker starts in local rank alone (a respawn): beats
+// for the rank count again. Call it before the worker starts. Once Run
+// has returned it does nothing.
+func (m *Monitor) Start(rank int) {
+	select {
+	case m.start <- rank:
 	case <-m.ended:
 	case <-m.closing:
 	}

@@ -237,3 +237,67 @@ func TestListenHeartbeatsErrors(t *testing.T) {
 		t.Error("socket in a missing directory accepted")
 	}
 }
+
+// TestMonitorRankReused: local rank 1 is one worker, then another (a
+// respawn, the next round). The first says it is done and no one takes
+// the report of its hung teardown (the agent is between rounds); then it
+// exits (Forget), and its last datagram, another "done", is read after
+// that. Neither may count for the next worker of the rank: the report is
+// withdrawn, the datagram dropped. Once a worker starts in the rank
+// again (Start), its beats count: it is reported hung after the timeout,
+// not as done. (A stale report once killed a new worker as finished and
+// ended a job: bench/chaos. Before that, Run sent reports blocking, and a
+// Forget waited behind one nobody took.)
+func TestMonitorRankReused(t *testing.T) {
+	m, err := ListenHeartbeats(filepath.Join(t.TempDir(), "hb.sock"), 150*time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	m.SetDoneTimeout(100 * time.Millisecond)
+	events := make(chan Event) // nobody listens until below
+	ran := make(chan error, 1)
+	go func() { ran <- m.Run(context.Background(), events) }()
+	defer func() {
+		m.Close()
+		if err := <-ran; err != nil {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	conn, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: m.Path(), Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	send := func(msg string) {
+		t.Helper()
+		if _, err := conn.Write([]byte(msg)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send("1 done")
+	time.Sleep(300 * time.Millisecond) // its teardown's report is due, and waits
+	forgot := make(chan struct{})
+	go func() { m.Forget(1); close(forgot) }()
+	select {
+	case <-forgot:
+	case <-time.After(time.Second):
+		t.Fatal("Forget blocked behind a report nobody took")
+	}
+	send("1 done") // read after the Forget: the first worker's last words
+	time.Sleep(50 * time.Millisecond)
+	m.Start(1)
+	select {
+	case ev := <-events:
+		t.Fatalf("reported %+v about the worker that exited", ev)
+	case <-time.After(400 * time.Millisecond):
+	}
+	send("1") // the new worker's first beat, then silence
+	select {
+	case ev := <-events:
+		if ev.Rank != 1 || ev.Done {
+			t.Fatalf("reported %+v, want rank 1 hung (not done)", ev)
+		}
+	case <-time.After(2 * time.Second):
+		t.Fatal("the new worker of rank 1 never reported hung")
+	}
+}

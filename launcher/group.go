@@ -34,6 +34,7 @@ type worker struct {
 	proc      *os.Process
 	errorFile string
 	out       *workerOutput
+	started   time.Time // when the agent started it
 	exited    bool
 	exit      reaper.Exit
 	// hung says why the agent killed it for a lack of heartbeats;
@@ -168,6 +169,7 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	}
 	var proc *os.Process
 	var ch <-chan reaper.Exit
+	w.started = time.Now()
 	err = startBound(cpus, func() (err error) {
 		proc, ch, err = rp.Start(spec.path, spec.argv, attr)
 		return err

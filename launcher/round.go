@@ -328,6 +328,9 @@ func (a *agent) runRound(ctx context.Context, p *plan, sigs <-chan os.Signal, sv
 func (a *agent) stopHung(g *group, ev health.Event) {
 	for _, w := range g.workers {
 		if w.a.LocalRank == ev.Rank && !w.exited {
+			if ev.SeenAt.Before(w.started) {
+				return // about an earlier worker of the rank
+			}
 			if ev.Done {
 				a.log.Warn("worker's teardown hung; killing it (its work was done: it counts as a success)",
 					zap.Int("rank", w.a.Rank), zap.String("why", ev.Reason))

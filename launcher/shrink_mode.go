@@ -290,6 +290,9 @@ func (a *agent) respawn(ctx context.Context, w *roundWatch, sv *survivors, slot 
 			zap.Int("max_respawns", a.cfg.MaxRespawns))
 		return
 	}
+	if a.heartbeats != nil {
+		a.heartbeats.Start(w.g.workers[i].a.LocalRank)
+	}
 	wk, err := w.g.respawn(a.reaper, a.con, &a.cfg, w.spec, w.g.workers[i], sv.epoch.Number)
 	if err != nil {
 		a.log.Error("rank stays out: its respawn did not start", zap.Int("rank", slot), zap.Error(err))

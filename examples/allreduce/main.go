@@ -217,7 +217,13 @@ func run(args []string, stdout, stderr io.Writer) int {
 	defer stop()
 
 	res, err := train(ctx, env, be, opt, stdout)
-	_ = health.Done() // what is left (the line, the exit) is no hang; a lost beat is the agent's to judge
+	if err == nil {
+		// What is left (the line, the exit) is no hang; a lost beat is the
+		// agent's to judge. Not after a failure (a SIGTERM included): a
+		// worker that says it is done counts as a success if its teardown
+		// then has to be killed (--done-timeout).
+		_ = health.Done()
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "allreduce: rank %d: %v\n", env.rank, err)
 	}

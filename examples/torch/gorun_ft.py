@@ -1428,8 +1428,11 @@ class ElasticGroup:
 
     def _close(self, failed):
         # Training is over here: the teardown below (joins, the group's
-        # destruction) is no hang.
-        self._beats.done()
+        # destruction) is no hang. Not said after a failure: a worker that
+        # said it was done counts as a success if its teardown has to be
+        # killed (gorun --done-timeout).
+        if not failed:
+            self._beats.done()
         self._stop.set()
         with self._lock:
             b = self._bg
