@@ -451,8 +451,17 @@ func (e *etcdNode) failed(ctx context.Context, p *plan, cause string) (bool, err
 	return e.job.failed(ctx, p, cause)
 }
 
-func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
+// jobOver marks the job over for this node: it acts on no more lapses,
+// and tells of none (etcd.Liveness.Quiet).
+func (e *etcdNode) jobOver() {
 	e.over.Store(true)
+	if e.live != nil {
+		e.live.Quiet()
+	}
+}
+
+func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
+	e.jobOver()
 	e.job.finish(ctx, p, ok)
 	// The job is over: its worker stores go. The rendezvous state stays
 	// (a few KB), so that an agent arriving late learns the job ended.
@@ -463,12 +472,12 @@ func (e *etcdNode) finish(ctx context.Context, p *plan, ok bool) error {
 }
 
 func (e *etcdNode) sawClosed(ctx context.Context) {
-	e.over.Store(true)
+	e.jobOver()
 	e.job.seenClosed(ctx) // nothing to count: no agent hosts the store
 }
 
 func (e *etcdNode) leave(ctx context.Context) {
-	e.over.Store(true)
+	e.jobOver()
 	e.job.leave(ctx)
 	e.closeLiveness()
 }
@@ -486,7 +495,7 @@ func (e *etcdNode) closeLiveness() {
 }
 
 func (e *etcdNode) close() {
-	e.over.Store(true)
+	e.jobOver()
 	if e.stopExpeller != nil {
 		e.stopExpeller()
 		<-e.expellerDone

@@ -101,6 +101,8 @@ type Liveness struct {
 	// events counts the watch events this node received, ring and news:
 	// what its liveness costs it (a test reads it).
 	events atomic.Int64
+	// quiet: this node no longer tells of departures (Quiet).
+	quiet atomic.Bool
 }
 
 // presence is one node's entry in the view.
@@ -552,10 +554,20 @@ func (l *Liveness) watchRing(pred string, rev, start int64) (next, compacted int
 	}
 }
 
+// Quiet stops this node telling of its predecessors' departures (the news
+// and OnLapse): its job is over, and so is everyone's soon; at the end of
+// a job of N nodes each one's departure told to all those still watching
+// would cost etcd O(N²) events. It goes on renewing its lease and hearing
+// the news.
+func (l *Liveness) Quiet() { l.quiet.Store(true) }
+
 // lapsed announces the deletion of name's key at revision rev, which
 // this node saw as its successor, once, unless the news has told of it
 // (a replay of a wider ring finds departures its first successor told).
 func (l *Liveness) lapsed(name string, rev int64) {
+	if l.quiet.Load() {
+		return
+	}
 	l.mu.Lock()
 	p := l.nodes[name]
 	seen := l.announced[name] >= rev || (p != nil && p.keyRev >= rev)

@@ -245,3 +245,43 @@ func TestLivenessLeaseLostAndBack(t *testing.T) {
 		}
 	}
 }
+
+// TestLivenessQuiet: a node whose job is over tells of no departure (at a
+// job's end every node leaves, and each departure told to all those still
+// watching costs etcd O(N²) events); the news of others still reaches it.
+func TestLivenessQuiet(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	told := make(chan string, 4)
+	onLapse := func(name string) { told <- name }
+	a, _ := startLivenessConfig(t, cluster, etcd.LivenessConfig{Dir: dir, Name: "a", TTL: time.Second, OnLapse: onLapse})
+	b, _ := startLivenessConfig(t, cluster, etcd.LivenessConfig{Dir: dir, Name: "b", TTL: time.Second, OnLapse: onLapse})
+	c, _ := startLivenessConfig(t, cluster, etcd.LivenessConfig{Dir: dir, Name: "c", TTL: time.Second, OnLapse: onLapse})
+	since := c.Rev()
+	ctx := testCtx(t, 20*time.Second)
+	b.Quiet() // a's successor
+	if err := a.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case n := <-told:
+		t.Fatalf("told of %s's departure by a quiet successor", n)
+	case <-time.After(1500 * time.Millisecond):
+	}
+	if lost := c.Lost([]string{"a"}, since, since); len(lost) != 0 {
+		t.Fatalf("a quiet node announced a's departure: %v", lost)
+	}
+	// c, not quiet, tells of b's departure.
+	if err := b.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case n := <-told:
+		if n != "b" {
+			t.Fatalf("told of %s, want b", n)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("c never told of b's departure")
+	}
+	waitLost(t, c, "b", since, 5*time.Second)
+}
