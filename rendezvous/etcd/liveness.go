@@ -530,11 +530,13 @@ func (l *Liveness) watchRing(pred string, rev, start int64) (next, compacted int
 		}
 		switch {
 		case !ok:
-			return start, 0 // closed, or its context ended
+			sleepCtx(l.ctx, 50*time.Millisecond) // closed, or no leader: not in a tight loop
+			return start, 0
 		case resp.CompactRevision != 0:
 			return 0, resp.CompactRevision
 		case resp.Err() != nil:
 			l.cfg.Logger.Debug("etcd liveness: ring watch interrupted; resuming", zap.Error(resp.Err()))
+			sleepCtx(l.ctx, 50*time.Millisecond)
 			return start, 0
 		}
 		l.events.Add(int64(len(resp.Events)))
@@ -584,6 +586,7 @@ func (l *Liveness) lapsed(name string, rev int64) {
 	}
 }
 
+// sleepCtx sleeps for d, or until ctx ends: it reports whether it slept.
 func sleepCtx(ctx context.Context, d time.Duration) bool {
 	select {
 	case <-ctx.Done():
