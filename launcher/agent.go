@@ -335,6 +335,7 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 			a.endpoint.SetPhase(PhaseFailed)
 			return err
 		case out.placeTaken:
+			// Not a restart of the job: it went on without this node.
 		case len(out.failures) > 0 || (out.change != nil && len(out.change.lost) > 0):
 			a.endpoint.Restarted()
 		}

@@ -111,7 +111,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				// with heal, a node waiting to join takes a lost node's
 				// place, else it joins at the next round.
 				for _, ad := range ev.change.admitted {
-					if ad.groupRank == sv.me {
+					if ad.groupRank == sv.me && ad.id != sv.nodeIDs[sv.me] {
 						return a.placeTaken(w, ad, out)
 					}
 					w.p.replace(ad)

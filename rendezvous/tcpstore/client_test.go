@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -52,6 +54,21 @@ func clCtx(t testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(t.Context(), d)
 	t.Cleanup(cancel)
 	return ctx
+}
+
+// clTimeoutWording checks that err, a call's timeout under a context of
+// 100ms, is worded as c10d's: "<what> timeout after <d>ms<suffix>", d the
+// time the call was given (the deadline less the moment the call began: a
+// little under 100ms on a loaded machine).
+func clTimeoutWording(t testing.TB, err error, what, suffix string) {
+	t.Helper()
+	m := regexp.MustCompile(what + ` timeout after (\d+)ms` + regexp.QuoteMeta(suffix)).FindStringSubmatch(err.Error())
+	if m == nil {
+		t.Fatalf("error %q is not worded as c10d's %q", err, what+" timeout after 100ms"+suffix)
+	}
+	if ms, _ := strconv.Atoi(m[1]); ms < 90 || ms > 100 {
+		t.Fatalf("error %q: %dms, want the 100ms deadline less the call's start (90-100ms)", err, ms)
+	}
 }
 
 // clMust returns v, failing the test on err: clMust(c.Add(ctx, "n", 1))(t).
@@ -450,9 +467,7 @@ func TestClientBarrier(t *testing.T) {
 
 	err := clients[0].Barrier(clCtx(t, 100*time.Millisecond), "lonely", 2)
 	clIs(t, err, rendezvous.ErrTimeout, context.DeadlineExceeded)
-	if !strings.Contains(err.Error(), "barrier timeout after 100ms") {
-		t.Fatalf("error %q is not worded as c10d's", err)
-	}
+	clTimeoutWording(t, err, "barrier", "")
 	clIs(t, clients[0].Barrier(ctx, "x", 0), rendezvous.ErrInvalidArgument)
 }
 
@@ -502,9 +517,7 @@ func TestClientWaitTimeout(t *testing.T) {
 			if d := time.Since(start); d > time.Second {
 				t.Fatalf("Wait took %v with a 100ms deadline", d)
 			}
-			if want := "wait timeout after 100ms, keys: [/the_key /other]"; !strings.Contains(err.Error(), want) {
-				t.Fatalf("error %q does not contain %q", err, want)
-			}
+			clTimeoutWording(t, err, "wait", ", keys: [/the_key /other]")
 
 			// The abandoned wait must not answer a later request.
 			ctx := clCtx(t, 5*time.Second)
