@@ -234,8 +234,9 @@ func (m *Monitor) Start(rank int) {
 }
 
 // Expect says that the workers of local ranks were started together: the
-// first beat of any of them starts watching the others (HangDetector.Expect).
-// Once Run has returned it does nothing.
+// first beat of any of them starts watching the others (HangDetector.Expect),
+// and beats for those ranks count again (see Forget). Once Run has
+// returned it does nothing.
 func (m *Monitor) Expect(ranks []int) {
 	select {
 	case m.expect <- ranks:
@@ -263,8 +264,10 @@ func Beat() error { return send("") }
 
 // Done tells the agent that this worker's training is over: it is no
 // longer watched, so that its teardown (closing its group, flushing,
-// exiting), however long, is not taken for a hang. Without
-// GORUN_HEARTBEAT it does nothing.
+// exiting), however long, is not taken for a hang. Call it only once
+// training has succeeded: with --done-timeout a teardown the agent has to
+// kill after Done counts as a success. Without GORUN_HEARTBEAT it does
+// nothing.
 func Done() error { return send(" done") }
 
 // send sends this worker's beat with suffix.

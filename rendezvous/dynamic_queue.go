@@ -584,9 +584,9 @@ func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, boo
 		}
 		var got bool
 		if batch {
-			start := d.now()
+			asked := d.now()
 			bs, err := bp.QueuePopBatch(ctx, d.key+queueSuffix, limit-len(reqs))
-			d.observe(start)
+			d.observe(asked)
 			switch {
 			case errors.Is(err, ErrNotSupported):
 				batch = false

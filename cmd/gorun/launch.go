@@ -177,7 +177,7 @@ func launchFlags() []cli.Flag {
 			Usage:   "`SECONDS` without a heartbeat (to $GORUN_HEARTBEAT) after which a worker counts as hung and is killed; 0 turns hang detection off",
 			EnvVars: []string{"GORUN_HEARTBEAT_TIMEOUT"}, Category: catFT},
 		&cli.Float64Flag{Name: "done-timeout", Value: 0,
-			Usage:   "`SECONDS` a worker that said it was done (a \"done\" heartbeat: gorun_ft's close()) may take to exit; past it, it is killed and counts as a success (its work was over). 0 leaves its teardown unbounded. Needs --heartbeat-timeout",
+			Usage:   "`SECONDS` a worker that said it was done (a \"done\" heartbeat: gorun_ft's close()) may take to exit; past it, it is killed and counts as a success (its work was over; a worker says done only after training succeeded). 0 leaves its teardown unbounded. Needs --heartbeat-timeout",
 			EnvVars: []string{"GORUN_DONE_TIMEOUT"}, Category: catFT},
 		&cli.StringFlag{Name: "node-liveness", Value: def.NodeLiveness.Mode,
 			Usage:   "several nodes: when agents gossip to find a crashed, frozen or cut-off node in about 0.6 s: `auto` (shrink mode only), on (restart mode too), off (the rendezvous keep-alive or etcd lease only)",
