@@ -28,7 +28,8 @@ const DefaultPrefix = "gorun/shrink"
 //	                group) or a Complete (every rank of a grow epoch
 //	                acknowledged it)
 //	respawns/<k>    the JSON Ticket k (1 ≤ k ≤ the job's budget), written
-//	                once: the k-th lost slot the agents started again
+//	                once: the k-th lost slot the agents started again;
+//	                collected, like the rest, a generation below the floor
 //	floor           the JSON Floor: where the history kept starts; the
 //	                records a generation below it are collected
 //
@@ -119,13 +120,19 @@ type Ticket struct {
 	At     time.Time `json:"at"`
 }
 
-// TakeRespawn takes one of the job's max respawn tickets and reports
+// TakeRespawn takes one of the job's budget of respawn tickets and reports
 // whether one was left; n is its number. Every agent takes from the same
 // keys, so the budget is the job's, whichever node respawns. A ticket is a
 // create-only compare-set: a forged one is taken over (it does not spend
-// the budget), and racing agents never take the same one.
-func (b *Board) TakeRespawn(ctx context.Context, max int) (n int, ok bool, err error) {
-	for k := int(b.tickets.Load()) + 1; k <= max; k++ {
+// the budget), and racing agents never take the same one. The tickets the
+// Floor counts as taken are collected a generation later (Floor.Tickets),
+// so a taker starts after the floor's count: its key may be gone.
+func (b *Board) TakeRespawn(ctx context.Context, budget int) (n int, ok bool, err error) {
+	f, err := b.Floor(ctx)
+	if err != nil {
+		return 0, false, fmt.Errorf("shrink: take a respawn ticket: %w", err)
+	}
+	for k := max(int(b.tickets.Load()), f.Tickets) + 1; k <= budget; k++ {
 		key := ticketKey(k)
 		rec, err := json.Marshal(Ticket{Number: k, At: time.Now()})
 		if err == nil {
@@ -146,7 +153,7 @@ func (b *Board) TakeRespawn(ctx context.Context, max int) (n int, ok bool, err e
 			return k, true, nil
 		}
 	}
-	return max + 1, false, nil
+	return budget + 1, false, nil
 }
 
 // claim writes rec at key unless a record is there already: a compare-set

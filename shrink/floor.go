@@ -53,6 +53,13 @@ type Floor struct {
 	// one).
 	SweptEpoch  int `json:"swept_epoch"`
 	SweptNotice int `json:"swept_notice"`
+	// Tickets is how many of the job's respawn tickets were taken when the
+	// floor was raised: tickets 1 to Tickets are spent, and a taker starts
+	// after them (TakeRespawn), so that they can be collected a generation
+	// later like the epochs; SweptTickets, every ticket up to it is gone.
+	// Without it a job that heals all week keeps a key per respawn.
+	Tickets      int `json:"tickets,omitempty"`
+	SweptTickets int `json:"swept_tickets,omitempty"`
 }
 
 // collected reports whether epoch n's records are gone.
@@ -118,7 +125,10 @@ func (b *Board) Raise(ctx context.Context, next Floor) error {
 		if cur.Epoch >= next.Epoch {
 			return nil
 		}
-		next.SweptEpoch, next.SweptNotice = cur.Epoch, cur.Notice
+		next.SweptEpoch, next.SweptNotice, next.SweptTickets = cur.Epoch, cur.Notice, cur.Tickets
+		if next.Tickets, err = b.countTickets(ctx, max(cur.Tickets, int(b.tickets.Load()))); err != nil {
+			return err
+		}
 		rec, err := json.Marshal(next)
 		if err == nil {
 			rec, err = b.seal(floorKey, rec)
@@ -137,9 +147,35 @@ func (b *Board) Raise(ctx context.Context, next Floor) error {
 	}
 }
 
+// countTickets returns how many respawn tickets are taken, knowing that
+// the first from are: it looks on from there for the first ticket that is
+// absent or forged (a forged one is taken over by the next taker, so it
+// spends nothing and must stay). The look is a check a ticket taken since
+// the last floor, and one more.
+func (b *Board) countTickets(ctx context.Context, from int) (int, error) {
+	for k := from + 1; ; k++ {
+		key := ticketKey(k)
+		ok, err := b.store.Check(ctx, key)
+		if err != nil {
+			return 0, fmt.Errorf("shrink: count the respawn tickets: %w", err)
+		}
+		if !ok {
+			return k - 1, nil
+		}
+		raw, err := b.store.Get(ctx, key)
+		if err != nil {
+			return 0, fmt.Errorf("shrink: count the respawn tickets: %w", err)
+		}
+		if _, err := b.open(key, raw); err != nil {
+			return k - 1, nil // forged: the next taker takes it over
+		}
+	}
+}
+
 // sweep deletes the records below floor f that the floor before it still
 // kept: epochs (with their counters and formation keys) from f.SweptEpoch
-// up to f.Epoch, and notices after f.SweptNotice up to f.Notice.
+// up to f.Epoch, notices after f.SweptNotice up to f.Notice, and respawn
+// tickets after f.SweptTickets up to f.Tickets.
 func (b *Board) sweep(ctx context.Context, f Floor) error {
 	var gone []string
 	for n := max(f.SweptEpoch, 1); n < f.Epoch; n++ {
@@ -157,6 +193,9 @@ func (b *Board) sweep(ctx context.Context, f Floor) error {
 	}
 	for i := f.SweptNotice + 1; i <= f.Notice; i++ {
 		gone = append(gone, reportKey(i))
+	}
+	for k := f.SweptTickets + 1; k <= f.Tickets; k++ {
+		gone = append(gone, ticketKey(k))
 	}
 	for _, k := range gone {
 		if _, err := b.store.Delete(ctx, k); err != nil {

@@ -28,6 +28,11 @@ func healCycle(ctx context.Context, t *testing.T, coord *Coordinator, b *Board, 
 		t.Fatalf("epoch %v, want rank %d excluded", shrunk, victim)
 	}
 	arriveAll(ctx, t, b, shrunk)
+	// The agent counts the respawn against the job's budget, then starts
+	// the newcomer.
+	if _, ok, err := b.TakeRespawn(ctx, 1<<20); err != nil || !ok {
+		t.Fatalf("take a respawn ticket: %v, %v", ok, err)
+	}
 	if err := coord.FileJoin(ctx, Join{Slots: []int{victim}}); err != nil {
 		t.Fatal(err)
 	}
@@ -82,7 +87,7 @@ func TestFormedIn(t *testing.T) {
 // over, holds no more keys after 40 such cycles (80 epochs) than after 3,
 // give or take a cycle's worth — the leader raises the Board's Floor on
 // each complete grow and collects what is a generation older (epochs,
-// counters, notices, the groups' formation keys). A Coordinator started
+// counters, notices, respawn tickets, the groups' formation keys). A Coordinator started
 // afterwards, as an agent admitted late starts one, resumes from the
 // Floor (its first epoch is the floor's, not epoch 1) and follows the
 // next epoch; a worker that fell a cycle behind is told ErrCollected.
@@ -130,6 +135,9 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 					if _, err := fmt.Sscanf(k, DefaultPrefix+"/report/%d", &n); err == nil && f.noticeCollected(n) {
 						return false
 					}
+					if _, err := fmt.Sscanf(k, DefaultPrefix+"/respawns/%d", &n); err == nil && n <= f.SweptTickets {
+						return false
+					}
 					continue
 				}
 			}
@@ -152,7 +160,7 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 				return f
 			}
 			if time.Now().After(giveUp) {
-				t.Fatalf("the floor stays at epoch %d, want %d", f.Epoch, epoch)
+				t.Fatalf("the floor stays at epoch %d (want %d), what is below it swept: %v", f.Epoch, epoch, swept(f))
 			}
 			time.Sleep(5 * time.Millisecond)
 		}
@@ -172,6 +180,9 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 	}
 	if f.SweptEpoch != e.Number-2 || f.Notice < f.SweptNotice {
 		t.Errorf("floor %+v after epoch %d: want the previous grow's epoch (%d) swept below", f, e.Number, e.Number-2)
+	}
+	if f.Tickets != 40 || f.SweptTickets != 39 {
+		t.Errorf("floor %+v after 40 respawns: want 40 tickets counted, 39 swept", f)
 	}
 	if _, err := b.Await(ctx, 1); !errors.Is(err, ErrCollected) {
 		t.Errorf("await epoch 1 after %d epochs: %v, want ErrCollected", e.Number, err)
@@ -249,5 +260,69 @@ func TestDeciderFloor(t *testing.T) {
 		if err != nil || !ok || !slices.Equal(e.Added, []int{1}) {
 			t.Errorf("%s: %v %v %v, want slot 1 grown back after RejoinWait", x.name, e, ok, err)
 		}
+	}
+}
+
+// TestTicketsCollectedBudgetKept: the respawn tickets a floor counts are
+// collected a generation later, and the budget is still the job's: takers
+// on fresh Boards (agents that never saw the collected tickets) start
+// after the floor's count, so no ticket is spent twice and the budget
+// runs out where it did. A forged ticket is not counted as spent: the
+// next taker takes it over.
+func TestTicketsCollectedBudgetKept(t *testing.T) {
+	for name, open := range stores(t) {
+		t.Run(name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			a, _ := testAuth(t, "run/tickets")
+			lead, raw := authBoard(t, open, "tickets", a)
+			take := func(want int, within bool) {
+				t.Helper()
+				b, _ := authBoard(t, open, "tickets", a) // another agent each time
+				n, ok, err := b.TakeRespawn(ctx, 5)
+				if err != nil || ok != within || (ok && n != want) {
+					t.Fatalf("take: ticket %d, within the budget %v, %v; want %d, %v", n, ok, err, want, within)
+				}
+			}
+			raise := func(epoch, tickets, swept int) {
+				t.Helper()
+				if err := lead.Raise(ctx, Floor{Epoch: epoch}); err != nil {
+					t.Fatal(err)
+				}
+				f, err := lead.Floor(ctx)
+				if err != nil || f.Tickets != tickets || f.SweptTickets != swept {
+					t.Fatalf("floor at epoch %d: %+v, %v; want %d tickets counted, %d swept", epoch, f, err, tickets, swept)
+				}
+			}
+			have := func(k int) bool {
+				t.Helper()
+				ok, err := raw.Check(ctx, ticketKey(k))
+				if err != nil {
+					t.Fatal(err)
+				}
+				return ok
+			}
+			take(1, true)
+			take(2, true)
+			raise(1, 2, 0)
+			if !have(1) || !have(2) {
+				t.Fatal("tickets 1 and 2 collected with the floor that counts them: a generation early")
+			}
+			forge(ctx, t, raw, ticketKey(3), []byte(`{"ticket":3}`))
+			raise(2, 2, 2) // the forged ticket 3 is not counted
+			if have(1) || have(2) {
+				t.Error("tickets 1 and 2 left a generation below the floor that counted them")
+			}
+			take(3, true) // takes the forged ticket over
+			take(4, true)
+			raise(3, 4, 2)
+			take(5, true)
+			take(0, false)
+			raise(4, 5, 4)
+			take(0, false)
+			if have(3) || have(4) {
+				t.Error("tickets 3 and 4 left a generation below the floor that counted them")
+			}
+		})
 	}
 }
