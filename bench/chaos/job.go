@@ -156,7 +156,7 @@ func (ru *runner) pids() []int {
 // the ones sampled.
 func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Duration, lim Limits, env runEnv) (res RowResult, err error) {
 	res.Row = r
-	lim = lim.withDefaults()
+	lim = lim.withDefaults().perRank(j.World())
 	if j.Backend == backendEtcd {
 		lim = lim.perHost(max(j.Hosts, 1))
 	}
