@@ -284,8 +284,8 @@ func (d *dynamicNode) finish(ctx context.Context, p *plan, ok bool) error {
 func (d *dynamicNode) sawClosed(ctx context.Context)                { d.job.seenClosed(ctx) }
 func (d *dynamicNode) leave(ctx context.Context)                    { d.job.leave(ctx) }
 func (d *dynamicNode) expel(ctx context.Context, node string) error { return d.job.expel(ctx, node) }
-func (d *dynamicNode) admit(ctx context.Context, groupRank int) (string, error) {
-	return d.job.admit(ctx, groupRank)
+func (d *dynamicNode) admit(ctx context.Context, groupRanks []int) ([]string, error) {
+	return d.job.admit(ctx, groupRanks)
 }
 
 // waitOthersSawClose keeps the rendezvous store up, after the job closed,

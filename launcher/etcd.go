@@ -260,8 +260,8 @@ func (e *etcdNode) expelLapsed(ctx context.Context) {
 
 // expel takes node name out of the rendezvous state (from the expeller,
 // possibly before this node's first round).
-func (e *etcdNode) admit(ctx context.Context, groupRank int) (string, error) {
-	return e.job.admit(ctx, groupRank)
+func (e *etcdNode) admit(ctx context.Context, groupRanks []int) ([]string, error) {
+	return e.job.admit(ctx, groupRanks)
 }
 
 func (e *etcdNode) expel(ctx context.Context, name string) error {

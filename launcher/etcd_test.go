@@ -274,10 +274,11 @@ func TestEtcdWatchAfterLeaseLapse(t *testing.T) {
 	}()
 	// The state is read every fifth of a keep-alive interval (1 s).
 	within("replacement seen waiting", 10*time.Second, func(c *change) bool { return c.waiting > 0 })
-	id, err := survivor.admit(ctx, lost.job.round.Rank)
+	ids, err := survivor.admit(ctx, []int{lost.job.round.Rank})
 	if err != nil {
 		t.Fatal(err)
 	}
+	id := ids[0]
 	r := <-joined
 	if r.err != nil {
 		t.Fatal(r.err)

@@ -479,14 +479,18 @@ type admitted struct {
 	info      nodeInfo
 }
 
-// admit takes a waiting node into the running round in the place of the
-// lost node of group rank groupRank.
-func (j *jobNode) admit(ctx context.Context, groupRank int) (string, error) {
-	n, err := j.dyn.Admit(ctx, groupRank)
+// admit takes waiting nodes into the running round in the places of the
+// lost nodes of group ranks groupRanks (membership.admit).
+func (j *jobNode) admit(ctx context.Context, groupRanks []int) ([]string, error) {
+	ns, err := j.dyn.Admit(ctx, groupRanks...)
 	if err != nil {
-		return "", err
+		return nil, err
 	}
-	return n.String(), nil
+	ids := make([]string, len(ns))
+	for i, n := range ns {
+		ids[i] = n.String()
+	}
+	return ids, nil
 }
 
 // failed counts the round's failure once for the whole job: the first node

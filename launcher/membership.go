@@ -45,11 +45,15 @@ type membership interface {
 	expel(ctx context.Context, node string) error
 	// sawClosed tells the job that this node has seen it closed by another.
 	sawClosed(ctx context.Context)
-	// admit takes a node waiting to join into the running round in the
-	// place of the lost node of group rank groupRank (heal: a replacement
-	// node), and returns its identity. It fails with an error wrapping
-	// rendezvous.ErrNoWaitingNode when none waits.
-	admit(ctx context.Context, groupRank int) (string, error)
+	// admit takes nodes waiting to join into the running round, one in
+	// the place of each lost node of group ranks groupRanks (heal:
+	// replacement nodes), in one write, and returns their identities in
+	// that order. groupRanks must be every place of the round that no
+	// member holds (else the error wraps rendezvous.ErrPlacesLeft: an
+	// admitted node takes its place only in a whole round). It fails with
+	// an error wrapping rendezvous.ErrNoWaitingNode, admitting none, when
+	// fewer nodes wait than there are places.
+	admit(ctx context.Context, groupRanks []int) ([]string, error)
 	close()
 }
 
@@ -266,8 +270,8 @@ func (s *singleNode) failed(_ context.Context, _ *plan, _ string) (bool, error) 
 func (s *singleNode) finish(context.Context, *plan, bool) error { return nil }
 func (s *singleNode) leave(context.Context)                     {}
 func (s *singleNode) expel(context.Context, string) error       { return nil }
-func (s *singleNode) admit(context.Context, int) (string, error) {
-	return "", errors.New("a one-node job admits no node")
+func (s *singleNode) admit(context.Context, []int) ([]string, error) {
+	return nil, errors.New("a one-node job admits no node")
 }
 func (s *singleNode) sawClosed(context.Context) {}
 func (s *singleNode) close()                    {}

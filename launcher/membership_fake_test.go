@@ -27,6 +27,10 @@ type fakeMembership struct {
 	changes []*change
 	// failedErr, when set, is what failed returns.
 	failedErr error
+	// waiting are the nodes waiting to be admitted: admit takes the
+	// first of them, one for each place, or fails as the rendezvous does
+	// when fewer wait.
+	waiting []string
 
 	mu    sync.Mutex
 	calls []string // "next", "failed: <cause>", "finish ok, N at the barrier", "finish failed", "leave", "expel <node>", "sawClosed"
@@ -102,9 +106,16 @@ func (f *fakeMembership) expel(_ context.Context, node string) error {
 	return nil
 }
 
-func (f *fakeMembership) admit(_ context.Context, groupRank int) (string, error) {
-	f.record(fmt.Sprintf("admit %d", groupRank))
-	return "", rendezvous.ErrNoWaitingNode
+func (f *fakeMembership) admit(_ context.Context, groupRanks []int) ([]string, error) {
+	f.record(fmt.Sprintf("admit %v", groupRanks))
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if len(f.waiting) < len(groupRanks) {
+		return nil, fmt.Errorf("%d place(s) to fill, %d node(s) waiting: %w", len(groupRanks), len(f.waiting), rendezvous.ErrNoWaitingNode)
+	}
+	ids := f.waiting[:len(groupRanks):len(groupRanks)]
+	f.waiting = f.waiting[len(groupRanks):]
+	return ids, nil
 }
 func (f *fakeMembership) sawClosed(context.Context) { f.record("sawClosed") }
 func (f *fakeMembership) close()                    {}

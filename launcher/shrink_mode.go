@@ -235,27 +235,50 @@ func (a *agent) newcomersGone(ctx context.Context, g *group, sv *survivors, e sh
 // admitWaiting, on the node that leads the agreement with heal on, takes
 // nodes waiting to join into the places of lost nodes whose ranks are all
 // out: a replacement node's workers then join the running group by a grow,
-// the survivors never restarted. The lost node is expelled from the
-// rendezvous first, in case its keep-alive has not lapsed yet (node
-// liveness found it dead sooner).
+// the survivors never restarted. The lost nodes are expelled from the
+// rendezvous first, in case their keep-alives have not lapsed yet (node
+// liveness found them dead sooner).
+//
+// Every vacant place is filled in one admission, or none is: a node
+// admitted beside a place left empty does not take its own (the
+// rendezvous hands a late node only a whole round), and goes back to
+// waiting. Admitted one place at a time, a lone spare after two nodes
+// lost went in and out of the wait list, the leader admitting it again at
+// every read of the rendezvous state (every second) and none of its
+// workers ever joining (bench/chaos). Short of waiting nodes, the job runs
+// on shrunk until enough of them wait; the admission is tried again at
+// each read.
 func (a *agent) admitWaiting(ctx context.Context, w *roundWatch, sv *survivors) {
 	if !a.cfg.Regrow || !sv.leading {
 		return
 	}
-	for _, g := range sv.vacant() {
+	places := sv.vacant()
+	if len(places) == 0 {
+		return
+	}
+	for _, g := range places {
 		if err := a.m.expel(ctx, w.p.nodeIDs[g]); err != nil {
 			a.log.Debug("expelling a lost node", zap.String("node", w.p.nodeIDs[g]), zap.Error(err))
 		}
-		id, err := a.m.admit(ctx, g)
-		switch {
-		case errors.Is(err, rendezvous.ErrNoWaitingNode):
-			return
-		case err != nil:
-			a.log.Warn("cannot admit a waiting node", zap.Int("group_rank", g), zap.Error(err))
-			return
+	}
+	ids, err := a.m.admit(ctx, places)
+	switch {
+	case errors.Is(err, rendezvous.ErrNoWaitingNode), errors.Is(err, rendezvous.ErrPlacesLeft):
+		// Not yet: more nodes to wait, or a lost node's ranks still to
+		// go out. Said once for each reason, not at every read.
+		if why := err.Error(); why != sv.unfilled {
+			sv.unfilled = why
+			a.log.Info("lost nodes' places stay vacant for now", zap.Ints("group_ranks", places), zap.Error(err))
 		}
+		return
+	case err != nil:
+		a.log.Warn("cannot admit waiting nodes", zap.Ints("group_ranks", places), zap.Error(err))
+		return
+	}
+	sv.unfilled = ""
+	for k, g := range places {
 		a.log.Warn("admitted a waiting node in a lost node's place", zap.Int("group_rank", g),
-			zap.String("node", id), zap.String("lost", w.p.nodeIDs[g]))
+			zap.String("node", ids[k]), zap.String("lost", w.p.nodeIDs[g]))
 	}
 }
 

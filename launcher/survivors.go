@@ -45,6 +45,9 @@ type survivors struct {
 	// since is when the first of the pending reports was filed: the start
 	// of the failure-to-epoch latency.
 	since time.Time
+	// unfilled is why heal last could not fill the vacant places
+	// (admitWaiting), logged once until it changes.
+	unfilled string
 }
 
 // startSurvivors joins the agreement of round p as node me (its group

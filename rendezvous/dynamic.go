@@ -469,30 +469,71 @@ func wakes(before, after *dynState, cfg DynamicConfig) bool {
 		after.participants() > before.participants() && before.Complete && after.Complete
 }
 
-// admit makes the first waiting node a member of the complete round with
-// rank, which must be a lost member's (no participant holds it, and it is
-// below the size the round completed with), and returns it.
-func (s *dynState) admit(rank int) (NodeDesc, error) {
+// admit makes waiting nodes, the first in node order, members of the
+// complete round, one for each of ranks (in ascending rank order), and
+// returns them in the order of ranks. Each rank must be a lost member's
+// (no participant holds it, and it is below the size the round completed
+// with), and together they must be every such rank: an admitted node
+// takes its place only in a whole round (nextJoinAction, which a Late
+// round with a hole would give a member list with a gap), so one admitted
+// beside a place left empty went back to the wait list at once, to be
+// admitted again by the next poll, and again (seen with one spare and
+// two nodes lost: a leader re-admitted it every second). It changes
+// nothing when it fails: ErrPlacesLeft when ranks leave a place empty,
+// ErrNoWaitingNode when fewer nodes wait than ranks asks for.
+func (s *dynState) admit(ranks ...int) ([]NodeDesc, error) {
 	if !s.Complete || s.Closed {
-		return NodeDesc{}, fmt.Errorf("round %d is not running (complete %v, closed %v)", s.Round, s.Complete, s.Closed)
+		return nil, fmt.Errorf("round %d is not running (complete %v, closed %v)", s.Round, s.Complete, s.Closed)
 	}
-	if rank < 0 || rank >= s.Size {
-		return NodeDesc{}, fmt.Errorf("rank %d is not one of round %d's %d", rank, s.Round, s.Size)
+	if len(ranks) == 0 {
+		return nil, errors.New("no rank to admit a node into")
 	}
-	w := -1
+	asked := make([]bool, s.Size)
+	for _, r := range ranks {
+		switch {
+		case r < 0 || r >= s.Size:
+			return nil, fmt.Errorf("rank %d is not one of round %d's %d", r, s.Round, s.Size)
+		case asked[r]:
+			return nil, fmt.Errorf("rank %d asked for twice", r)
+		}
+		asked[r] = true
+	}
+	held := make([]bool, s.Size)
+	var waiting []int
 	for i, e := range s.Nodes {
 		switch {
-		case !e.Waiting && e.Rank == rank:
-			return NodeDesc{}, fmt.Errorf("rank %d of round %d has a member: %v", rank, s.Round, e.NodeDesc)
-		case e.Waiting && w < 0:
-			w = i
+		case !e.Waiting && e.Rank < s.Size && asked[e.Rank]:
+			return nil, fmt.Errorf("rank %d of round %d has a member: %v", e.Rank, s.Round, e.NodeDesc)
+		case !e.Waiting && e.Rank < s.Size:
+			held[e.Rank] = true
+		case e.Waiting:
+			waiting = append(waiting, i)
 		}
 	}
-	if w < 0 {
-		return NodeDesc{}, ErrNoWaitingNode
+	var empty []int
+	for r := range s.Size {
+		if !held[r] && !asked[r] {
+			empty = append(empty, r)
+		}
 	}
-	s.Nodes[w].Waiting, s.Nodes[w].Rank, s.Nodes[w].Late = false, rank, true
-	return s.Nodes[w].NodeDesc, nil
+	if len(empty) > 0 {
+		return nil, fmt.Errorf("admitting into rank(s) %v of round %d would leave rank(s) %v empty: %w", ranks, s.Round, empty, ErrPlacesLeft)
+	}
+	if len(waiting) < len(ranks) {
+		return nil, fmt.Errorf("%d place(s) to fill in round %d, %d node(s) waiting: %w", len(ranks), s.Round, len(waiting), ErrNoWaitingNode)
+	}
+	sorted := slices.Sorted(slices.Values(ranks))
+	byRank := make(map[int]NodeDesc, len(ranks))
+	for k, r := range sorted {
+		w := waiting[k]
+		s.Nodes[w].Waiting, s.Nodes[w].Rank, s.Nodes[w].Late = false, r, true
+		byRank[r] = s.Nodes[w].NodeDesc
+	}
+	out := make([]NodeDesc, len(ranks))
+	for i, r := range ranks {
+		out[i] = byRank[r]
+	}
+	return out, nil
 }
 
 // keepAliveDue reports whether me is in the state with a heartbeat at least

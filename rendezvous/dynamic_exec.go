@@ -82,8 +82,14 @@ type Status struct {
 	Admitted []Member
 }
 
-// ErrNoWaitingNode: Admit found no node waiting to be admitted.
+// ErrNoWaitingNode: Admit found fewer nodes waiting to be admitted than
+// places to fill (none, for one place).
 var ErrNoWaitingNode = errors.New("no node is waiting to join")
+
+// ErrPlacesLeft: Admit was asked to fill some of the running round's empty
+// places, not all: a node admitted so would not take its place (it takes
+// one only in a whole round), and would go back to waiting.
+var ErrPlacesLeft = errors.New("the round would keep an empty place")
 
 // Dynamic is one node's handle on a dynamic rendezvous run: torchrun's
 // DynamicRendezvousHandler over any Store.
@@ -378,37 +384,42 @@ func (d *Dynamic) lastRound() *Round {
 	return d.last
 }
 
-// Admit makes a node waiting for the next round a member of the running
-// one, in the place of its member of rank rank, which must be lost: the
-// replacement for a node that died, taken in while the others go on
-// (gorun's heal), where torchrun would end the round for everyone. The
-// admitted node's Next returns this round, with Late set. It returns the
-// admitted node, or an error wrapping ErrNoWaitingNode when none waits.
-// The caller must be a member of the round.
-func (d *Dynamic) Admit(ctx context.Context, rank int) (NodeDesc, error) {
+// Admit makes nodes waiting for the next round members of the running
+// one, one in the place of each of its members of ranks ranks, which must
+// be lost: the replacements for nodes that died, taken in while the others
+// go on (gorun's heal), where torchrun would end the round for everyone.
+// The admitted nodes' Next returns this round, with Late set. ranks must
+// be every place of the round that no member holds (else the error wraps
+// ErrPlacesLeft): an admitted node takes its place only in a whole round,
+// and all of them are admitted in one write, so that none wakes to a
+// round that still has a hole. It returns the admitted nodes in the order
+// of ranks, or an error wrapping ErrNoWaitingNode when fewer nodes wait
+// than ranks has places, admitting none. The caller must be a member of
+// the round.
+func (d *Dynamic) Admit(ctx context.Context, ranks ...int) ([]NodeDesc, error) {
 	ctx, done := d.bind(ctx)
 	defer done()
 	last := d.lastRound()
 	if last == nil {
-		return NodeDesc{}, d.fail("admit", errNoRound)
+		return nil, d.fail("admit", errNoRound)
 	}
 	snap, err := d.read(ctx)
 	for err == nil {
 		st := snap.st.clone()
 		st.sanitize(d.now(), d.cfg)
 		if st.Round != last.Number {
-			return NodeDesc{}, d.fail("admit", fmt.Errorf("round %d has ended (the run is at round %d)", last.Number, st.Round))
+			return nil, d.fail("admit", fmt.Errorf("round %d has ended (the run is at round %d)", last.Number, st.Round))
 		}
-		var n NodeDesc
-		if n, err = st.admit(rank); err != nil {
+		var ns []NodeDesc
+		if ns, err = st.admit(ranks...); err != nil {
 			break
 		}
 		var won bool
 		if won, err = d.commit(ctx, snap, st); err == nil && won {
-			return n, nil
+			return ns, nil
 		}
 	}
-	return NodeDesc{}, d.fail("admit", err)
+	return nil, d.fail("admit", err)
 }
 
 // SetClosed marks the run closed: the job is done, and every node's Next

@@ -120,10 +120,11 @@ func TestPlanRoundOutlivesALoss(t *testing.T) {
 	lost := s.Nodes[2] // rank 2
 	s.Nodes = append(s.Nodes[:2], s.Nodes[3:]...)
 	planRound(s, testTraits)
-	newcomer, err := s.admit(lost.Rank)
+	admitted, err := s.admit(lost.Rank)
 	if err != nil {
 		t.Fatal(err)
 	}
+	newcomer := admitted[0]
 	planRound(s, testTraits)
 	r, ok := s.round(newcomer)
 	if !ok || !r.Late || r.Summary == nil || r.Summary.Offset != 4 || r.Summary.Total != 9 {

@@ -475,6 +475,82 @@ func TestAdmitWaiting(t *testing.T) {
 	}
 }
 
+// TestAdmitPlaces: admit fills the running round's empty places from the
+// wait list, in node order, all of them in one change or none. A node
+// admitted beside a place left empty would not take its own (its join
+// leaves a round with a member gone): admit refuses that, and fewer
+// waiting nodes than places, changing nothing; every node it admits then
+// finishes its join at once.
+func TestAdmitPlaces(t *testing.T) {
+	cfg := coreCfg()
+	now := at(12 * time.Second)
+	fresh := 10 * time.Second
+	// running is a complete round of size 4 whose members of ranks held
+	// live, with waiting nodes 7, 8, ...
+	running := func(held []int, waiting int) *dynState {
+		var nodes []nodeState
+		for _, r := range held {
+			e := part(r, fresh)
+			e.Rank = r
+			nodes = append(nodes, e)
+		}
+		for i := range waiting {
+			nodes = append(nodes, wl(7+i, fresh))
+		}
+		return mkState(dynState{Complete: true, Size: 4}, nodes...)
+	}
+	tests := []struct {
+		name  string
+		s     *dynState
+		ranks []int
+		want  []int // the nodes admitted, in the order of ranks
+		err   error // a sentinel it wraps; nil: any error, when want is nil
+	}{
+		{"one place, one waiting", running([]int{0, 1, 3}, 1), []int{2}, []int{7}, nil},
+		{"one place, two waiting: the first in node order", running([]int{0, 1, 3}, 2), []int{2}, []int{7}, nil},
+		{"two places, two waiting, in one change", running([]int{0, 3}, 2), []int{2, 1}, []int{8, 7}, nil},
+		{"two places, one asked: the other left empty", running([]int{0, 3}, 1), []int{1}, nil, ErrPlacesLeft},
+		{"two places, the other asked", running([]int{0, 3}, 2), []int{2}, nil, ErrPlacesLeft},
+		{"two places, one waiting", running([]int{0, 3}, 1), []int{1, 2}, nil, ErrNoWaitingNode},
+		{"one place, nobody waiting", running([]int{0, 1, 3}, 0), []int{2}, nil, ErrNoWaitingNode},
+		{"a rank that has a member", running([]int{0, 1, 3}, 1), []int{1}, nil, nil},
+		{"a rank past the round's size", running([]int{0, 1, 3}, 1), []int{4}, nil, nil},
+		{"a rank twice", running([]int{0, 3}, 2), []int{1, 1}, nil, nil},
+		{"no rank", running([]int{0, 1, 3}, 1), nil, nil, nil},
+		{"a round still gathering", mkState(dynState{}, part(0, fresh), wl(7, fresh)), []int{1}, nil, nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			before := tt.s.clone()
+			got, err := tt.s.admit(tt.ranks...)
+			if tt.want == nil {
+				if err == nil || tt.err != nil && !errors.Is(err, tt.err) {
+					t.Fatalf("admit%v = %v, %v; want an error wrapping %v", tt.ranks, got, err, tt.err)
+				}
+				if !reflect.DeepEqual(tt.s, before) {
+					t.Fatalf("a refused admission changed the state: %+v, was %+v", tt.s, before)
+				}
+				return
+			}
+			var want []NodeDesc
+			for _, i := range tt.want {
+				want = append(want, nd(i))
+			}
+			if err != nil || !slices.Equal(got, want) {
+				t.Fatalf("admit%v = %v, %v; want %v", tt.ranks, got, err, want)
+			}
+			for k, n := range got {
+				if r, ok := tt.s.round(n); !ok || !r.Late || r.Rank != tt.ranks[k] || len(r.Members) != r.Size {
+					t.Errorf("node %v's round %+v, %v; want late at rank %d in a whole round", n, r, ok, tt.ranks[k])
+				}
+				if a := nextJoinAction(tt.s, n, now, at(600*time.Second), cfg); a != actFinish {
+					t.Errorf("node %v admitted at rank %d: join = %v, want %v", n, tt.ranks[k], a, actFinish)
+				}
+			}
+		})
+	}
+}
+
 func TestSanitize(t *testing.T) {
 	cfg := coreCfg() // ttl 15s
 	now := at(100 * time.Second)
