@@ -380,8 +380,8 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 				arm() // woken early: wait for the window's end again
 			}
 		case <-timerC(giveUp):
-			c.fail(ctx, fmt.Errorf("shrink: failed ranks %v (newcomers %v awaited) pending for %v past their due time (settle window %v): %w",
-				dec.Pending(), dec.Awaiting(), c.cfg.AgreementTimeout, settle, ErrAgreementTimeout))
+			c.fail(ctx, fmt.Errorf("shrink: %s: pending for %v past the due time (settle window %v): %w",
+				dec.Outstanding(), c.cfg.AgreementTimeout, settle, ErrAgreementTimeout))
 			return
 		}
 	}

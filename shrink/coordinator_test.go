@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -174,6 +175,35 @@ func TestCoordinatorGivesUp(t *testing.T) {
 		case err := <-a.Err():
 			if !errors.Is(err, ErrAgreementTimeout) {
 				t.Fatalf("err = %v; want ErrAgreementTimeout", err)
+			}
+		case e := <-a.Epochs():
+			t.Fatalf("epoch %v with no leader", e)
+		case <-time.After(10 * time.Second):
+			t.Fatal("no error")
+		}
+	})
+	t.Run("nobody leads a grow", func(t *testing.T) {
+		// The leader decides a shrink and steps down; a newcomer offers
+		// the lost slot. The give-up names it: it named only failed
+		// ranks and newcomers, "failed ranks [] (newcomers [] awaited)".
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+		defer cancel()
+		dial := storeDialer(ctx, t)
+		a := agentSide(t, dial, CoordinatorConfig{Config: Config{SettleWindow: 10 * time.Millisecond},
+			Name: "a", World: 4, AgreementTimeout: 200 * time.Millisecond})
+		a.Lead(ctx, true)
+		if err := a.File(ctx, Report{Ranks: []int{1}, Reason: "exited"}); err != nil {
+			t.Fatal(err)
+		}
+		nextEpoch(t, a, 10*time.Second)
+		a.Lead(ctx, false)
+		if err := a.FileJoin(ctx, Join{Slots: []int{1}}); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case err := <-a.Err():
+			if !errors.Is(err, ErrAgreementTimeout) || !strings.Contains(err.Error(), "slots [1] offered to grow back in") {
+				t.Fatalf("err = %v; want ErrAgreementTimeout naming slot 1 offered", err)
 			}
 		case e := <-a.Epochs():
 			t.Fatalf("epoch %v with no leader", e)

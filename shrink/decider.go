@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"maps"
 	"slices"
+	"strings"
 	"time"
 )
 
@@ -340,6 +341,34 @@ func (d *Decider) Due() time.Time {
 
 // Pending returns the global ranks reported and not yet excluded, sorted.
 func (d *Decider) Pending() []int { return sortedKeys(d.pending) }
+
+// Outstanding says what is still to be decided, for the message of an
+// agreement given up: the failed ranks pending, the current grow while it
+// is not complete (the newcomers that have not joined it, or, all of them
+// in, the acknowledgements of the others that its Complete waits for),
+// and the slots offered to grow back in; "" when nothing is. Due waits on
+// each of them, and a give-up that named only the first two read
+// "failed ranks [] (newcomers [] awaited)" when it was a grow's last
+// acknowledgements, or a grow not decided, that nobody saw to in time.
+func (d *Decider) Outstanding() string {
+	var out []string
+	if len(d.pending) > 0 {
+		out = append(out, fmt.Sprintf("failed ranks %v", d.Pending()))
+	}
+	if !d.complete {
+		g := fmt.Sprintf("the grow of epoch %d (slots %v), not complete", d.current.Number, d.current.Added)
+		if a := d.Awaiting(); len(a) > 0 {
+			g += fmt.Sprintf(": newcomers %v have not joined", a)
+		} else {
+			g += ": every newcomer joined, not every rank has acknowledged it"
+		}
+		out = append(out, g)
+	}
+	if len(d.joins) > 0 {
+		out = append(out, fmt.Sprintf("slots %v offered to grow back in", sortedKeys(d.joins)))
+	}
+	return strings.Join(out, "; ")
+}
 
 func sortedKeys[V any](m map[int]V) []int {
 	out := make([]int, 0, len(m))

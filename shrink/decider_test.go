@@ -226,3 +226,74 @@ func TestDeciderSkipsReportsOfAnEarlierLife(t *testing.T) {
 		t.Errorf("pending after a report filed in the grow's epoch: %v, want [3]", p)
 	}
 }
+
+// TestDeciderOutstanding: what an agreement given up names is whatever Due
+// waits on: failed ranks, a grow not complete (its newcomers not joined,
+// or, all in, the acknowledgements still missing), slots offered. A
+// give-up named only the first two, and read "failed ranks [] (newcomers
+// [] awaited)" on a grow whose newcomers had all joined (bench/chaos).
+func TestDeciderOutstanding(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	cut := mustNext(t, Initial(4), 2, 3) // epoch 1: slots 2 and 3 lost
+	// grown returns a decider on the grow of slots 2 and 3 after cut.
+	grown := func(t *testing.T) *Decider {
+		d := NewDecider("a", Config{SettleWindow: -1}, cut)
+		d.Join(t0, Join{Slots: []int{2, 3}})
+		g, ok, err := d.Decide(t0)
+		if err != nil || !ok || g.Action != ActionGrow {
+			t.Fatalf("Decide the grow: %v %v %v", g, ok, err)
+		}
+		d.Adopt(g)
+		return d
+	}
+	tests := []struct {
+		name string
+		d    func(*testing.T) *Decider
+		want string
+	}{
+		{"nothing", func(*testing.T) *Decider { return NewDecider("a", Config{}, cut) }, ""},
+		{"a failure", func(*testing.T) *Decider {
+			d := NewDecider("a", Config{}, cut)
+			d.Report(t0, Report{Ranks: []int{1, 0}, Reason: "exited"})
+			return d
+		}, "failed ranks [0 1]"},
+		{"slots offered", func(*testing.T) *Decider {
+			d := NewDecider("a", Config{}, cut)
+			d.Join(t0, Join{Slots: []int{3, 2}})
+			return d
+		}, "slots [2 3] offered to grow back in"},
+		{"a grow, newcomers not joined", func(t *testing.T) *Decider {
+			d := grown(t)
+			d.Joined(2, 3)
+			return d
+		}, "the grow of epoch 2 (slots [2 3]), not complete: newcomers [2] have not joined"},
+		{"a grow, every newcomer joined", func(t *testing.T) *Decider {
+			d := grown(t)
+			d.Joined(2, 2)
+			d.Joined(2, 3)
+			return d
+		}, "the grow of epoch 2 (slots [2 3]), not complete: every newcomer joined, not every rank has acknowledged it"},
+		{"a grow and a failure", func(t *testing.T) *Decider {
+			d := grown(t)
+			d.Report(t0, Report{Ranks: []int{0}, Reason: "exited"})
+			return d
+		}, "failed ranks [0]; the grow of epoch 2 (slots [2 3]), not complete: newcomers [2 3] have not joined"},
+		{"a grow complete", func(t *testing.T) *Decider {
+			d := grown(t)
+			d.Complete(2)
+			return d
+		}, ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := tt.d(t)
+			if got := d.Outstanding(); got != tt.want {
+				t.Errorf("Outstanding() = %q, want %q", got, tt.want)
+			}
+			// Named exactly when Due waits on something.
+			if got := d.Outstanding(); (got == "") != d.Due().IsZero() {
+				t.Errorf("Outstanding() = %q with Due %v", got, d.Due())
+			}
+		})
+	}
+}
