@@ -50,6 +50,10 @@ var (
 	progress  bool         // -progress
 	breakdown bool         // -breakdown
 	assigned  atomic.Int64 // agents whose Next has returned, for -progress
+
+	etcdProfile  string // -etcd-cpuprofile
+	phaseProfile string // -phase-cpuprofile
+	profileTag   string // N.REP of the run in progress
 )
 
 // watchProgress prints the rendezvous's marker and the requests so far
@@ -104,6 +108,8 @@ func main() {
 	flag.BoolVar(&progress, "progress", false, "print the marker and the requests so far every second (stderr)")
 	flag.BoolVar(&loss, "loss", false, "after the first round, lose one agent and time the survivors' next round (--nnodes N-1:N)")
 	cpuProfile := flag.String("cpuprofile", "", "write a CPU profile of the whole run to `FILE`")
+	flag.StringVar(&etcdProfile, "etcd-cpuprofile", "", "etcd: start etcd with --enable-pprof and write its CPU profile of each first round to `FILE`.N.REP (merged 5-s samples)")
+	flag.StringVar(&phaseProfile, "phase-cpuprofile", "", "write a CPU profile of each first round (from the agents' Next to the last one assigned) to `FILE`.N.REP")
 	reps := flag.Int("reps", 1, "repetitions per N; the one with the median time is reported")
 	serve := flag.Bool("serve", false, "internal: serve gorun's store on loopback and print its address (the c10d server's process)")
 	flag.Parse()
@@ -135,6 +141,7 @@ func main() {
 		var rs []result
 		for rep := 1; rep <= *reps; rep++ {
 			var r result
+			profileTag = fmt.Sprintf("%d.%d", n, rep)
 			switch *backend {
 			case "c10d":
 				r = runC10d(n, *dataLen, *timeout)
@@ -242,7 +249,9 @@ func rendezvousAll(r *result, stores []rendezvous.Store, c *storecount.Counts, s
 		go watchProgress(pctx, stores[0], c)
 	}
 	assigned.Store(0)
+	stopProfile := startPhaseProfile()
 	r.done, r.elapsed, r.err = nextAll(ctx, ds, 0)
+	stopProfile()
 	perAgent(r, c)
 	first()
 	if !loss || r.done < n || n < 2 {
@@ -318,6 +327,60 @@ func nextAll(ctx context.Context, ds []*rendezvous.Dynamic, round int) (int, tim
 		last = time.Since(start)
 	}
 	return done, last, firstErr
+}
+
+// startPhaseProfile starts -phase-cpuprofile's profile, if asked for,
+// and returns what stops it.
+func startPhaseProfile() (stop func()) {
+	if phaseProfile == "" {
+		return func() {}
+	}
+	f, err := os.Create(phaseProfile + "." + profileTag)
+	if err == nil {
+		err = pprof.StartCPUProfile(f)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "rdzvsim: -phase-cpuprofile:", err)
+		return func() {}
+	}
+	return func() {
+		pprof.StopCPUProfile()
+		f.Close()
+	}
+}
+
+// profileEtcd samples etcd's CPU profile in 5-s pieces until stop closes
+// and writes them to -etcd-cpuprofile's FILE.N.REP.K (merge them with
+// go tool pprof -proto FILE.N.REP.*).
+func profileEtcd(endpoint string, stop <-chan struct{}) (wait func()) {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		hc := &http.Client{Timeout: 30 * time.Second}
+		for k := 0; ; k++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			resp, err := hc.Get("http://" + endpoint + "/debug/pprof/profile?seconds=5")
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "rdzvsim: etcd profile:", err)
+				return
+			}
+			f, err := os.Create(fmt.Sprintf("%s.%s.%d", etcdProfile, profileTag, k))
+			if err == nil {
+				_, err = io.Copy(f, resp.Body)
+				f.Close()
+			}
+			resp.Body.Close()
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "rdzvsim: etcd profile:", err)
+				return
+			}
+		}
+	}()
+	return func() { <-done }
 }
 
 func describeOK(b []byte) bool {
@@ -497,9 +560,16 @@ func runEtcd(n, size int, timeout time.Duration, bin string, clients int) result
 		stores[i] = storecount.New(s, &c)
 	}
 	size0, cpu0, ecpu0 := dirSize(dir), cpuTime(), e.cpu()
+	stopEtcdProfile := func() {}
+	if etcdProfile != "" {
+		stop := make(chan struct{})
+		wait := profileEtcd(e.endpoint, stop)
+		stopEtcdProfile = func() { close(stop); wait() }
+	}
 	rendezvousAll(&r, stores, &c, size, timeout, func() {
 		r.cpu, r.etcdCPU = cpuTime()-cpu0, e.cpu()-ecpu0
 		r.etcdGrow = float64(dirSize(dir)-size0) / float64(n)
+		stopEtcdProfile()
 	})
 	return r
 }
@@ -595,6 +665,9 @@ func startEtcd(bin, dir string) (*etcdServer, error) {
 		"--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
 		"--initial-cluster", "sim="+peer, "--initial-cluster-state", "new",
 		"--quota-backend-bytes", strconv.Itoa(8<<30), "--logger", "zap", "--log-outputs", "stderr")
+	if etcdProfile != "" {
+		cmd.Args = append(cmd.Args, "--enable-pprof")
+	}
 	cmd.Stdout, cmd.Stderr = log, log
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
