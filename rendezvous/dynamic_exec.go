@@ -781,7 +781,8 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 
 // awaitQueued waits, after queueing q's request on st (this node's
 // decision on snap at now), as await does, until a wake-up or the first
-// of st's wake-up time, the lazy look after the push and settle (q.due).
+// of st's wake-up time, the lazy look after the push (none for a crowd's
+// join that found a folder at work: crowded) and settle (q.due).
 // Where the store peeks (etcd), a lazy or settle look first reads the
 // folder lock alone, and goes on waiting while a folder holds it (the
 // folder will take the request, or a look at settle finds it gone): in a
@@ -794,7 +795,7 @@ func (d *Dynamic) awaitQueued(ctx context.Context, snap *snapshot, st *dynState,
 		if q.due.Before(wake) {
 			wake = q.due
 		}
-		if lazy := q.sent.Add(d.lazyDelay()); lazy.After(now) && lazy.Before(wake) {
+		if lazy := q.sent.Add(d.lazyDelay()); !q.atWork && lazy.After(now) && lazy.Before(wake) {
 			wake = lazy
 		}
 		notified, err := d.waitWake(ctx, snap, now, wake)

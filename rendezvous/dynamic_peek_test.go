@@ -344,3 +344,66 @@ func TestBubbleCrowdGathered(t *testing.T) {
 		})
 	}
 }
+
+// TestBubbleCrowdNoLazyLook: a crowd's join whose fold right after its
+// push finds another node folding makes no lazy look at the lock a second
+// later (that folder sees the request in the queue should it let go), so
+// while the folder holds the lock each node looks once, at its push; out
+// of a crowd each looks again after lazyDelay. Either way the round
+// completes once the folder is gone.
+func TestBubbleCrowdNoLazyLook(t *testing.T) {
+	const (
+		n    = 40
+		held = 4 * time.Second // past the lazy look (1 s), before settle (5 s)
+	)
+	for _, tc := range []struct {
+		name               string
+		rate               int // CrowdRate: 1 makes 40 nodes a crowd; -1 never
+		minLooks, maxLooks int // during held
+		roundTook          time.Duration
+	}{
+		{"crowd", 1, n, n, held + 5*time.Second + 50*time.Second + 10*time.Second},
+		{"no crowd", -1, 2 * n, 2 * n, held + 5*time.Second + 5*time.Second + 10*time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p := newPeekMemStore()
+				lockKey := "gorun.rendezvous.job" + lockSuffix
+				start := time.Now()
+				hold := func() {
+					v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
+					p.memStore.Set(context.Background(), lockKey, v.bytes())
+				}
+				hold()
+				go func() {
+					for time.Since(start) < held {
+						time.Sleep(time.Second)
+						hold()
+					}
+				}()
+				chs := make([]<-chan bubbleResult, n)
+				for i := range chs {
+					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: tc.rate})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					chs[i] = goNext(d, start)
+				}
+				time.Sleep(held)
+				p.pmu.Lock()
+				looks := p.peeks[lockKey]
+				p.pmu.Unlock()
+				t.Logf("%d looks at the lock in %v by %d nodes", looks, held, n)
+				if looks < tc.minLooks || looks > tc.maxLooks {
+					t.Errorf("%d looks at the lock in %v, want %d to %d", looks, held, tc.minLooks, tc.maxLooks)
+				}
+				for i, ch := range chs {
+					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > tc.roundTook {
+						t.Fatalf("node %d: %+v (%v), want its rank by %v", i, x, x.err, tc.roundTook)
+					}
+				}
+			})
+		})
+	}
+}

@@ -8,8 +8,8 @@ package rendezvous
 // (foldRequest), and writes the state once for the whole batch. A
 // requester then waits on the wake-up key like any other waiter (and
 // looks once a lazy fold's delay after its push, in case the folder let
-// go just before it), reading only its own share of the state
-// (dynamic_share.go). Runs smaller than
+// go just before it; not a crowd's join on etcd: crowded), reading only
+// its own share of the state (dynamic_share.go). Runs smaller than
 // DynamicConfig.QueueMinNodes (32) keep compare-setting directly.
 //
 // Heartbeats go the same way, lazily: a node pushes its keep-alive and
@@ -74,6 +74,10 @@ type queued struct {
 	// lapsed: the node's last look at the folder lock (awaitQueued's)
 	// found nobody holding it, so its next decision folds.
 	lapsed bool
+	// atWork: in a crowd, the fold right after the last push found
+	// another node folding (or took the lock and found the queue
+	// empty), so no lazy look follows the push (awaitQueued).
+	atWork bool
 }
 
 // settle is how long a queued request may stay without effect before its
@@ -228,6 +232,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 		}
 		d.observe(start)
 		q.sent, q.token, q.due = now, snap.token, now.Add(d.lookPeriod())
+		q.atWork = false
 	}
 	if !push && !lazy && !q.lapsed && d.canPeek() {
 		// Still queued, and where the store peeks a look at the lock is
@@ -252,8 +257,26 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 	if applied && lazy {
 		q.beat = q.sent
 	}
+	if push && !lazy && !applied && err == nil && d.crowded() && d.canPeek() {
+		q.atWork = true
+	}
 	return applied, err
 }
+
+// crowded reports whether this run's nodes are a crowd: MaxNodes ÷
+// CrowdRate beyond settle, where the look period stretches.
+//
+// Where the store peeks (etcd), a crowd's queued join makes no lazy look
+// after its push when its own fold right after the push found the lock
+// held (awaitQueued): the push
+// went before that look, so a folder letting go afterwards sees the
+// request in the queue (fold's QueueLen) and folds on; the one it could
+// leave there (a pass of heartbeats past lazyDelay) is folded by the
+// crowd's looks, at about CrowdRate a second, and its heartbeats' lazy
+// folds. In a crowd of 10,000 on etcd the lazy look was two of an
+// agent's seven requests (a look at the lock, a second wait), all within
+// a second of the crowd's pushes, and each one found the folder at work.
+func (d *Dynamic) crowded() bool { return d.cfg.crowdPeriod() > d.settle() }
 
 // keepAliveQueued queues this node's heartbeat and, lazyDelay later,
 // folds unless somebody has since: the keep-alive of a node that is in
