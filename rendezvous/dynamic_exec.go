@@ -133,8 +133,9 @@ type Dynamic struct {
 	buckets, bucket        int
 	viewMultiGet, viewPeek atomic.Bool
 	// noPeek: the store is a Peeker that cannot peek after all (a
-	// wrapper of one that is not).
-	noPeek atomic.Bool
+	// wrapper of one that is not); noPushPeek: a PushPeeker that cannot
+	// push and peek.
+	noPeek, noPushPeek atomic.Bool
 	// slow is the slowest recent store request of the queue's (in
 	// nanoseconds; see observe), which sets how long a folder holds its
 	// lock.

@@ -407,3 +407,149 @@ func TestBubbleCrowdNoLazyLook(t *testing.T) {
 		})
 	}
 }
+
+// pushPeekStore is a peekMemStore that pushes and looks in one request
+// (PushPeeker), as etcd's Store does; with refuse, it says it cannot
+// after all (a wrapper of a store that cannot). It counts its calls, and
+// the compare-sets that try to take an absent lock.
+type pushPeekStore struct {
+	*peekMemStore
+	refuse bool
+
+	mu          sync.Mutex
+	pushPeeks   int
+	lockLooked  int // of them, looks at the folder lock
+	created     int // the lock created by a push
+	absentTakes int // compare-sets expecting the lock absent
+}
+
+func (s *pushPeekStore) QueuePushPeek(ctx context.Context, k string, v []byte, look string, create []byte) ([]byte, error) {
+	if s.refuse {
+		return nil, ErrNotSupported
+	}
+	if err := s.peekMemStore.QueuePush(ctx, k, v); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	s.pushPeeks++
+	if strings.HasSuffix(look, lockSuffix) {
+		s.lockLooked++
+	}
+	s.mu.Unlock()
+	s.peekMemStore.mu.Lock()
+	defer s.peekMemStore.mu.Unlock()
+	cur, ok := s.peekMemStore.kv[look]
+	if !ok && create != nil {
+		s.peekMemStore.kv[look] = append([]byte{}, create...)
+		s.mu.Lock()
+		s.created++
+		s.mu.Unlock()
+		return create, nil
+	}
+	if !ok {
+		return nil, nil
+	}
+	return append([]byte{}, cur...), nil
+}
+
+func (s *pushPeekStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	if strings.HasSuffix(k, lockSuffix) && expected == nil {
+		s.mu.Lock()
+		s.absentTakes++
+		s.mu.Unlock()
+	}
+	return s.peekMemStore.CompareSet(ctx, k, expected, desired)
+}
+
+// TestBubblePushPeeksLock: where the store pushes and looks in one request
+// (PushPeeker: etcd), a join's push reads the folder lock with it, and the
+// fold after the push looks no more: while another node folds, the crowd's
+// nodes make no Peek of the lock at all, one request each where they made
+// two. With no lock yet, the first push creates it and its node folds:
+// none of the crowd tries to take an absent lock with a compare-set, which
+// on etcd is a Raft proposal each (a crowd that starts together found it
+// absent, every node of it). A store that cannot after all is pushed to
+// and peeked at as before. Every round completes.
+func TestBubblePushPeeksLock(t *testing.T) {
+	const (
+		n    = 40
+		held = 4 * time.Second // before the look period (30–50 s at CrowdRate 1)
+	)
+	for _, tc := range []struct {
+		name        string
+		pushPeek    bool // the store is a PushPeeker
+		refuse      bool // that cannot after all
+		noLock      bool // no folder elsewhere: the lock is absent
+		peeks       int  // Peeks of the lock during held
+		pushPeeks   int
+		created     int
+		absentTakes int // at most
+	}{
+		{"push and peek", true, false, false, 0, n, 0, 0},
+		{"push and peek, no lock yet", true, false, true, -1, n, 1, 0},
+		{"peeker only", false, false, false, n, 0, 0, 0},
+		{"push and peek refused", true, true, false, n, 0, 0, 0},
+		{"push and peek refused, no lock yet", true, true, true, -1, 0, 0, n},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				p := newPeekMemStore()
+				pp := &pushPeekStore{peekMemStore: p, refuse: tc.refuse}
+				var store Store = p
+				if tc.pushPeek {
+					store = pp
+				}
+				lockKey := "gorun.rendezvous.job" + lockSuffix
+				start := time.Now()
+				if !tc.noLock {
+					hold := func() {
+						v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
+						p.memStore.Set(context.Background(), lockKey, v.bytes())
+					}
+					hold()
+					go func() {
+						for time.Since(start) < held {
+							time.Sleep(time.Second)
+							hold()
+						}
+					}()
+				}
+				chs := make([]<-chan bubbleResult, n)
+				for i := range chs {
+					d, err := NewDynamic(store, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: 1})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					chs[i] = goNext(d, start)
+				}
+				time.Sleep(held)
+				p.pmu.Lock()
+				peeks := p.peeks[lockKey]
+				p.pmu.Unlock()
+				pp.mu.Lock()
+				pushPeeks, looked, created, absentTakes := pp.pushPeeks, pp.lockLooked, pp.created, pp.absentTakes
+				pp.mu.Unlock()
+				p.cmu.Lock()
+				pushes := p.pushes
+				p.cmu.Unlock()
+				t.Logf("%d peeks at the lock, %d pushes (%d with a look at it), the lock created by %d, %d compare-sets taking it absent",
+					peeks, pushes, pushPeeks, created, absentTakes)
+				if tc.peeks >= 0 && peeks != tc.peeks || pushPeeks != tc.pushPeeks || looked != tc.pushPeeks || pushes < n ||
+					created != tc.created || absentTakes > tc.absentTakes {
+					t.Errorf("%d peeks at the lock, %d pushes of which %d pushed and looked (%d at the lock), created %d, %d absent takes; "+
+						"want %d, %d, %d, %d, at most %d", peeks, pushes, pushPeeks, looked, created, absentTakes,
+						tc.peeks, n, tc.pushPeeks, tc.created, tc.absentTakes)
+				}
+				if tc.noLock && tc.refuse && absentTakes == 0 {
+					t.Errorf("without the push's look, no compare-set took the absent lock: the bound above tests nothing")
+				}
+				for i, ch := range chs {
+					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > held+70*time.Second {
+						t.Fatalf("node %d: %+v (%v)", i, x, x.err)
+					}
+				}
+			})
+		})
+	}
+}

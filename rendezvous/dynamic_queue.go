@@ -217,13 +217,14 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 	if err != nil {
 		return false, err
 	}
+	var look *lockLook // the folder lock as the push found it
 	if push {
 		b, err := json.Marshal(q.req)
 		if err != nil {
 			return false, err
 		}
 		start := d.now()
-		if err := d.store.QueuePush(ctx, d.key+queueSuffix, b); err != nil {
+		if look, err = d.push(ctx, b, !lazy); err != nil {
 			if errors.Is(err, ErrNotSupported) {
 				d.noQueue.Store(true)
 				return true, nil
@@ -253,7 +254,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 			return false, err
 		}
 	}
-	applied, err := d.fold(ctx, snap)
+	applied, err := d.fold(ctx, snap, look)
 	if applied && lazy {
 		q.beat = q.sent
 	}
@@ -261,6 +262,38 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 		q.atWork = true
 	}
 	return applied, err
+}
+
+// lockLook is the folder lock as a push read it (push): its value (nil:
+// absent) and whether the push took it (created it with the value this
+// node holds it with).
+type lockLook struct {
+	cur  []byte
+	mine bool
+}
+
+// push queues a request, b. With look, where the store pushes and looks in
+// one request (PushPeeker), it reads the folder lock with the push, and
+// takes it if nobody has yet (the key is absent), and returns what it
+// found: that stands for the fold's look after the push (lock). On etcd a
+// look of its own is a read-only transaction, one of a crowd's five
+// requests a node, and in a crowd that starts together every node's look
+// finds the lock absent and its compare-set (a Raft proposal) then fails
+// for all but one. A nil look: not read.
+func (d *Dynamic) push(ctx context.Context, b []byte, look bool) (*lockLook, error) {
+	if pp, ok := d.store.(PushPeeker); ok && look && d.canPeek() && !d.noPushPeek.Load() {
+		now := d.now()
+		want := lockValue{holder: d.me.String(), expiry: now.Add(d.lockHold()), start: now}.bytes()
+		cur, err := pp.QueuePushPeek(ctx, d.key+queueSuffix, b, d.key+lockSuffix, want)
+		switch {
+		case err == nil:
+			return &lockLook{cur: cur, mine: bytes.Equal(cur, want)}, nil
+		case !errors.Is(err, ErrNotSupported):
+			return nil, err
+		}
+		d.noPushPeek.Store(true) // nothing pushed: push plainly
+	}
+	return nil, d.store.QueuePush(ctx, d.key+queueSuffix, b)
 }
 
 // crowded reports whether this run's nodes are a crowd: MaxNodes ÷
@@ -301,7 +334,7 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	if err != nil {
 		return next, err
 	}
-	_, err = d.fold(ctx, snap)
+	_, err = d.fold(ctx, snap, nil)
 	return next, err
 }
 
@@ -348,9 +381,11 @@ func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now t
 // over.) Joins keep it folding: their nodes wait for them, and a crowd's
 // would otherwise be left to whoever wakes next. It reports
 // whether it applied any request (snap then holds the state as it last
-// read or wrote it).
-func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
-	mine, ok, err := d.lock(ctx, nil)
+// read or wrote it). A look that is not nil is the lock as this node's
+// push found it (push), after which it need not look again before taking
+// it, nor take it if the push did (lock).
+func (d *Dynamic) fold(ctx context.Context, snap *snapshot, look *lockLook) (bool, error) {
+	mine, ok, err := d.lock(ctx, nil, look)
 	if err != nil || !ok {
 		return false, err
 	}
@@ -390,7 +425,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot) (bool, error) {
 			if err != nil || n == 0 || spent {
 				return applied, err
 			}
-			if mine, ok, err = d.lock(ctx, nil); err != nil || !ok {
+			if mine, ok, err = d.lock(ctx, nil, nil); err != nil || !ok {
 				return applied, err
 			}
 			k = d.keepLock(ctx, mine)
@@ -425,7 +460,7 @@ func (d *Dynamic) keepLock(ctx context.Context, mine []byte) *lockKeeper {
 			held := k.mine
 			k.mu.Unlock()
 			// Only this goroutine changes mine until it is stopped.
-			mine, ok, err := d.lock(ctx, held)
+			mine, ok, err := d.lock(ctx, held, nil)
 			switch {
 			case ok:
 				held = mine
@@ -499,8 +534,10 @@ func (k *lockKeeper) halt(ctx context.Context) {
 
 // lock takes the folder lock, or renews it when mine is the value this
 // node holds it with, and returns the new value. A fold starts when the
-// lock is taken, not when it is renewed.
-func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
+// lock is taken, not when it is renewed. A look that is not nil is the
+// lock as the push just made found it (push): it stands for the look
+// before writing, and says whether the push took the lock.
+func (d *Dynamic) lock(ctx context.Context, mine []byte, look *lockLook) ([]byte, bool, error) {
 	now := d.now()
 	want := lockValue{holder: d.me.String(), expiry: now.Add(d.lockHold()), start: now}
 	key := d.key + lockSuffix
@@ -512,8 +549,13 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte) ([]byte, bool, error) {
 		// Look before writing: on etcd a compare-set is a Raft proposal
 		// even when it fails, and in a crowd every node looks at the
 		// lock once per push while one holds it.
-		cur, err := d.peek(ctx, key, nil)
-		if err != nil {
+		var cur []byte
+		var err error
+		if look != nil && look.mine {
+			return look.cur, true, nil
+		} else if look != nil {
+			cur = look.cur
+		} else if cur, err = d.peek(ctx, key, nil); err != nil {
 			return nil, false, fmt.Errorf("folder lock: %w", err)
 		}
 		if len(cur) > 0 && !parseLock(cur).lapsed(now) {

@@ -141,3 +141,21 @@ type Peeker interface {
 	// wrapper whose inner Store cannot).
 	Peek(ctx context.Context, keys ...string) ([][]byte, error)
 }
+
+// PushPeeker is a Peeker that can push onto a queue and look at a key,
+// creating it when absent, in one request: on etcd one transaction, whose
+// read goes with its write, where a Peek after the push would be a
+// read-only transaction of its own (etcd 3.4 copies its backend's buffer
+// of recent writes for each one: with a crowd's pushes arriving, that copy
+// is most of what a read costs it), and a compare-set creating the key a
+// Raft proposal of its own. The dynamic rendezvous pushes a join with a
+// look at the folder lock, which it takes when nobody has yet.
+type PushPeeker interface {
+	// QueuePushPeek pushes value onto the queue named key, as QueuePush
+	// does, and returns look's value read at or after the push (nil:
+	// absent), as Peek does; with create not nil, it creates look with
+	// create if look is absent then, and returns create. An error
+	// wrapping ErrNotSupported says that this Store cannot after all (a
+	// wrapper whose inner Store cannot): nothing was pushed.
+	QueuePushPeek(ctx context.Context, key string, value []byte, look string, create []byte) ([]byte, error)
+}

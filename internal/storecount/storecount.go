@@ -76,6 +76,7 @@ var (
 	_ rendezvous.Store       = (*Store)(nil)
 	_ rendezvous.BatchPopper = (*Store)(nil)
 	_ rendezvous.Peeker      = (*Store)(nil)
+	_ rendezvous.PushPeeker  = (*Store)(nil)
 )
 
 // New wraps s, counting into c.
@@ -253,4 +254,18 @@ func (s *Store) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
 		s.recv(t, len(v))
 	}
 	return vs, err
+}
+
+// QueuePushPeek forwards to the inner Store's, or says it has none: one
+// request, a push (counted as written, with what it may create) and the
+// key it looks at.
+func (s *Store) QueuePushPeek(ctx context.Context, key string, value []byte, look string, create []byte) ([]byte, error) {
+	p, ok := s.Store.(rendezvous.PushPeeker)
+	if !ok {
+		return nil, rendezvous.ErrNotSupported
+	}
+	t := s.req("queue_push", key, len(key)+len(value)+len(look)+len(create), true)
+	v, err := p.QueuePushPeek(ctx, key, value, look, create)
+	s.recv(t, len(v))
+	return v, err
 }

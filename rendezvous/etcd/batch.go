@@ -107,29 +107,39 @@ func (b *batcher) run(c *batchCall) {
 	<-c.done
 }
 
-// doAll runs ops, which write nothing, in one batch where the limits
-// allow (they are queued together), and returns their responses in order.
-func (b *batcher) doAll(ops []clientv3.Op, sizes []int) ([]*etcdserverpb.ResponseOp, error) {
+// doAll runs ops in one batch where the limits allow (they are queued
+// together, in order; a batch cut by its limits leaves the rest to the
+// next), and returns their responses and their batches' revisions in
+// order. writes, when not nil, names the keys each op may write (as do's);
+// a plain put's own key need not be named.
+func (b *batcher) doAll(ops []clientv3.Op, sizes []int, writes ...[]string) ([]*etcdserverpb.ResponseOp, []int64, error) {
 	cs := make([]*batchCall, len(ops))
 	for i, op := range ops {
 		cs[i] = &batchCall{op: op, size: sizes[i], done: make(chan struct{})}
+		if i < len(writes) {
+			cs[i].writes = append(cs[i].writes, writes[i]...)
+		}
+		if op.IsPut() {
+			cs[i].writes = append(cs[i].writes, string(op.KeyBytes()))
+		}
 	}
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
-		return nil, errStorageClosed
+		return nil, nil, errStorageClosed
 	}
 	b.pending = append(b.pending, cs...)
 	b.startLocked()
 	b.mu.Unlock()
 	out := make([]*etcdserverpb.ResponseOp, len(cs))
+	revs := make([]int64, len(cs))
 	var errs []error
 	for i, c := range cs {
 		<-c.done
-		out[i] = c.resp
+		out[i], revs[i] = c.resp, c.rev
 		errs = append(errs, c.err)
 	}
-	return out, errors.Join(errs...)
+	return out, revs, errors.Join(errs...)
 }
 
 // startLocked sends the queue's head as a batch if a slot is free; mu

@@ -1020,12 +1020,19 @@ func (s *Storage) Keys() ([][]byte, error) {
 }
 
 func (s *Storage) QueuePush(key, value []byte) error {
-	el := s.qdir(key) + s.id + strconv.FormatUint(s.seq.Add(1), 16)
+	el := s.element(key)
 	// A retry puts the same element again: never a duplicate.
 	if _, _, err := s.batch.do(clientv3.OpPut(el, string(value)), 0); err != nil {
 		return s.fail("queue_push", key, err)
 	}
 	return nil
+}
+
+// element names a new element of the queue named key: behind every
+// element there, and this Storage's own (s.id) so that a retry of its
+// push puts it again rather than a second one.
+func (s *Storage) element(key []byte) string {
+	return s.qdir(key) + s.id + strconv.FormatUint(s.seq.Add(1), 16)
 }
 
 func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -29,6 +30,7 @@ var (
 	_ rendezvous.Store       = (*Store)(nil)
 	_ rendezvous.BatchPopper = (*Store)(nil)
 	_ rendezvous.Peeker      = (*Store)(nil)
+	_ rendezvous.PushPeeker  = (*Store)(nil)
 )
 
 // NewStore returns a Store on st; blocking operations whose context has no
@@ -72,10 +74,59 @@ func (s *Store) Peek(_ context.Context, keys ...string) ([][]byte, error) {
 	for i, k := range keys {
 		ops[i], sizes[i] = clientv3.OpGet(s.st.kkey([]byte(k))), len(k)
 	}
-	resps, err := s.st.batch.doAll(ops, sizes)
+	resps, _, err := s.st.batch.doAll(ops, sizes)
 	if err != nil {
 		return nil, s.st.fail("peek", []byte(keys[0]), err)
 	}
+	return s.peeked(keys, resps)
+}
+
+// QueuePushPeek pushes value onto the queue named key and looks at look
+// in the same batch (rendezvous.PushPeeker): one transaction, the look
+// part of the write's, where a Peek after the push is a read-only
+// transaction of its own. With create, the look is a transaction nested
+// in the batch that creates look when it is absent (its version 0) and
+// reads it otherwise; a batch sent again finds it created, with create. A
+// large value (in chunks) is neither looked at so nor created: a Peek
+// follows the push.
+func (s *Store) QueuePushPeek(ctx context.Context, key string, value []byte, look string, create []byte) ([]byte, error) {
+	if chunked(create) {
+		return nil, fmt.Errorf("%w: create a value of %d bytes with a push", rendezvous.ErrInvalidArgument, len(create))
+	}
+	el, lk := s.st.element([]byte(key)), s.st.kkey([]byte(look))
+	get := clientv3.OpGet(lk)
+	op := get
+	if create != nil {
+		op = clientv3.OpTxn([]clientv3.Cmp{clientv3.Compare(clientv3.Version(lk), "=", 0)},
+			[]clientv3.Op{clientv3.OpPut(lk, string(create))}, []clientv3.Op{get})
+	}
+	// A retry puts the same element again: never a duplicate.
+	resps, revs, err := s.st.batch.doAll([]clientv3.Op{clientv3.OpPut(el, string(value)), op},
+		[]int{len(el) + len(value), len(lk) + len(create)}, nil, []string{lk})
+	if err != nil {
+		return nil, s.st.fail("queue_push", []byte(key), err)
+	}
+	if revs[1] < revs[0] {
+		return nil, s.st.fail("queue_push", []byte(key), fmt.Errorf("a look at revision %d before its push at %d", revs[1], revs[0]))
+	}
+	r := resps[1]
+	if create != nil {
+		tx := r.GetResponseTxn()
+		if tx.Succeeded {
+			return create, nil
+		}
+		r = tx.Responses[0]
+	}
+	vs, err := s.peeked([]string{look}, []*etcdserverpb.ResponseOp{r})
+	if err != nil {
+		return nil, err
+	}
+	return vs[0], nil
+}
+
+// peeked is the values of keys in their reads' responses, a large value
+// read whole (Peek).
+func (s *Store) peeked(keys []string, resps []*etcdserverpb.ResponseOp) ([][]byte, error) {
 	out := make([][]byte, len(keys))
 	for i, r := range resps {
 		kvs := r.GetResponseRange().GetKvs()

@@ -312,3 +312,79 @@ func TestStorePeek(t *testing.T) {
 		t.Errorf("peeks moved the revision from %d to %d", before, after)
 	}
 }
+
+// TestStoreQueuePushPeek: a push with a look puts the element behind the
+// queue's others and reads the key as Peek does (absent: nil; a large
+// value whole; unwatched or not), after the push, in one request: one
+// revision for the element, none for the read; with a value to create, it
+// creates an absent key (in the same revision) and leaves a present one.
+func TestStoreQueuePushPeek(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	cli := cluster.Client(t, nil)
+	ctx := testCtx(t, 30*time.Second)
+	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{Prefix: "/test/pushpeek/", Unwatched: []string{"u*", "q"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := etcd.NewStore(st, 10*time.Second)
+	t.Cleanup(func() { s.Close() })
+	big := strings.Repeat("0123456789abcdef", 100_000)
+	for k, v := range map[string]string{"k": "v", "u1": "unwatched", "big": big} {
+		if err := s.Set(ctx, k, []byte(v)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rev := func() int64 {
+		resp, err := cli.Get(ctx, "/test/pushpeek/", clientv3.WithPrefix(), clientv3.WithCountOnly())
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.Header.Revision
+	}
+	if err := s.QueuePush(ctx, "q", []byte("first")); err != nil {
+		t.Fatal(err)
+	}
+	for i, tc := range []struct {
+		look   string
+		create []byte
+		want   any // string, or nil for absent
+	}{
+		{"u1", nil, "unwatched"},
+		{"absent", nil, nil},
+		{"k", nil, "v"},
+		{"big", nil, big},
+		{"u1", []byte("mine"), "unwatched"},
+		{"k", []byte("mine"), "v"},
+		{"u2", []byte("mine"), "mine"},
+		{"u2", []byte("again"), "mine"},
+		{"new", []byte("mine"), "mine"},
+	} {
+		before := rev()
+		v, err := s.QueuePushPeek(ctx, "q", []byte(fmt.Sprint(i)), tc.look, tc.create)
+		if err != nil {
+			t.Fatalf("QueuePushPeek(%q, %q): %v", tc.look, tc.create, err)
+		}
+		switch w := tc.want.(type) {
+		case nil:
+			if v != nil {
+				t.Errorf("QueuePushPeek(%q, %q) = %q, want absent", tc.look, tc.create, v)
+			}
+		case string:
+			if v == nil || string(v) != w {
+				t.Errorf("QueuePushPeek(%q, %q) = %.40q, want %.40q", tc.look, tc.create, v, w)
+			}
+		}
+		if after := rev(); after != before+1 {
+			t.Errorf("QueuePushPeek(%q, %q) moved the revision from %d to %d, want one write", tc.look, tc.create, before, after)
+		}
+	}
+	for k, want := range map[string]string{"u1": "unwatched", "k": "v", "u2": "mine", "new": "mine"} {
+		if vs, err := s.Peek(ctx, k); err != nil || string(vs[0]) != want {
+			t.Errorf("%s after the pushes: %q, %v; want %q", k, vs, err, want)
+		}
+	}
+	got, err := s.QueuePopBatch(ctx, "q", 20)
+	if err != nil || len(got) != 10 || string(got[0]) != "first" || string(got[9]) != "8" {
+		t.Fatalf("the queue after the pushes: %q, %v", got, err)
+	}
+}
