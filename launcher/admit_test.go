@@ -5,11 +5,13 @@ import (
 	"fmt"
 	"slices"
 	"testing"
+	"time"
 
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 	"github.com/gorunhq/gorun/shrink"
 )
 
@@ -91,5 +93,58 @@ func TestAdmitWaitingFillsEveryPlace(t *testing.T) {
 				t.Errorf("said %d time(s) that the places stay vacant, want %v once", n, tt.vacant)
 			}
 		})
+	}
+}
+
+// TestNewcomerGoneReportedForTheGrow: a grow that adds a local slot whose
+// newcomer has exited is reported at once, as news of the slot's life in
+// that grow. The report named the newcomer's own life (the epoch after
+// which it started), and when an epoch since had excluded that newcomer
+// (a coordinator that read its Join late grew the slot back for it) the
+// report was stale to every decider: the survivors waited out the grow
+// timeout and the job restarted (bench/chaos, coordinator-lost).
+func TestNewcomerGoneReportedForTheGrow(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	board := func() *shrink.Board {
+		c, err := tcpstore.Dial(ctx, srv.Addr().String(), tcpstore.ClientConfig{Timeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return shrink.NewBoard(c, "")
+	}
+	read := board()
+	coord := shrink.NewCoordinator(shrink.CoordinatorConfig{World: 6, Name: "node2"}, board(), board(), board())
+	defer coord.Close()
+	// Epoch 4 grows slot 5 back; its newcomer started after epoch 1 and
+	// was excluded by epoch 3, which a decider knows.
+	grow := shrink.Epoch{Number: 4, Action: shrink.ActionGrow, Base: 3, Added: []int{5},
+		Ranks: []int{0, 1, 2, 3, -1, 4}, WorldSize: 5}
+	sv := &survivors{log: zap.NewNop(), coord: coord, me: 2, nodeIDs: []string{"node0", "node1", "node2"},
+		nodes: nodeRanks{{nproc: 2}, {nproc: 2}, {nproc: 2}}, dead: map[int]bool{}, pending: map[int]string{}, epoch: grow}
+	g := &group{workers: []*worker{
+		{a: Assignment{Rank: 4, LocalRank: 0}, exited: true, since: 3},
+		{a: Assignment{Rank: 5, LocalRank: 1}, exited: true, since: 1, newcomer: true},
+	}}
+	a := &agent{log: zap.NewNop(), host: "node2"}
+	var out outcome
+	if err := a.newcomersGone(ctx, g, sv, grow, &out); err != nil {
+		t.Fatal(err)
+	}
+	if len(out.failures) != 1 || out.failures[0].Rank != 5 {
+		t.Fatalf("failures %+v, want slot 5's alone", out.failures)
+	}
+	n, err := read.AwaitNotice(ctx, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f := n.Failure; f == nil || !slices.Equal(f.Ranks, []int{5}) || f.Epoch == nil || *f.Epoch != grow.Number-1 {
+		t.Fatalf("notice %+v, want slot 5's failure in the life epoch %d expects (Epoch %d)", n, grow.Number, grow.Number-1)
 	}
 }

@@ -220,7 +220,11 @@ func (a *agent) newcomersGone(ctx context.Context, g *group, sv *survivors, e sh
 			continue
 		}
 		f := newFailure(wk.a.LocalRank, wk.a.Rank, wk.exit, wk.errorFile, a.host)
-		f.Since = wk.since
+		// The news is of the slot's life in e, whoever e expected there:
+		// the life of a newcomer an epoch before e excluded (its Join read
+		// late, or filed again as it was stopped) would make the report
+		// stale, and the grow would wait for a newcomer nobody will start.
+		f.Since = e.Number - 1
 		f.Message = fmt.Sprintf("the grow of epoch %d adds slot %d, whose newcomer is gone (%s)", e.Number, wk.a.Rank, f.Message)
 		a.log.Warn("a grow adds a slot whose newcomer is gone; reporting it", zap.Int("rank", wk.a.Rank), zap.Int("epoch", e.Number))
 		out.failures = append(out.failures, f)

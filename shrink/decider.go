@@ -75,6 +75,15 @@ type Join struct {
 	Slots  []int     `json:"slots"`
 	From   string    `json:"from,omitempty"`
 	SeenAt time.Time `json:"seen_at"`
+	// After is the latest epoch the newcomers knew of when they offered
+	// their slots: a grow later than that which added a slot answered
+	// this offer already. The log is read beside the epochs, so a
+	// coordinator (a new leader resuming from the floor) may read the
+	// Join after the grow it brought; taken as news then, it grew a slot
+	// back a second time for a newcomer since excluded and gone, and the
+	// survivors waited on it for the grow timeout. Nil: not said (older
+	// helpers), and the Join is taken as news.
+	After *int `json:"after,omitempty"`
 }
 
 // Report is one agent's word that global ranks failed.
@@ -118,8 +127,11 @@ type Decider struct {
 	// epoch is pending no more (Report.Holds).
 	pendingBy map[int][]Report
 	// excludedIn is, for each launch slot ever excluded, the latest
-	// epoch that excluded it: what Report.Epoch is weighed against.
+	// epoch that excluded it: what Report.Epoch is weighed against;
+	// addedIn, for each slot ever grown back, the latest grow that added
+	// it: what Join.After is weighed against.
 	excludedIn map[int]int
+	addedIn    map[int]int
 	// due is when the pending reports are to be decided: the earliest
 	// pending report's SeenAt plus the settle window.
 	due time.Time
@@ -150,7 +162,7 @@ type Decider struct {
 // from current.
 func NewDecider(name string, cfg Config, current Epoch) *Decider {
 	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{}, pendingBy: map[int][]Report{}, excludedIn: map[int]int{},
-		joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
+		addedIn: map[int]int{}, joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
 	d.Adopt(current)
 	return d
 }
@@ -225,8 +237,12 @@ func (d *Decider) settleBy(due *time.Time, seen, now time.Time) {
 // in by an epoch once the settle window has passed (a node's ranks join in
 // one epoch) and the current epoch is complete. Slots alive in the
 // current epoch (but a newcomer's of a grow not complete), or out of
-// range, are ignored. It returns Due.
+// range, are ignored, and so are slots a grow after j.After added (the
+// offer was answered). It returns Due.
 func (d *Decider) Join(now time.Time, j Join) time.Time {
+	j.Slots = slices.DeleteFunc(slices.Clone(j.Slots), func(g int) bool {
+		return j.After != nil && d.addedIn[g] > *j.After
+	})
 	// A newcomer of a grow under way may offer its slot again: its join
 	// failed, and the epoch that ends the grow excludes it.
 	open := func(g int) bool {
@@ -476,6 +492,7 @@ func (d *Decider) Adopt(e Epoch) {
 	clear(d.awaiting)
 	for _, g := range e.Added {
 		d.awaiting[g] = true
+		d.addedIn[g] = e.Number
 	}
 	early := d.early
 	d.early = nil

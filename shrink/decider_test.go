@@ -297,3 +297,46 @@ func TestDeciderOutstanding(t *testing.T) {
 		})
 	}
 }
+
+// TestDeciderJoinAnsweredAlready: a Join read after a grow that answered
+// it (a new leader resuming from the floor reads the log beside the
+// epochs) does not grow the slot back again. Seen in bench/chaos: the
+// coordinator's host lost, its replacement led from the floor (epoch 1
+// here), read slot 5's Join after adopting the grow that added it and the
+// shrink that excluded it again (its newcomer stopped), and grew slot 5
+// back for a newcomer nobody would start: the survivors waited out the
+// grow and the job restarted. A Join the newcomer filed after that grow
+// (its formation failed), or one that says nothing of its epoch, is news.
+func TestDeciderJoinAnsweredAlready(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	lost := mustNext(t, Initial(6), 5) // epoch 1: slot 5 lost
+	grown, err := lost.grow([]int{5}, "a", t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again := mustNext(t, grown, 4, 5) // epoch 3: the grow ended by a failure
+	for _, tt := range []struct {
+		name  string
+		after *int
+		grow  []int // what the decider grows back; nil: nothing
+	}{
+		{"filed before the grow that answered it", new(lost.Number), nil},
+		{"filed after that grow", new(grown.Number), []int{5}},
+		{"filed after the epoch that excluded it", new(again.Number), []int{5}},
+		{"its epoch not said", nil, []int{5}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecider("late", Config{SettleWindow: -1, RejoinWait: -1}, lost)
+			d.Adopt(grown)
+			d.Adopt(again)
+			d.Join(t0, Join{Slots: []int{5}, From: "slot 5", After: tt.after})
+			e, ok, err := d.Decide(t0.Add(time.Hour))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok != (tt.grow != nil) || (ok && (e.Action != ActionGrow || !slices.Equal(e.Added, tt.grow))) {
+				t.Errorf("Decide: %v (decided %v); want a grow of %v", e, ok, tt.grow)
+			}
+		})
+	}
+}

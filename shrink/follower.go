@@ -130,11 +130,14 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 	if n.From == "" {
 		n.From = fmt.Sprintf("slot %d", n.Slot)
 	}
-	join := func() error {
-		_, err := n.Board.FileJoin(ctx, Join{Slots: []int{n.Slot}, From: n.From, SeenAt: time.Now()})
+	// after is the latest epoch this newcomer knows of when it offers
+	// its slot (Join.After): a grow up to it that added the slot did not
+	// take it in.
+	join := func(after int) error {
+		_, err := n.Board.FileJoin(ctx, Join{Slots: []int{n.Slot}, From: n.From, SeenAt: time.Now(), After: &after})
 		return err
 	}
-	if err := join(); err != nil {
+	if err := join(n.After); err != nil {
 		return nil, nil, Epoch{}, err
 	}
 	for next := n.After + 1; ; next++ {
@@ -145,7 +148,7 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 			// slot again, in case one took its Join and it missed it.
 			f, ferr := n.Board.Floor(ctx)
 			if ferr == nil && f.Epoch > next {
-				if err := join(); err != nil {
+				if err := join(f.Epoch); err != nil {
 					return nil, nil, Epoch{}, err
 				}
 				next = f.Epoch - 1
@@ -166,7 +169,7 @@ func (n Newcomer) Enter(ctx context.Context) (*Follower, pg.ProcessGroup, Epoch,
 			if ctx.Err() != nil {
 				return nil, nil, e, fmt.Errorf("shrink: slot %d joining epoch %d: %w", n.Slot, e.Number, err)
 			}
-			if err := join(); err != nil { // the next epoch excludes us; offer the slot again
+			if err := join(e.Number); err != nil { // the next epoch excludes us; offer the slot again
 				return nil, nil, e, err
 			}
 			continue

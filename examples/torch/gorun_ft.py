@@ -1277,8 +1277,13 @@ class ElasticGroup:
         return True
 
     def _file_join(self):
+        # "after": the latest epoch this newcomer knows of (shrink.Join's
+        # After): a grow later than it that added the slot answered the
+        # offer, and a coordinator that reads it late does not grow the
+        # slot back again for it.
         slot = self.global_rank
-        self._file({"join": {"slots": [slot], "from": "slot %d" % slot, "seen_at": _now()}})
+        self._file({"join": {"slots": [slot], "from": "slot %d" % slot, "seen_at": _now(),
+                             "after": self.epoch.number}})
 
     def _file(self, notice):
         """Add a notice to the board's log, sealed when the job has a secret,
