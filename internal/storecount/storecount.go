@@ -6,6 +6,7 @@
 package storecount
 
 import (
+	"bytes"
 	"context"
 	"strings"
 	"sync"
@@ -257,15 +258,24 @@ func (s *Store) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
 }
 
 // QueuePushPeek forwards to the inner Store's, or says it has none: one
-// request, a push (counted as written, with what it may create) and the
-// key it looks at.
+// request, a push with the key it looks at and the value it may create.
+// Written are the push's bytes, and create's only when it created the key
+// (its answer is create, a value nobody else writes).
 func (s *Store) QueuePushPeek(ctx context.Context, key string, value []byte, look string, create []byte) ([]byte, error) {
 	p, ok := s.Store.(rendezvous.PushPeeker)
 	if !ok {
 		return nil, rendezvous.ErrNotSupported
 	}
-	t := s.req("queue_push", key, len(key)+len(value)+len(look)+len(create), true)
+	t := s.req("queue_push", key, len(key)+len(value), true)
+	extra := int64(len(look) + len(create))
+	s.C.Sent.Add(extra)
+	if t != nil {
+		t.Sent.Add(extra)
+	}
 	v, err := p.QueuePushPeek(ctx, key, value, look, create)
+	if err == nil && create != nil && bytes.Equal(v, create) {
+		s.C.Written.Add(int64(len(look) + len(create)))
+	}
 	s.recv(t, len(v))
 	return v, err
 }

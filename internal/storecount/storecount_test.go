@@ -2,6 +2,7 @@ package storecount
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -55,5 +56,58 @@ func TestBreakdown(t *testing.T) {
 				t.Errorf("%v: %v, want %v", k, g, w)
 			}
 		}
+	}
+}
+
+// pushPeeker looks at a key with a push, creating it once.
+type pushPeeker struct {
+	fake
+	kv map[string][]byte
+}
+
+func (p *pushPeeker) QueuePushPeek(_ context.Context, _ string, _ []byte, look string, create []byte) ([]byte, error) {
+	if v, ok := p.kv[look]; ok || create == nil {
+		return v, nil
+	}
+	p.kv[look] = create
+	return create, nil
+}
+
+// TestQueuePushPeek: a push with a look is one request, which sends the
+// look and the value it may create and writes the push, and the value
+// only when it created the key; a Store without it says so and counts
+// nothing.
+func TestQueuePushPeek(t *testing.T) {
+	ctx := context.Background()
+	c := &Counts{Detail: true}
+	s := New(&pushPeeker{kv: map[string][]byte{}}, c)
+	push, look := len("run/requests")+len("xyz"), len("run/folder")
+	for i, tc := range []struct {
+		create              string
+		want                string
+		sent, written, recv int
+	}{
+		{"", "", push + look, push, 0},
+		{"mine", "mine", push + look + 4, push + look + 4, 4},
+		{"again", "mine", push + look + 5, push, 4},
+	} {
+		var create []byte
+		if tc.create != "" {
+			create = []byte(tc.create)
+		}
+		r0, s0, w0, v0 := c.Requests.Load(), c.Sent.Load(), c.Written.Load(), c.Received.Load()
+		v, err := s.QueuePushPeek(ctx, "run/requests", []byte("xyz"), "run/folder", create)
+		if err != nil || string(v) != tc.want {
+			t.Fatalf("%d: %q, %v; want %q", i, v, err, tc.want)
+		}
+		if got := [4]int64{c.Requests.Load() - r0, c.Sent.Load() - s0, c.Written.Load() - w0, c.Received.Load() - v0}; got != [4]int64{1, int64(tc.sent), int64(tc.written), int64(tc.recv)} {
+			t.Errorf("%d: requests, sent, written, received %v; want 1, %d, %d, %d", i, got, tc.sent, tc.written, tc.recv)
+		}
+	}
+	if got := c.Breakdown()[Kind{"queue_push", "run/requests"}]; got == nil || got.Requests.Load() != 3 {
+		t.Errorf("breakdown: %v", got)
+	}
+	if _, err := New(fake{}, c).QueuePushPeek(ctx, "q", nil, "k", nil); !errors.Is(err, rendezvous.ErrNotSupported) {
+		t.Errorf("a Store without it: %v", err)
 	}
 }
