@@ -568,6 +568,15 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 		return false, err
 	}
 	cur, err := d.store.CompareSet(ctx, d.key, snap.token, b)
+	if errors.Is(err, ErrOutcomeUnknown) {
+		// The store lost the answer and cannot tell whether it applied
+		// the write (etcd, its link down past the lease of the token
+		// that would say). What the state holds now tells: the write, or
+		// another state (the write not applied, or overwritten since by
+		// a node that read it): a race lost, as below. Failing instead
+		// ended the agent of a spare whose link was cut for 4 s.
+		cur, err = d.store.CompareSet(ctx, d.key, nil, emptyState)
+	}
 	if err != nil {
 		return false, fmt.Errorf("write state: %w", err)
 	}

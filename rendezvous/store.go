@@ -44,6 +44,12 @@ var (
 	// ErrInvalidArgument: the request itself is malformed (MultiSet with
 	// mismatched lengths, a non-positive barrier size, …).
 	ErrInvalidArgument = errors.New("invalid argument")
+	// ErrOutcomeUnknown: a write's answer was lost and the store cannot
+	// tell whether it was applied (etcd Storage: a CompareSet sent again
+	// after the lease of the token that would tell had ended). Errors that
+	// wrap it also wrap ErrUnavailable; a caller that can read the key
+	// back finds out.
+	ErrOutcomeUnknown = errors.New("whether the write was applied is unknown")
 )
 
 // Store is c10d's key-value store.

@@ -139,7 +139,7 @@ func markLeaseGone(err error) error {
 // errOutcomeUnknown fails an operation whose request was sent again after
 // its answer was lost, and whose token, which would tell whether the first
 // sending was applied, went with its lease.
-var errOutcomeUnknown = errors.New("the tokens' lease ended while a request whose answer was lost was sent again: whether it was applied is unknown")
+var errOutcomeUnknown = fmt.Errorf("the tokens' lease ended while a request whose answer was lost was sent again: %w", rendezvous.ErrOutcomeUnknown)
 
 // tokenLives reports whether lease id, a token's, still exists: if it does,
 // it did when the token was read, and the token's absence was not its

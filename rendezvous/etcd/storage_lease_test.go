@@ -193,7 +193,8 @@ func TestStorageOwnLeaseRevoked(t *testing.T) {
 // TestStorageLostReplyAndLeaseGone: etcd applies a read-modify-write, its
 // answer is lost, and the tokens' lease ends before the request is sent
 // again, taking the token that would tell the retry that its first sending
-// was applied. The operation fails rather than risk applying twice; a
+// was applied. The operation fails rather than risk applying twice, saying
+// the outcome is unknown (the rendezvous then reads the state back); a
 // lease that lives through the retry makes it succeed (TestStorageLostReply).
 // With the agent's liveness lease (TTL lease_ttl, seconds) under the tokens,
 // a lapse within a retry is no longer far-fetched.
@@ -232,8 +233,8 @@ func TestStorageLostReplyAndLeaseGone(t *testing.T) {
 		t.Fatal("the lease was not revoked after the lost reply: the test tests nothing")
 	}
 	v, _, gerr := st.Get([]byte("n"))
-	if !errors.Is(err, rendezvous.ErrUnavailable) || gerr != nil || string(v) != "2" {
-		t.Fatalf("add whose reply was lost and whose token's lease went = %d, %v, and the counter is %q, %v; want ErrUnavailable and 2 (applied once)",
+	if !errors.Is(err, rendezvous.ErrUnavailable) || !errors.Is(err, rendezvous.ErrOutcomeUnknown) || gerr != nil || string(v) != "2" {
+		t.Fatalf("add whose reply was lost and whose token's lease went = %d, %v, and the counter is %q, %v; want ErrUnavailable, ErrOutcomeUnknown and 2 (applied once)",
 			n, err, v, gerr)
 	}
 }

@@ -1,0 +1,67 @@
+package rendezvous
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+)
+
+// lostAnswerStore is a memStore whose next compare-set of the state loses
+// its answer: applied or not (apply), it fails wrapping ErrOutcomeUnknown,
+// as etcd's Storage does when the lease of the token that would tell ended
+// while the request was sent again.
+type lostAnswerStore struct {
+	*memStore
+	key   string
+	apply bool
+	lost  int // compare-sets that lost their answer
+}
+
+func (s *lostAnswerStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	if k != s.key || len(expected) == 0 || s.lost > 0 {
+		return s.memStore.CompareSet(ctx, k, expected, desired)
+	}
+	s.lost++
+	if s.apply {
+		s.memStore.CompareSet(ctx, k, expected, desired)
+	}
+	return nil, fmt.Errorf("%w: test: %w", ErrUnavailable, ErrOutcomeUnknown)
+}
+
+// TestCommitOutcomeUnknown: a write of the state whose outcome the store
+// cannot tell is settled by reading the state back: won when it holds the
+// write, a race lost otherwise, and Next goes on either way. It used to
+// fail Next, and a spare's agent whose link was cut for 4 s (its etcd
+// lease lapsed meanwhile) exited (bench/chaos, link-cut).
+func TestCommitOutcomeUnknown(t *testing.T) {
+	for _, apply := range []bool{true, false} {
+		t.Run(fmt.Sprintf("applied=%v", apply), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			m := &lostAnswerStore{memStore: newMemStore(), apply: apply}
+			d, err := NewDynamic(m, nd(0), nil, DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			m.key = d.key
+			snap, err := d.read(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := snap.st.clone()
+			st.apply(actAddToParticipants, nd(0), nil, time.Now(), d.cfg)
+			won, err := d.commit(ctx, snap, st)
+			if err != nil || won != apply || m.lost != 1 {
+				t.Fatalf("commit: won %v, %v (answers lost %d); want won %v, no error", won, err, m.lost, apply)
+			}
+			if joined := len(snap.st.Nodes) == 1; joined != apply {
+				t.Errorf("the snapshot after the commit has %d nodes; want the store's state (%d)", len(snap.st.Nodes), map[bool]int{true: 1}[apply])
+			}
+			if r, err := d.Next(ctx); err != nil || len(r.Members) != 1 {
+				t.Fatalf("Next: %+v, %v", r, err)
+			}
+		})
+	}
+}
