@@ -516,11 +516,23 @@ type snapshot struct {
 // reads without blocking (Get would wait for the key) and creates the
 // empty state when there is none.
 func (d *Dynamic) read(ctx context.Context) (*snapshot, error) {
-	b, err := d.store.CompareSet(ctx, d.key, nil, emptyState)
+	b, err := d.readState(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("read state: %w", err)
 	}
 	return d.decode(b)
+}
+
+// readState is read's compare-set: create-only, of one constant value,
+// so sending it again is safe whatever became of the first. A store that
+// lost its answer and cannot tell whether it applied it
+// (ErrOutcomeUnknown) is asked once more.
+func (d *Dynamic) readState(ctx context.Context) ([]byte, error) {
+	b, err := d.store.CompareSet(ctx, d.key, nil, emptyState)
+	if errors.Is(err, ErrOutcomeUnknown) {
+		b, err = d.store.CompareSet(ctx, d.key, nil, emptyState)
+	}
+	return b, err
 }
 
 // readFor reads this node's view in queue mode (view), the state
@@ -575,7 +587,7 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 		// another state (the write not applied, or overwritten since by
 		// a node that read it): a race lost, as below. Failing instead
 		// ended the agent of a spare whose link was cut for 4 s.
-		cur, err = d.store.CompareSet(ctx, d.key, nil, emptyState)
+		cur, err = d.readState(ctx)
 	}
 	if err != nil {
 		return false, fmt.Errorf("write state: %w", err)

@@ -7,19 +7,21 @@ import (
 	"time"
 )
 
-// lostAnswerStore is a memStore whose next compare-set of the state loses
-// its answer: applied or not (apply), it fails wrapping ErrOutcomeUnknown,
-// as etcd's Storage does when the lease of the token that would tell ended
-// while the request was sent again.
+// lostAnswerStore is a memStore whose next compare-set of the state (a
+// create-only one if creates, else a replacing one) loses its answer:
+// applied or not (apply), it fails wrapping ErrOutcomeUnknown, as etcd's
+// Storage does when the lease of the token that would tell ended while
+// the request was sent again.
 type lostAnswerStore struct {
 	*memStore
-	key   string
-	apply bool
-	lost  int // compare-sets that lost their answer
+	key     string
+	creates bool
+	apply   bool
+	lost    int // compare-sets that lost their answer
 }
 
 func (s *lostAnswerStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
-	if k != s.key || len(expected) == 0 || s.lost > 0 {
+	if k != s.key || (len(expected) == 0) != s.creates || s.lost > 0 {
 		return s.memStore.CompareSet(ctx, k, expected, desired)
 	}
 	s.lost++
@@ -33,7 +35,8 @@ func (s *lostAnswerStore) CompareSet(ctx context.Context, k string, expected, de
 // cannot tell is settled by reading the state back: won when it holds the
 // write, a race lost otherwise, and Next goes on either way. It used to
 // fail Next, and a spare's agent whose link was cut for 4 s (its etcd
-// lease lapsed meanwhile) exited (bench/chaos, link-cut).
+// lease lapsed meanwhile) exited (bench/chaos, link-cut: its read of the
+// state, a create-only compare-set, lost its answer: TestReadOutcomeUnknown).
 func TestCommitOutcomeUnknown(t *testing.T) {
 	for _, apply := range []bool{true, false} {
 		t.Run(fmt.Sprintf("applied=%v", apply), func(t *testing.T) {
@@ -61,6 +64,28 @@ func TestCommitOutcomeUnknown(t *testing.T) {
 			}
 			if r, err := d.Next(ctx); err != nil || len(r.Members) != 1 {
 				t.Fatalf("Next: %+v, %v", r, err)
+			}
+		})
+	}
+}
+
+// TestReadOutcomeUnknown: the state's read is a create-only compare-set of
+// the empty state; one whose outcome the store cannot tell is sent again,
+// and Next goes on, whether the first created the state or not.
+func TestReadOutcomeUnknown(t *testing.T) {
+	for _, apply := range []bool{true, false} {
+		t.Run(fmt.Sprintf("applied=%v", apply), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			m := &lostAnswerStore{memStore: newMemStore(), creates: true, apply: apply}
+			d, err := NewDynamic(m, nd(0), nil, DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Close()
+			m.key = d.key
+			if r, err := d.Next(ctx); err != nil || m.lost != 1 || len(r.Members) != 1 {
+				t.Fatalf("Next: %+v, %v (answers lost %d); want a round of one after one lost answer", r, err, m.lost)
 			}
 		})
 	}
