@@ -48,6 +48,9 @@ type agent struct {
 	// to join again, as a spare does.
 	placeTaken atomic.Bool
 	stopped    bool // still standing by at the end, stopped by the harness
+	// restarted: it exited by itself, in error, while the job ran, and the
+	// harness started its host's agent again (restartExited).
+	restarted bool
 }
 
 func (a *agent) done() bool {
@@ -256,6 +259,10 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 				return res, err
 			}
 		case <-tick.C:
+			for _, host := range ru.restartExited(witness) {
+				pending = append(pending, replacement{host, time.Now().Add(env.replaceAfter), false})
+				slices.SortFunc(pending, func(x, y replacement) int { return x.at.Compare(y.at) })
+			}
 			// Samples while the workers run: a finishing job's agent
 			// has fewer of everything.
 			if !ru.out.started() || ru.out.finishing() {
@@ -310,6 +317,29 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	res.Left = len(ru.cleanUp())
 	judge(&res, j, ru.out, waitErr, stepTime, lim)
 	return res, nil
+}
+
+// restartExited returns the hosts whose agent (the witness's aside) has
+// exited by itself, in error, since the last look (but for a late node's
+// exit 7: the job has ended), and says so on the console. Such an exit is gorun's failure, judged at the end (the job did
+// not complete), but its host is not left empty for the rest of the
+// schedule, every later fault there skipped: the harness starts it again,
+// as a Job's pod restart would.
+func (ru *runner) restartExited(witness *agent) []int {
+	var hosts []int
+	for _, a := range ru.agents {
+		if a == witness || a.killed || a.stopped || a.restarted || !a.done() || a.err == nil {
+			continue
+		}
+		if a.cmd.ProcessState != nil && a.cmd.ProcessState.ExitCode() == exitJobEnded {
+			continue // the job ends: nothing to start again for
+		}
+		a.restarted = true
+		hosts = append(hosts, a.host)
+		fmt.Fprintf(ru.env.console, "# the agent on host %d exited by itself at %v (%v): starting it again\n",
+			a.host, a.at.Sub(ru.t0).Round(time.Millisecond), a.err)
+	}
+	return hosts
 }
 
 // exitJobEnded is gorun's exit code for a node that tried to join a job
