@@ -53,6 +53,10 @@ func TestCoordinator(t *testing.T) {
 			fails: [][]int{{6}, {1}, {6, 7}}, wantExcluded: []int{1, 6, 7}, wantAction: ActionShrink, wantBy: "a"},
 		{name: "below the floor", cfg: Config{SettleWindow: 100 * time.Millisecond, MinWorldSize: 7},
 			fails: [][]int{{0}, {5}}, wantExcluded: []int{0, 5}, wantAction: ActionRestart, wantBy: "a"},
+		// Every rank: a restart epoch that the follower reads too. It
+		// failed the leader alone, and the follower gave up 10 s later.
+		{name: "every rank", cfg: Config{SettleWindow: 100 * time.Millisecond},
+			fails: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}, wantExcluded: []int{0, 1, 2, 3, 4, 5, 6, 7}, wantAction: ActionRestart, wantBy: "a"},
 		{name: "successor decides on the dead leader's reports", cfg: Config{SettleWindow: 50 * time.Millisecond},
 			fails: [][]int{{2}}, leaderDead: true, wantExcluded: []int{2}, wantAction: ActionShrink, wantBy: "b"},
 	}

@@ -399,14 +399,14 @@ func sortedKeys[V any](m map[int]V) []int {
 // is). Failures come first: once their settle window has passed, or the
 // current grow's GrowTimeout has without it completing, the epoch is a
 // shrink that excludes every pending rank, ActionRestart if fewer than
-// MinWorldSize ranks would remain. Its survivors move from the current
+// MinWorldSize ranks (or none) would remain. Its survivors move from the current
 // epoch's group, unless that is a grow that did not complete: then they go
 // on from the group they had before it (its Base), and the epoch excludes
 // the grow's newcomers too, who never made a working group (they may join
 // again). Otherwise, once the joins' settle window has passed and the
 // current epoch is complete, it is a grow that brings back every slot
-// offered. An error means no epoch can be formed (every rank failed): the
-// job cannot go on by shrinking.
+// offered. An error means no epoch can be formed from the pending news
+// (no live rank left to exclude, or none to add).
 func (d *Decider) Decide(now time.Time) (next Epoch, ok bool, err error) {
 	growDue := d.growDue()
 	overdue := !growDue.IsZero() && !now.Before(growDue)

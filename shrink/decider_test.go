@@ -121,10 +121,12 @@ func TestDeciderFloorAndNoSurvivors(t *testing.T) {
 	if err != nil || !ok || e.Action != ActionRestart || e.WorldSize != 2 {
 		t.Errorf("below the floor: %v %v %v, want a restart epoch of world 2", e, ok, err)
 	}
+	// Every rank failed: a restart epoch too, which every agent reads,
+	// not an error of the deciding coordinator alone.
 	all := NewDecider("a", Config{}, Initial(2))
 	all.Report(t0, Report{Ranks: []int{0, 1}})
-	if _, _, err := all.Decide(t0.Add(time.Hour)); err == nil {
-		t.Error("Decide with every rank failed returned no error")
+	if e, ok, err := all.Decide(t0.Add(time.Hour)); err != nil || !ok || e.Action != ActionRestart || e.WorldSize != 0 || !slices.Equal(e.Excluded, []int{0, 1}) {
+		t.Errorf("every rank failed: %v %v %v, want a restart epoch of world 0 excluding both", e, ok, err)
 	}
 }
 

@@ -50,7 +50,6 @@
 package shrink
 
 import (
-	"errors"
 	"fmt"
 	"slices"
 	"strconv"
@@ -73,9 +72,6 @@ const (
 	// grow their group to take them in, never restarted.
 	ActionGrow Action = "grow"
 )
-
-// ErrNoSurvivors: every rank of the group would be excluded.
-var ErrNoSurvivors = errors.New("no surviving ranks")
 
 // Epoch is one agreed membership of the job. Epoch 0 is the group as it was
 // launched; each later epoch removes at least one rank (a shrink, or a
@@ -128,8 +124,8 @@ func (e Epoch) Alive(g int) bool { return g >= 0 && g < len(e.Ranks) && e.Ranks[
 
 // next returns the epoch after e that excludes the global ranks in exclude
 // (already-lost ranks are ignored), with survivors moving from the group of
-// epoch base. minWorld is the floor below which the epoch's action is a
-// restart instead of a shrink.
+// epoch base. minWorld (at least 1) is the floor below which the epoch's
+// action is a restart instead of a shrink.
 func (e Epoch) next(exclude map[int]string, minWorld, base int, coordinator string, now time.Time) (Epoch, error) {
 	n := Epoch{
 		Number:      e.Number + 1,
@@ -169,11 +165,14 @@ func (e Epoch) next(exclude map[int]string, minWorld, base int, coordinator stri
 		next++
 	}
 	n.WorldSize = next
-	if next == 0 {
-		return Epoch{}, fmt.Errorf("shrink: epoch %d: %w (all %d excluded)", n.Number, ErrNoSurvivors, e.WorldSize)
-	}
 	n.Action = ActionShrink
 	if next < max(minWorld, 1) {
+		// No survivors at all is a restart too, published like any
+		// epoch: every agent learns it at once. It used to fail the
+		// deciding coordinator alone, and the agents that decide nothing
+		// (not leading) sat out their agreement timeout, 10 s, before the
+		// job's restart could form (bench/chaos, two ranks struck while
+		// the others were down).
 		n.Action = ActionRestart
 	}
 	return n, nil

@@ -1,7 +1,6 @@
 package shrink
 
 import (
-	"errors"
 	"slices"
 	"testing"
 	"time"
@@ -76,9 +75,12 @@ func mustNext(t *testing.T, e Epoch, exclude ...int) Epoch {
 	return n
 }
 
-func TestEpochNextErrors(t *testing.T) {
-	if _, err := Initial(3).next(map[int]string{0: "", 1: "", 2: ""}, 1, 0, "", time.Time{}); !errors.Is(err, ErrNoSurvivors) {
-		t.Errorf("excluding everyone: %v, want ErrNoSurvivors", err)
+// TestEpochNextEveryoneOrNobody: excluding every rank is a restart epoch
+// of world 0 (every agent reads it); excluding only ranks already lost
+// forms no epoch.
+func TestEpochNextEveryoneOrNobody(t *testing.T) {
+	if e, err := Initial(3).next(map[int]string{0: "", 1: "", 2: ""}, 1, 0, "", time.Time{}); err != nil || e.Action != ActionRestart || e.WorldSize != 0 {
+		t.Errorf("excluding everyone: %v, %v; want a restart epoch of world 0", e, err)
 	}
 	lost := mustNext(t, Initial(3), 2)
 	if _, err := lost.next(map[int]string{2: "again"}, 1, lost.Number, "", time.Time{}); err == nil {
