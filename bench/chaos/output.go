@@ -84,8 +84,9 @@ type doneLine struct {
 // label starts every console line (a host's, on several); nproc is the
 // agent's ranks: a done line's launch rank is the agent's group rank ×
 // nproc + the local rank, the group rank from the agent's latest
-// "starting workers" or "admitted into the running round" line, or
-// torchrun's "Rendezvous complete" (0 until there is one: one host).
+// "starting workers", "admitted into the running round" or "assigning the
+// pre-started workers" line, or torchrun's "Rendezvous complete" (0 until
+// there is one: one host).
 // placeTaken is called when the agent says the others gave its place in
 // the round to another node: it waits to join again, as a spare.
 func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string, nproc int, placeTaken func()) {
@@ -95,9 +96,10 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 	for sc.Scan() {
 		line := sc.Text()
 		fmt.Fprintln(console, label+line)
-		// A spare admitted in a lost node's place says so instead.
+		// A spare admitted in a lost node's place says so instead, and
+		// a spare with its workers pre-started hands them their place.
 		if strings.Contains(line, "starting workers") || strings.Contains(line, "admitted into the running round") ||
-			torchGroupRankRE.MatchString(line) {
+			strings.Contains(line, "assigning the pre-started workers") || torchGroupRankRE.MatchString(line) {
 			if m := groupRankRE.FindStringSubmatch(line); m != nil {
 				groupRank, _ = strconv.Atoi(m[1] + m[2])
 			}

@@ -230,6 +230,12 @@ func TestScanDone(t *testing.T) {
 			"[default1]:done rank=3 world=4 steps=1200 sum=10\n", []doneLine{{launch: 3, world: 4, steps: 1200, result: 10}}},
 		{"a worker's line naming a group rank", "  group_rank=1\n[default0]: group_rank=0 is mine\n[default0]:done rank=2 world=4 steps=5 sum=1\n", []doneLine{{launch: 2, world: 4, steps: 5, result: 1}}},
 		{"not a done line", "[default0]:rank 0: training, world 4\n", nil},
+		// A pre-started spare that took group rank 2 in a round after it
+		// was admitted as 0 (seen in the all-kinds soak: its done lines
+		// were taken for group rank 0's, and an exact run judged inexact).
+		{"a pre-started spare's workers handed a place", `INFO	gorun	admitted into the running round in a lost node's place; the workers join by a grow	{"round": 38, "group_rank": 0}` + "\n" +
+			`INFO	gorun	assigning the pre-started workers	{"round": 40, "restart": 40, "group_rank": 2, "group_world_size": 3}` + "\n" +
+			"[default1]:done rank=5 world=6 steps=40000 sum=21\n", []doneLine{{launch: 5, world: 6, steps: 40000, result: 21}}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
