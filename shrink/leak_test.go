@@ -181,8 +181,10 @@ func TestBoardKeysBoundedOverEpochs(t *testing.T) {
 	if f.SweptEpoch != e.Number-2 || f.Notice < f.SweptNotice {
 		t.Errorf("floor %+v after epoch %d: want the previous grow's epoch (%d) swept below", f, e.Number, e.Number-2)
 	}
-	if f.Tickets != 40 || f.SweptTickets != 39 {
-		t.Errorf("floor %+v after 40 respawns: want 40 tickets counted, 39 swept", f)
+	// The collector raises each floor apart from the loop: the previous
+	// one may have counted the last cycle's ticket too.
+	if f.Tickets != 40 || f.SweptTickets < 39 || f.SweptTickets > f.Tickets {
+		t.Errorf("floor %+v after 40 respawns: want 40 tickets counted, 39 or 40 swept", f)
 	}
 	if _, err := b.Await(ctx, 1); !errors.Is(err, ErrCollected) {
 		t.Errorf("await epoch 1 after %d epochs: %v, want ErrCollected", e.Number, err)
