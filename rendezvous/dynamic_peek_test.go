@@ -238,19 +238,7 @@ func TestBubbleCrowdLooksBounded(t *testing.T) {
 				p := newPeekMemStore()
 				lockKey := "gorun.rendezvous.job" + lockSuffix
 				start := time.Now()
-				// A folder elsewhere holds the lock and renews it each
-				// second with a 5-s hold, until held has passed.
-				hold := func() {
-					v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
-					p.memStore.Set(context.Background(), lockKey, v.bytes())
-				}
-				hold()
-				go func() {
-					for time.Since(start) < held {
-						time.Sleep(time.Second)
-						hold()
-					}
-				}()
+				holdLockElsewhere(p, lockKey, start, held)
 				ds := make([]*Dynamic, n)
 				for i := range ds {
 					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: tc.rate})
@@ -265,9 +253,7 @@ func TestBubbleCrowdLooksBounded(t *testing.T) {
 					chs[i] = goNext(d, start)
 				}
 				time.Sleep(held)
-				p.pmu.Lock()
-				looks := p.peeks[lockKey]
-				p.pmu.Unlock()
+				looks := p.looksAt(lockKey)
 				t.Logf("%d looks at the lock in %v by %d nodes", looks, held, n)
 				if looks > tc.maxLooks {
 					t.Errorf("%d looks at the lock in %v, want at most %d", looks, held, tc.maxLooks)
@@ -275,11 +261,7 @@ func TestBubbleCrowdLooksBounded(t *testing.T) {
 				if tc.rate < 0 && looks < n*int(held/(5*time.Second))/2 {
 					t.Errorf("without the stretch, %d looks in %v: the bound above tests nothing", looks, held)
 				}
-				for i, ch := range chs {
-					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > tc.roundTook {
-						t.Fatalf("node %d: %+v (%v), want its rank by %v", i, x, x.err, tc.roundTook)
-					}
-				}
+				awaitRanks(t, chs, tc.roundTook)
 			})
 		})
 	}
@@ -370,17 +352,7 @@ func TestBubbleCrowdNoLazyLook(t *testing.T) {
 				p := newPeekMemStore()
 				lockKey := "gorun.rendezvous.job" + lockSuffix
 				start := time.Now()
-				hold := func() {
-					v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
-					p.memStore.Set(context.Background(), lockKey, v.bytes())
-				}
-				hold()
-				go func() {
-					for time.Since(start) < held {
-						time.Sleep(time.Second)
-						hold()
-					}
-				}()
+				holdLockElsewhere(p, lockKey, start, held)
 				chs := make([]<-chan bubbleResult, n)
 				for i := range chs {
 					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true, CrowdRate: tc.rate})
@@ -391,20 +363,49 @@ func TestBubbleCrowdNoLazyLook(t *testing.T) {
 					chs[i] = goNext(d, start)
 				}
 				time.Sleep(held)
-				p.pmu.Lock()
-				looks := p.peeks[lockKey]
-				p.pmu.Unlock()
+				looks := p.looksAt(lockKey)
 				t.Logf("%d looks at the lock in %v by %d nodes", looks, held, n)
 				if looks < tc.minLooks || looks > tc.maxLooks {
 					t.Errorf("%d looks at the lock in %v, want %d to %d", looks, held, tc.minLooks, tc.maxLooks)
 				}
-				for i, ch := range chs {
-					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > tc.roundTook {
-						t.Fatalf("node %d: %+v (%v), want its rank by %v", i, x, x.err, tc.roundTook)
-					}
-				}
+				awaitRanks(t, chs, tc.roundTook)
 			})
 		})
+	}
+}
+
+// holdLockElsewhere has a folder elsewhere hold the run's lock (lockKey)
+// from start and renew it each second with a 5-s hold, until held has
+// passed.
+func holdLockElsewhere(p *peekMemStore, lockKey string, start time.Time, held time.Duration) {
+	hold := func() {
+		v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
+		p.memStore.Set(context.Background(), lockKey, v.bytes())
+	}
+	hold()
+	go func() {
+		for time.Since(start) < held {
+			time.Sleep(time.Second)
+			hold()
+		}
+	}()
+}
+
+// looksAt returns how many times key was peeked at.
+func (p *peekMemStore) looksAt(key string) int {
+	p.pmu.Lock()
+	defer p.pmu.Unlock()
+	return p.peeks[key]
+}
+
+// awaitRanks waits for every node's Next (chs, in node order) and fails
+// the test unless node i got rank i of len(chs) within took.
+func awaitRanks(t *testing.T, chs []<-chan bubbleResult, took time.Duration) {
+	t.Helper()
+	for i, ch := range chs {
+		if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != len(chs) || x.at > took {
+			t.Fatalf("node %d: %+v (%v), want its rank by %v", i, x, x.err, took)
+		}
 	}
 }
 
@@ -502,17 +503,7 @@ func TestBubblePushPeeksLock(t *testing.T) {
 				lockKey := "gorun.rendezvous.job" + lockSuffix
 				start := time.Now()
 				if !tc.noLock {
-					hold := func() {
-						v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
-						p.memStore.Set(context.Background(), lockKey, v.bytes())
-					}
-					hold()
-					go func() {
-						for time.Since(start) < held {
-							time.Sleep(time.Second)
-							hold()
-						}
-					}()
+					holdLockElsewhere(p, lockKey, start, held)
 				}
 				chs := make([]<-chan bubbleResult, n)
 				for i := range chs {
