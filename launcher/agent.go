@@ -301,6 +301,16 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 				if err := a.joinLate(ctx, p, sv); err != nil {
 					sv.close()
 					p.release()
+					if errors.Is(err, errAgreementUnanswered) && ctx.Err() == nil {
+						// Not a failure of the job, nor of this node: the
+						// next rendezvous takes it out of the round (it
+						// leaves before it joins), the place is vacant
+						// again, and it waits to be admitted, its
+						// pre-started workers kept.
+						a.log.Warn("leaving the round this node was admitted into: its agreement did not answer; waiting to be admitted again",
+							zap.Int("round", p.round), zap.Error(err))
+						continue
+					}
 					a.endpoint.SetPhase(PhaseFailed)
 					return stoppedOr(ctx, a.log, err, "while joining the running round")
 				}
@@ -345,8 +355,14 @@ func (a *agent) run(ctx context.Context, sigs <-chan os.Signal) error {
 // joinLate readies a plan for a round this node was admitted into while it
 // ran, in a lost node's place: its workers start as newcomers, after the
 // latest epoch, and join the running group by a grow.
+//
+// The latest epoch is read from the agreement, each try bounded by half
+// the agreement timeout (5 s at most), for up to the agreement timeout:
+// the same bound as a failure's wait for the survivors' decision. Past it
+// the error wraps errAgreementUnanswered.
 func (a *agent) joinLate(ctx context.Context, p *plan, sv *survivors) error {
-	after, err := sv.latest(ctx)
+	window := a.cfg.AgreementTimeout
+	after, err := sv.latest(ctx, min(5*time.Second, window/2), window)
 	if err != nil {
 		return err
 	}

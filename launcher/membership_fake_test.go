@@ -31,6 +31,8 @@ type fakeMembership struct {
 	// first of them, one for each place, or fails as the rendezvous does
 	// when fewer wait.
 	waiting []string
+	// prepare, when set, edits each plan next hands out.
+	prepare func(*plan)
 
 	mu    sync.Mutex
 	calls []string // "next", "failed: <cause>", "finish ok, N at the barrier", "finish failed", "leave", "expel <node>", "sawClosed"
@@ -61,6 +63,9 @@ func (f *fakeMembership) next(context.Context) (*plan, error) {
 	for g := range f.nodes {
 		id := "node" + string(rune('0'+g))
 		p.members, p.nodeIDs, p.gossip = append(p.members, id), append(p.nodeIDs, id), append(p.gossip, gossipPeer{})
+	}
+	if f.prepare != nil {
+		f.prepare(p)
 	}
 	f.round++
 	return p, nil

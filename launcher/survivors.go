@@ -2,6 +2,7 @@ package launcher
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"slices"
@@ -11,6 +12,7 @@ import (
 
 	"go.uber.org/zap"
 
+	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 	"github.com/gorunhq/gorun/shrink"
 )
@@ -234,12 +236,45 @@ func (s *survivors) file(ctx context.Context, r shrink.Report) error {
 	return nil
 }
 
+// errAgreementUnanswered: a node admitted late could not read the running
+// round's agreement, its worker store not answering, for as long as it
+// waits for it.
+var errAgreementUnanswered = errors.New("the running round's agreement did not answer")
+
 // latest returns the number of the latest epoch on the board: where a node
-// admitted late starts its workers from.
-func (s *survivors) latest(ctx context.Context) (int, error) {
-	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	return s.board.Latest(fctx)
+// admitted late starts its workers from. A read the worker store does not
+// answer within attempt is tried again, up to window in all, and then
+// fails with errAgreementUnanswered: a link cut as the node is admitted
+// (bench/chaos cut a spare's link for 4 s at its admission, and its agent
+// ended on the one 5-s read) costs a retry, not the agent.
+func (s *survivors) latest(ctx context.Context, attempt, window time.Duration) (int, error) {
+	began := time.Now()
+	deadline := began.Add(window)
+	pause := 100 * time.Millisecond
+	for try := 1; ; try++ {
+		actx, cancel := context.WithTimeout(ctx, min(attempt, time.Until(deadline)))
+		n, err := s.board.Latest(actx)
+		cancel()
+		switch {
+		case err == nil || ctx.Err() != nil:
+			return n, err
+		case !errors.Is(err, rendezvous.ErrTimeout) && !errors.Is(err, rendezvous.ErrUnavailable):
+			return 0, err
+		case time.Until(deadline) <= pause:
+			return 0, fmt.Errorf("%w in %v (%d tries): %w", errAgreementUnanswered, window, try, err)
+		}
+		s.log.Warn("waiting for the running round's worker store: it did not answer the read of the latest epoch; trying again",
+			zap.Int("try", try), zap.Duration("waited", time.Since(began).Round(time.Millisecond)),
+			zap.Duration("wait_up_to", window), zap.Error(err))
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return 0, ctx.Err()
+		case <-t.C:
+		}
+		pause = min(2*pause, time.Second)
+	}
 }
 
 // replaced records that node id took the place of the lost node of group

@@ -1,0 +1,316 @@
+package launcher
+
+import (
+	"context"
+	"errors"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+
+	"github.com/gorunhq/gorun/rendezvous"
+	"github.com/gorunhq/gorun/rendezvous/tcpstore"
+	"github.com/gorunhq/gorun/shrink"
+)
+
+// cutLink stands for the link between a node and its worker store's
+// host: a proxy in front of a real server whose link is cut when the node
+// first reads a key (its first CHECK, where a node admitted late begins
+// to read the board), so that the cut lands after the connections are
+// made, as in the run that found it. While cut, bytes are held, nothing
+// is reset: a blackholed link. heal passes them on again.
+type cutLink struct {
+	addr string
+
+	mu     sync.Mutex
+	up     chan struct{} // closed while the link passes bytes
+	cutAt  tcpstore.Op   // the request whose first sight cuts the link
+	armed  bool
+	cuts   int
+	conns  []net.Conn
+	closed chan struct{}
+	wg     sync.WaitGroup
+}
+
+func newCutLink(t *testing.T, upstream string) *cutLink {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &cutLink{addr: ln.Addr().String(), up: make(chan struct{}), cutAt: tcpstore.OpCheck, armed: true, closed: make(chan struct{})}
+	close(l.up)
+	l.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			u, err := net.Dial("tcp", upstream)
+			if err != nil {
+				c.Close()
+				continue
+			}
+			l.track(c, u)
+			l.wg.Go(func() { l.pipe(u, c, true) })
+			l.wg.Go(func() { l.pipe(c, u, false) })
+		}
+	})
+	t.Cleanup(func() {
+		close(l.closed)
+		ln.Close()
+		l.mu.Lock()
+		for _, c := range l.conns {
+			c.Close()
+		}
+		l.mu.Unlock()
+		l.wg.Wait()
+	})
+	return l
+}
+
+func (l *cutLink) track(cs ...net.Conn) {
+	l.mu.Lock()
+	l.conns = append(l.conns, cs...)
+	l.mu.Unlock()
+}
+
+// pipe copies src to dst while the link is up; a chunk read while it is
+// cut waits for it to heal. From the node (toServer), a chunk that begins
+// with the armed request cuts the link first.
+func (l *cutLink) pipe(dst, src net.Conn, toServer bool) {
+	defer dst.Close()
+	defer src.Close()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 {
+			l.mu.Lock()
+			if toServer && l.armed && tcpstore.Op(buf[0]) == l.cutAt {
+				l.armed = false
+				l.cutLocked()
+			}
+			up := l.up
+			l.mu.Unlock()
+			select {
+			case <-up:
+			case <-l.closed:
+				return
+			}
+			if _, err := dst.Write(buf[:n]); err != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+func (l *cutLink) cutLocked() {
+	select {
+	case <-l.up:
+		l.up = make(chan struct{})
+		l.cuts++
+	default: // cut already
+	}
+}
+
+func (l *cutLink) heal() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	select {
+	case <-l.up:
+	default:
+		close(l.up)
+	}
+}
+
+func (l *cutLink) cutCount() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.cuts
+}
+
+// boardWithEpochs serves a worker store whose board holds epochs 1 to n.
+func boardWithEpochs(t *testing.T, n int) string {
+	t.Helper()
+	srv, err := tcpstore.Listen("127.0.0.1:0", tcpstore.ServerConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { srv.Close() })
+	c, err := tcpstore.Dial(context.Background(), srv.Addr().String(), tcpstore.ClientConfig{Timeout: 5 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	b := shrink.NewBoard(c, shrink.DefaultPrefix)
+	for i := 1; i <= n; i++ {
+		e := shrink.Initial(4)
+		e.Number = i
+		if _, _, err := b.Publish(context.Background(), e); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return srv.Addr().String()
+}
+
+// TestLateReadThroughACut: a node admitted late reads the latest epoch
+// through a link cut at that first read. A cut shorter than the wait costs
+// tries, not the node (one 5-s try ended a spare's agent in bench/chaos);
+// one that outlasts it fails with errAgreementUnanswered, about when the
+// wait ends; a stop ends the wait at once; what a retry cannot mend (a
+// floor that does not parse) fails on the first try.
+func TestLateReadThroughACut(t *testing.T) {
+	const attempt, window = 200 * time.Millisecond, time.Second
+	for _, tc := range []struct {
+		name      string
+		healAfter time.Duration // 0: never
+		cancelAt  time.Duration // 0: never
+		badFloor  bool
+		cut       bool
+		want      error // nil: epoch 2
+		retried   bool
+	}{
+		{name: "no cut"},
+		{name: "cut for one and a half tries", cut: true, healAfter: 300 * time.Millisecond, retried: true},
+		{name: "cut past the wait", cut: true, want: errAgreementUnanswered, retried: true},
+		{name: "stopped while cut", cut: true, cancelAt: 300 * time.Millisecond, want: context.Canceled, retried: true},
+		{name: "a floor that does not parse", badFloor: true, want: errBadFloor},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			server := boardWithEpochs(t, 2)
+			if tc.badFloor {
+				c, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer c.Close()
+				if err := rendezvous.NewPrefixStore(shrink.DefaultPrefix, c).Set(context.Background(), "floor", []byte("{not json")); err != nil {
+					t.Fatal(err)
+				}
+			}
+			link := newCutLink(t, server)
+			if !tc.cut {
+				link.mu.Lock()
+				link.armed = false
+				link.mu.Unlock()
+			}
+			c, err := tcpstore.Dial(context.Background(), link.addr, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			core, logs := observer.New(zapcore.WarnLevel)
+			sv := &survivors{log: zap.New(core), board: shrink.NewBoard(c, shrink.DefaultPrefix)}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if tc.healAfter > 0 {
+				time.AfterFunc(tc.healAfter, link.heal)
+			}
+			if tc.cancelAt > 0 {
+				time.AfterFunc(tc.cancelAt, cancel)
+			}
+			began := time.Now()
+			n, err := sv.latest(ctx, attempt, window)
+			took := time.Since(began)
+			switch {
+			case tc.want == errBadFloor:
+				if err == nil || errors.Is(err, errAgreementUnanswered) || !strings.Contains(err.Error(), "the board's floor") {
+					t.Fatalf("latest: %d, %v; want the floor's parse error", n, err)
+				}
+			case tc.want != nil:
+				if !errors.Is(err, tc.want) {
+					t.Fatalf("latest: %d, %v; want %v", n, err, tc.want)
+				}
+			case err != nil || n != 2:
+				t.Fatalf("latest: %d, %v; want epoch 2", n, err)
+			}
+			if tc.cut && link.cutCount() != 1 {
+				t.Errorf("the link was cut %d times, want once: the read did not go through the cut", link.cutCount())
+			}
+			retries := logs.FilterMessageSnippet("did not answer the read of the latest epoch; trying again").Len()
+			if (retries > 0) != tc.retried {
+				t.Errorf("%d retries logged, want some: %v", retries, tc.retried)
+			}
+			bound := attempt // a stop, or what no retry mends: at once
+			if tc.want == errAgreementUnanswered {
+				bound = window + attempt
+				if took < window-attempt {
+					t.Errorf("gave up after %v, before the wait (%v) was over", took, window)
+				}
+			} else if tc.healAfter > 0 || tc.cancelAt > 0 {
+				bound = max(tc.healAfter, tc.cancelAt) + attempt
+			}
+			if took > bound {
+				t.Errorf("took %v, want at most %v", took, bound)
+			}
+		})
+	}
+}
+
+// errBadFloor marks the case whose error is the floor's own.
+var errBadFloor = errors.New("the floor's parse error")
+
+// TestLateAdmittedNodeRejoinsWhenTheAgreementIsCut: a node admitted late
+// (a hot spare in a lost node's place) whose link to the round's worker
+// store is cut at its first read of the agreement, for longer than it
+// waits: it leaves that round, waits to be admitted again, and runs the
+// next round it is given, counting no failure and calling no leave (its
+// agent exited code 3 on the one read that timed out, bench/chaos's
+// all-kinds soak).
+func TestLateAdmittedNodeRejoinsWhenTheAgreementIsCut(t *testing.T) {
+	cfg := shConfig(t, 2, `echo "rank $RANK of $WORLD_SIZE in round $GORUN_GENERATION"`)
+	cfg.OnFailure = OnFailureShrink
+	cfg.MonitorInterval = 20 * time.Millisecond
+	cfg.AgreementTimeout = 600 * time.Millisecond
+	var link *cutLink
+	m := &fakeMembership{nodes: nodeRanks{{nproc: 2}, {nproc: 2}}, prepare: func(p *plan) {
+		if p.round != 0 {
+			return
+		}
+		// Round 0: admitted late into group rank 1, the worker store
+		// reached through the link that is cut at the first read.
+		link = newCutLink(t, net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort)))
+		host, port, _ := net.SplitHostPort(link.addr)
+		p.env.MasterAddr, p.env.MasterPort = host, mustAtoi(t, port)
+		p.late, p.assignments = true, assign(p.nodes, 1)
+	}}
+	began := time.Now()
+	err, out, logs := runWithMembership(t, cfg, m, 30*time.Second)
+	if err != nil {
+		t.Fatalf("run: %v\n%s\nlog:\n%s", err, out, logText(logs))
+	}
+	if link == nil || link.cutCount() != 1 {
+		t.Fatalf("the late round's link was not cut at the first read\nlog:\n%s", logText(logs))
+	}
+	if want, got := []string{"next", "next", "finish ok, 2 at the barrier"}, m.recorded(); !slices.Equal(got, want) {
+		t.Errorf("membership calls %q, want %q", got, want)
+	}
+	if n := logs.FilterMessageSnippet("leaving the round this node was admitted into").Len(); n != 1 {
+		t.Errorf("%d lines say the node leaves the round it was admitted into, want 1\nlog:\n%s", n, logText(logs))
+	}
+	if n := strings.Count(out, "in round 1"); n != 2 || strings.Contains(out, "in round 0") {
+		t.Errorf("want both workers in round 1 and none in round 0:\n%s", out)
+	}
+	if took := time.Since(began); took > 10*time.Second {
+		t.Errorf("took %v: the wait for the cut agreement is the agreement timeout (%v)", took, cfg.AgreementTimeout)
+	}
+}
+
+func mustAtoi(t *testing.T, s string) int {
+	t.Helper()
+	n, err := strconv.Atoi(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
