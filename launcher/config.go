@@ -385,9 +385,12 @@ type Config struct {
 	// ranks) become one epoch. Default 100 ms (shrink.DefaultSettleWindow).
 	// --settle-window.
 	SettleWindow time.Duration
-	// AgreementTimeout is how long a failure may wait for the survivors'
-	// agreement (an epoch on the board) before shrink mode gives up and
-	// restarts the group. Default 10 s (shrink.DefaultAgreementTimeout).
+	// AgreementTimeout is how long a failure (or a grow not complete) may
+	// wait for the survivors' agreement (an epoch on the board) before
+	// shrink mode gives up and restarts the group; and how long a node
+	// admitted late waits to read the agreement before it leaves the
+	// round to be admitted again. Default 10 s
+	// (shrink.DefaultAgreementTimeout).
 	AgreementTimeout time.Duration
 	// Regrow is heal, shrink mode's second half: a local rank an epoch
 	// excluded after it died is started again (after RespawnBackoff) as a

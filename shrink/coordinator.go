@@ -24,11 +24,13 @@ type CoordinatorConfig struct {
 	Name string
 	// World is the number of ranks the group was launched with.
 	World int
-	// AgreementTimeout bounds how long a report may stay pending, past its
-	// settle window, before the agreement is given up (Err then yields
-	// ErrAgreementTimeout and the launcher falls back to a restart). It
-	// must cover the detection of a dead coordinator, since its successor
-	// decides only once it is chosen. Default 10 s.
+	// AgreementTimeout bounds how long a failure report, or a grow not
+	// complete, may stay pending past its due time before the agreement
+	// is given up (Err then yields ErrAgreementTimeout and the launcher
+	// falls back to a restart); slots offered to grow back in, alone, are
+	// never given up on (Decider.Stalls). It must cover the detection of
+	// a dead coordinator, since its successor decides only once it is
+	// chosen. Default 10 s.
 	AgreementTimeout time.Duration
 	// Logger receives the decisions. Default: none.
 	Logger *zap.Logger
@@ -310,7 +312,9 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 		if leading {
 			decide = time.NewTimer(time.Until(due))
 		}
-		giveUp = time.NewTimer(time.Until(later(due, heard).Add(c.cfg.AgreementTimeout)))
+		if dec.Stalls() {
+			giveUp = time.NewTimer(time.Until(later(due, heard).Add(c.cfg.AgreementTimeout)))
+		}
 	}
 	timerC := func(t *time.Timer) <-chan time.Time {
 		if t == nil {
@@ -330,7 +334,7 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 			}
 		case in := <-c.notices:
 			n := in.n
-			before := dec.Due()
+			before, stalled := dec.Due(), dec.Stalls()
 			switch {
 			case n.Failure != nil:
 				dec.Report(time.Now(), *n.Failure)
@@ -358,7 +362,7 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 					c.grown <- *n.Complete
 				}
 			}
-			if !dec.Due().Equal(before) {
+			if !dec.Due().Equal(before) || dec.Stalls() != stalled {
 				arm()
 			}
 		case e := <-c.epochs:

@@ -165,6 +165,36 @@ func TestCoordinatorLateReplay(t *testing.T) {
 	}
 }
 
+// joinWithNoLeader runs an agreement (timeout 200 ms) whose leader
+// decided the loss of slot and stepped down; a newcomer then offers the
+// slot. It checks that nothing is given up for five timeouts while only
+// that join waits, and returns the coordinator.
+func joinWithNoLeader(t *testing.T, slot int) (context.Context, *Coordinator) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	const timeout = 200 * time.Millisecond
+	a := agentSide(t, storeDialer(ctx, t), CoordinatorConfig{Config: Config{SettleWindow: 10 * time.Millisecond},
+		Name: "a", World: 4, AgreementTimeout: timeout})
+	a.Lead(ctx, true)
+	if err := a.File(ctx, Report{Ranks: []int{slot}, Reason: "exited"}); err != nil {
+		t.Fatal(err)
+	}
+	nextEpoch(t, a, 10*time.Second)
+	a.Lead(ctx, false)
+	if err := a.FileJoin(ctx, Join{Slots: []int{slot}}); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-a.Err():
+		t.Fatalf("gave up while only a join waited: %v", err)
+	case e := <-a.Epochs():
+		t.Fatalf("epoch %v with no leader", e)
+	case <-time.After(5 * timeout):
+	}
+	return ctx, a
+}
+
 func TestCoordinatorGivesUp(t *testing.T) {
 	t.Run("nobody leads", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -186,33 +216,34 @@ func TestCoordinatorGivesUp(t *testing.T) {
 			t.Fatal("no error")
 		}
 	})
-	t.Run("nobody leads a grow", func(t *testing.T) {
-		// The leader decides a shrink and steps down; a newcomer offers
-		// the lost slot. The give-up names it: it named only failed
-		// ranks and newcomers, "failed ranks [] (newcomers [] awaited)".
-		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-		defer cancel()
-		dial := storeDialer(ctx, t)
-		a := agentSide(t, dial, CoordinatorConfig{Config: Config{SettleWindow: 10 * time.Millisecond},
-			Name: "a", World: 4, AgreementTimeout: 200 * time.Millisecond})
-		a.Lead(ctx, true)
-		if err := a.File(ctx, Report{Ranks: []int{1}, Reason: "exited"}); err != nil {
-			t.Fatal(err)
-		}
-		nextEpoch(t, a, 10*time.Second)
-		a.Lead(ctx, false)
-		if err := a.FileJoin(ctx, Join{Slots: []int{1}}); err != nil {
+	t.Run("nobody leads a grow, and a failure comes", func(t *testing.T) {
+		// Nothing is given up while only a join waits (it was, and every
+		// rank restarted for a newcomer). A failure then is: the give-up
+		// names both (it named only failed ranks and newcomers, "failed
+		// ranks [] (newcomers [] awaited)").
+		ctx, a := joinWithNoLeader(t, 1)
+		if err := a.File(ctx, Report{Ranks: []int{2}, Reason: "exited"}); err != nil {
 			t.Fatal(err)
 		}
 		select {
 		case err := <-a.Err():
-			if !errors.Is(err, ErrAgreementTimeout) || !strings.Contains(err.Error(), "slots [1] offered to grow back in") {
-				t.Fatalf("err = %v; want ErrAgreementTimeout naming slot 1 offered", err)
+			if !errors.Is(err, ErrAgreementTimeout) || !strings.Contains(err.Error(), "failed ranks [2]") ||
+				!strings.Contains(err.Error(), "slots [1] offered to grow back in") {
+				t.Fatalf("err = %v; want ErrAgreementTimeout naming rank 2 failed and slot 1 offered", err)
 			}
 		case e := <-a.Epochs():
 			t.Fatalf("epoch %v with no leader", e)
 		case <-time.After(10 * time.Second):
 			t.Fatal("no error")
+		}
+	})
+	t.Run("a join waits for a leader", func(t *testing.T) {
+		// A leader, once there is one, grows the slot back.
+		ctx, a := joinWithNoLeader(t, 3)
+		a.Lead(ctx, true)
+		e := nextEpoch(t, a, 10*time.Second)
+		if e.Action != ActionGrow || !slices.Equal(e.Added, []int{3}) {
+			t.Fatalf("epoch %+v, want a grow adding rank 3", e)
 		}
 	})
 	t.Run("the store is gone", func(t *testing.T) {

@@ -355,6 +355,15 @@ func (d *Decider) Due() time.Time {
 	return due
 }
 
+// Stalls reports whether what is pending holds the group up: failed ranks
+// not yet excluded (the survivors wait on them in their collectives), or a
+// grow not complete. Slots offered to grow back in alone do not: the group
+// runs on without them, and the newcomers wait for a grow, their own
+// timeouts bounding the wait. Only what stalls is given up on
+// (Coordinator's AgreementTimeout): a restart of every rank for a newcomer
+// that no leader let in in time would cost the job what heal is for.
+func (d *Decider) Stalls() bool { return len(d.pending) > 0 || !d.complete }
+
 // Pending returns the global ranks reported and not yet excluded, sorted.
 func (d *Decider) Pending() []int { return sortedKeys(d.pending) }
 

@@ -252,39 +252,42 @@ func TestDeciderOutstanding(t *testing.T) {
 		name string
 		d    func(*testing.T) *Decider
 		want string
+		// stalls: what is pending holds the group up (Stalls), which
+		// the coordinator gives up on after its timeout.
+		stalls bool
 	}{
-		{"nothing", func(*testing.T) *Decider { return NewDecider("a", Config{}, cut) }, ""},
+		{"nothing", func(*testing.T) *Decider { return NewDecider("a", Config{}, cut) }, "", false},
 		{"a failure", func(*testing.T) *Decider {
 			d := NewDecider("a", Config{}, cut)
 			d.Report(t0, Report{Ranks: []int{1, 0}, Reason: "exited"})
 			return d
-		}, "failed ranks [0 1]"},
+		}, "failed ranks [0 1]", true},
 		{"slots offered", func(*testing.T) *Decider {
 			d := NewDecider("a", Config{}, cut)
 			d.Join(t0, Join{Slots: []int{3, 2}})
 			return d
-		}, "slots [2 3] offered to grow back in"},
+		}, "slots [2 3] offered to grow back in", false},
 		{"a grow, newcomers not joined", func(t *testing.T) *Decider {
 			d := grown(t)
 			d.Joined(2, 3)
 			return d
-		}, "the grow of epoch 2 (slots [2 3]), not complete: newcomers [2] have not joined"},
+		}, "the grow of epoch 2 (slots [2 3]), not complete: newcomers [2] have not joined", true},
 		{"a grow, every newcomer joined", func(t *testing.T) *Decider {
 			d := grown(t)
 			d.Joined(2, 2)
 			d.Joined(2, 3)
 			return d
-		}, "the grow of epoch 2 (slots [2 3]), not complete: every newcomer joined, not every rank has acknowledged it"},
+		}, "the grow of epoch 2 (slots [2 3]), not complete: every newcomer joined, not every rank has acknowledged it", true},
 		{"a grow and a failure", func(t *testing.T) *Decider {
 			d := grown(t)
 			d.Report(t0, Report{Ranks: []int{0}, Reason: "exited"})
 			return d
-		}, "failed ranks [0]; the grow of epoch 2 (slots [2 3]), not complete: newcomers [2 3] have not joined"},
+		}, "failed ranks [0]; the grow of epoch 2 (slots [2 3]), not complete: newcomers [2 3] have not joined", true},
 		{"a grow complete", func(t *testing.T) *Decider {
 			d := grown(t)
 			d.Complete(2)
 			return d
-		}, ""},
+		}, "", false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -295,6 +298,9 @@ func TestDeciderOutstanding(t *testing.T) {
 			// Named exactly when Due waits on something.
 			if got := d.Outstanding(); (got == "") != d.Due().IsZero() {
 				t.Errorf("Outstanding() = %q with Due %v", got, d.Due())
+			}
+			if got := d.Stalls(); got != tt.stalls {
+				t.Errorf("Stalls() = %v, want %v", got, tt.stalls)
 			}
 		})
 	}
