@@ -7,7 +7,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -15,129 +14,11 @@ import (
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
+	"github.com/gorunhq/gorun/internal/netcut"
 	"github.com/gorunhq/gorun/rendezvous"
 	"github.com/gorunhq/gorun/rendezvous/tcpstore"
 	"github.com/gorunhq/gorun/shrink"
 )
-
-// cutLink stands for the link between a node and its worker store's
-// host: a proxy in front of a real server whose link is cut when the node
-// first reads a key (its first CHECK, where a node admitted late begins
-// to read the board), so that the cut lands after the connections are
-// made, as in the run that found it. While cut, bytes are held, nothing
-// is reset: a blackholed link. heal passes them on again.
-type cutLink struct {
-	addr string
-
-	mu     sync.Mutex
-	up     chan struct{} // closed while the link passes bytes
-	cutAt  tcpstore.Op   // the request whose first sight cuts the link
-	armed  bool
-	cuts   int
-	conns  []net.Conn
-	closed chan struct{}
-	wg     sync.WaitGroup
-}
-
-func newCutLink(t *testing.T, upstream string) *cutLink {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	l := &cutLink{addr: ln.Addr().String(), up: make(chan struct{}), cutAt: tcpstore.OpCheck, armed: true, closed: make(chan struct{})}
-	close(l.up)
-	l.wg.Go(func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			u, err := net.Dial("tcp", upstream)
-			if err != nil {
-				c.Close()
-				continue
-			}
-			l.track(c, u)
-			l.wg.Go(func() { l.pipe(u, c, true) })
-			l.wg.Go(func() { l.pipe(c, u, false) })
-		}
-	})
-	t.Cleanup(func() {
-		close(l.closed)
-		ln.Close()
-		l.mu.Lock()
-		for _, c := range l.conns {
-			c.Close()
-		}
-		l.mu.Unlock()
-		l.wg.Wait()
-	})
-	return l
-}
-
-func (l *cutLink) track(cs ...net.Conn) {
-	l.mu.Lock()
-	l.conns = append(l.conns, cs...)
-	l.mu.Unlock()
-}
-
-// pipe copies src to dst while the link is up; a chunk read while it is
-// cut waits for it to heal. From the node (toServer), a chunk that begins
-// with the armed request cuts the link first.
-func (l *cutLink) pipe(dst, src net.Conn, toServer bool) {
-	defer dst.Close()
-	defer src.Close()
-	buf := make([]byte, 32<<10)
-	for {
-		n, err := src.Read(buf)
-		if n > 0 {
-			l.mu.Lock()
-			if toServer && l.armed && tcpstore.Op(buf[0]) == l.cutAt {
-				l.armed = false
-				l.cutLocked()
-			}
-			up := l.up
-			l.mu.Unlock()
-			select {
-			case <-up:
-			case <-l.closed:
-				return
-			}
-			if _, err := dst.Write(buf[:n]); err != nil {
-				return
-			}
-		}
-		if err != nil {
-			return
-		}
-	}
-}
-
-func (l *cutLink) cutLocked() {
-	select {
-	case <-l.up:
-		l.up = make(chan struct{})
-		l.cuts++
-	default: // cut already
-	}
-}
-
-func (l *cutLink) heal() {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	select {
-	case <-l.up:
-	default:
-		close(l.up)
-	}
-}
-
-func (l *cutLink) cutCount() int {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.cuts
-}
 
 // boardWithEpochs serves a worker store whose board holds epochs 1 to n.
 func boardWithEpochs(t *testing.T, n int) string {
@@ -198,13 +79,13 @@ func TestLateReadThroughACut(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			link := newCutLink(t, server)
-			if !tc.cut {
-				link.mu.Lock()
-				link.armed = false
-				link.mu.Unlock()
+			// The link stands for the node's to the worker store's
+			// host, cut at the node's first read (its first CHECK).
+			link := netcut.New(t, server)
+			if tc.cut {
+				link.CutOnFirst(byte(tcpstore.OpCheck))
 			}
-			c, err := tcpstore.Dial(context.Background(), link.addr, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+			c, err := tcpstore.Dial(context.Background(), link.Addr(), tcpstore.ClientConfig{Timeout: 5 * time.Second})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -214,7 +95,7 @@ func TestLateReadThroughACut(t *testing.T) {
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			if tc.healAfter > 0 {
-				time.AfterFunc(tc.healAfter, link.heal)
+				time.AfterFunc(tc.healAfter, link.Heal)
 			}
 			if tc.cancelAt > 0 {
 				time.AfterFunc(tc.cancelAt, cancel)
@@ -234,8 +115,8 @@ func TestLateReadThroughACut(t *testing.T) {
 			case err != nil || n != 2:
 				t.Fatalf("latest: %d, %v; want epoch 2", n, err)
 			}
-			if tc.cut && link.cutCount() != 1 {
-				t.Errorf("the link was cut %d times, want once: the read did not go through the cut", link.cutCount())
+			if tc.cut && link.Cuts() != 1 {
+				t.Errorf("the link was cut %d times, want once: the read did not go through the cut", link.Cuts())
 			}
 			retries := logs.FilterMessageSnippet("did not answer the read of the latest epoch; trying again").Len()
 			if (retries > 0) != tc.retried {
@@ -272,15 +153,16 @@ func TestLateAdmittedNodeRejoinsWhenTheAgreementIsCut(t *testing.T) {
 	cfg.OnFailure = OnFailureShrink
 	cfg.MonitorInterval = 20 * time.Millisecond
 	cfg.AgreementTimeout = 600 * time.Millisecond
-	var link *cutLink
+	var link *netcut.Link
 	m := &fakeMembership{nodes: nodeRanks{{nproc: 2}, {nproc: 2}}, prepare: func(p *plan) {
 		if p.round != 0 {
 			return
 		}
 		// Round 0: admitted late into group rank 1, the worker store
 		// reached through the link that is cut at the first read.
-		link = newCutLink(t, net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort)))
-		host, port, _ := net.SplitHostPort(link.addr)
+		link = netcut.New(t, net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort)))
+		link.CutOnFirst(byte(tcpstore.OpCheck))
+		host, port, _ := net.SplitHostPort(link.Addr())
 		p.env.MasterAddr, p.env.MasterPort = host, mustAtoi(t, port)
 		p.late, p.assignments = true, assign(p.nodes, 1)
 	}}
@@ -289,7 +171,7 @@ func TestLateAdmittedNodeRejoinsWhenTheAgreementIsCut(t *testing.T) {
 	if err != nil {
 		t.Fatalf("run: %v\n%s\nlog:\n%s", err, out, logText(logs))
 	}
-	if link == nil || link.cutCount() != 1 {
+	if link == nil || link.Cuts() != 1 {
 		t.Fatalf("the late round's link was not cut at the first read\nlog:\n%s", logText(logs))
 	}
 	if want, got := []string{"next", "next", "finish ok, 2 at the barrier"}, m.recorded(); !slices.Equal(got, want) {

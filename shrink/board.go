@@ -248,17 +248,18 @@ func (b *Board) Await(ctx context.Context, n int) (Epoch, error) {
 }
 
 // waitKept waits until key exists; a store whose own timeout ends a wait
-// is asked again until ctx is done. A key the Floor says was collected
-// (gone) gives ErrCollected instead: the Floor is looked at when the key is
-// not there at first, and again each time the store's timeout ends a wait,
-// so a reader that fell behind is told within that timeout.
+// is asked again until ctx is done, and so is one whose timeout ends a
+// look at the key or the Floor (askAgain). A key the Floor says was
+// collected (gone) gives ErrCollected instead: the Floor is looked at when
+// the key is not there at first, and again each time the store's timeout
+// ends a wait, so a reader that fell behind is told within that timeout.
 func (b *Board) waitKept(ctx context.Context, key string, gone func(Floor) bool) error {
-	ok, err := b.store.Check(ctx, key)
+	ok, err := askAgain(ctx, func() (bool, error) { return b.store.Check(ctx, key) })
 	if err != nil || ok {
 		return err
 	}
 	for {
-		f, err := b.Floor(ctx)
+		f, err := askAgain(ctx, func() (Floor, error) { return b.Floor(ctx) })
 		if err != nil {
 			return err
 		}
@@ -271,6 +272,31 @@ func (b *Board) waitKept(ctx context.Context, key string, gone func(Floor) bool)
 		}
 		if !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
 			return err
+		}
+	}
+}
+
+// askAgainPause is how long askAgain waits between tries.
+const askAgainPause = 50 * time.Millisecond
+
+// askAgain calls look until it returns anything but the store's timeout
+// (rendezvous.ErrTimeout: no answer in the store's time, a reconnect that
+// timed out), or ctx is done. It serves the waits that last as long as the
+// round (the watchers of epochs and notices): a link cut for a few seconds
+// times their looks out, and a failed watcher ended the agreement, every
+// rank of its node restarted (bench/chaos, a 4-s cut, "await epoch 1:
+// read the board's floor: … CHECK: timeout after 10s"). A stall that
+// matters is bounded elsewhere: the Coordinator gives up on what is
+// pending after its AgreementTimeout. A store that is gone answers with
+// another error (ErrUnavailable: refused, closed), returned at once.
+func askAgain[T any](ctx context.Context, look func() (T, error)) (T, error) {
+	for {
+		v, err := look()
+		if err == nil || !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
+			return v, err
+		}
+		if pause(ctx, askAgainPause) != nil {
+			return v, err
 		}
 	}
 }
