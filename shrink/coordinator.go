@@ -306,15 +306,20 @@ func (c *Coordinator) loop(ctx context.Context, dec *Decider) {
 			heard = time.Time{}
 			return
 		}
-		if heard.IsZero() {
-			heard = time.Now()
-		}
 		if leading {
 			decide = time.NewTimer(time.Until(due))
 		}
-		if dec.Stalls() {
-			giveUp = time.NewTimer(time.Until(later(due, heard).Add(c.cfg.AgreementTimeout)))
+		// Only what stalls the group is given up on, counted from when it
+		// came: a failure after a join that waited a minute gets its own
+		// AgreementTimeout, not one that ran out with the join's.
+		if !dec.Stalls() {
+			heard = time.Time{}
+			return
 		}
+		if heard.IsZero() {
+			heard = time.Now()
+		}
+		giveUp = time.NewTimer(time.Until(later(due, heard).Add(c.cfg.AgreementTimeout)))
 	}
 	timerC := func(t *time.Timer) <-chan time.Time {
 		if t == nil {

@@ -222,11 +222,17 @@ func TestCoordinatorGivesUp(t *testing.T) {
 		// names both (it named only failed ranks and newcomers, "failed
 		// ranks [] (newcomers [] awaited)").
 		ctx, a := joinWithNoLeader(t, 1)
+		filed := time.Now()
 		if err := a.File(ctx, Report{Ranks: []int{2}, Reason: "exited"}); err != nil {
 			t.Fatal(err)
 		}
 		select {
 		case err := <-a.Err():
+			// Its own timeout, from when it came: not the join's, run
+			// out long before.
+			if took := time.Since(filed); took < 200*time.Millisecond {
+				t.Errorf("gave up %v after the failure came, before its agreement timeout (200ms)", took)
+			}
 			if !errors.Is(err, ErrAgreementTimeout) || !strings.Contains(err.Error(), "failed ranks [2]") ||
 				!strings.Contains(err.Error(), "slots [1] offered to grow back in") {
 				t.Fatalf("err = %v; want ErrAgreementTimeout naming rank 2 failed and slot 1 offered", err)
