@@ -30,6 +30,8 @@ import (
 var (
 	fromFirst bool          // -from-first
 	waitFor   time.Duration // -wait
+	loseAfter time.Duration // -lose-one: how long after every worker started
+	loseOneOn bool          // -lose-one
 )
 
 type launcher struct {
@@ -48,11 +50,18 @@ func main() {
 	etcdEndpoints := flag.String("etcd", "", "gorun agents meet through etcd at these `HOST:PORT,…` instead of c10d (a fresh run id each time)")
 	flag.BoolVar(&fromFirst, "from-first", false, "start every agent at once and time from the first start (a job's whole bring-up), not from the last agent's join after the others settled")
 	flag.DurationVar(&waitFor, "wait", 120*time.Second, "give up on a job whose workers have not all started this long after the clock started")
+	flag.BoolVar(&loseOneOn, "lose-one", false, "once every worker has started, kill one agent (its process group) and time the survivors' next epoch (--on-failure shrink) or round: "+
+		"from the loss first known to every survivor's adoption (workers then run until the end)")
+	flag.DurationVar(&loseAfter, "lose-after", 3*time.Second, "with -lose-one: how long after every worker started the agent is killed")
 	agentFlags := flag.String("gorun-flags", "", "more flags for every gorun agent, space-separated (e.g. \"--on-failure shrink\": the survivors' agreement and node liveness at scale)")
 	flag.Parse()
 	fmt.Printf("Command: %s\n\n", strings.Join(os.Args, " "))
 
 	worker := []string{"sh", "-c", `date +%s%N > "$RDZVBENCH_OUT/$RANK"`}
+	if loseOneOn {
+		// The survivors' workers must outlive the loss.
+		worker[2] += `; exec sleep 3600`
+	}
 	gorunArgv := func(n int) func(int, string) []string {
 		return func(port int, logDir string) []string {
 			backend, endpoint, id := "c10d", "127.0.0.1:"+strconv.Itoa(port), "bench"
@@ -85,18 +94,24 @@ func main() {
 	results := map[string][]float64{}
 	execd := map[string][]float64{}
 	cpu := map[string][]float64{}
+	var detect, carryOn []float64
 	for rep := 1; rep <= *reps; rep++ {
 		for _, l := range launchers {
-			ms, agentMs, cpuMs, err := measure(l)
+			m, err := measure(l)
 			if err != nil {
 				fmt.Fprintf(os.Stderr, "rdzvbench: %s: %v\n", l.name, err)
 				os.Exit(1)
 			}
-			fmt.Fprintf(os.Stderr, "rdzvbench: rep %d %s: workers' first line %.1f ms, agents exec'd %.1f ms\n", rep, l.name, ms, agentMs)
-			results[l.name] = append(results[l.name], ms)
-			cpu[l.name] = append(cpu[l.name], cpuMs)
-			if agentMs > 0 {
-				execd[l.name] = append(execd[l.name], agentMs)
+			fmt.Fprintf(os.Stderr, "rdzvbench: rep %d %s: workers' first line %.1f ms, agents exec'd %.1f ms\n", rep, l.name, m.workers, m.execd)
+			if loseOneOn {
+				fmt.Fprintf(os.Stderr, "rdzvbench: rep %d %s: one agent lost: known after %.1f ms; every survivor carried on %.1f ms after that (%d survivors, %d by a shrink epoch)\n",
+					rep, l.name, ms(m.loss.detect), ms(m.loss.carryOn), m.loss.survivors, m.loss.epochs)
+				detect, carryOn = append(detect, ms(m.loss.detect)), append(carryOn, ms(m.loss.carryOn))
+			}
+			results[l.name] = append(results[l.name], m.workers)
+			cpu[l.name] = append(cpu[l.name], m.cpu)
+			if m.execd > 0 {
+				execd[l.name] = append(execd[l.name], m.execd)
 			}
 		}
 	}
@@ -118,6 +133,30 @@ func main() {
 		}
 		fmt.Printf("| %s | %s | %.1f | %.0f |\n", l.name, a, stats.Median(results[l.name]), stats.Median(cpu[l.name]))
 	}
+	if loseOneOn {
+		fmt.Printf("\nOne agent lost %v after every worker started (medians; the runs: %s):\n\n", loseAfter, fmtRuns(carryOn))
+		fmt.Println("| the kill → the loss known (ms) | the loss known → every survivor's next epoch or round (ms) |")
+		fmt.Println("|---|---|")
+		fmt.Printf("| %.1f | %.1f |\n", stats.Median(detect), stats.Median(carryOn))
+	}
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1e3 }
+
+func fmtRuns(v []float64) string {
+	s := make([]string, len(v))
+	for i, x := range v {
+		s[i] = fmt.Sprintf("%.1f ms", x)
+	}
+	return strings.Join(s, ", ")
+}
+
+// measured is one job's figures.
+type measured struct {
+	workers float64 // ms to the last worker's first line
+	execd   float64 // ms to the last agent's "workers started" (0: not every agent logged one)
+	cpu     float64 // ms of CPU, agents and workers (0 with -lose-one)
+	loss    lossResult
 }
 
 // measure runs one job and returns the milliseconds from the last agent's
@@ -126,10 +165,10 @@ func main() {
 // log line; 0 for torchrun, which logs no such line); and the CPU
 // milliseconds all agents and their workers spent after the last join,
 // start to exit.
-func measure(l launcher) (float64, float64, float64, error) {
+func measure(l launcher) (measured, error) {
 	dir, err := os.MkdirTemp("", "rdzvbench")
 	if err != nil {
-		return 0, 0, 0, err
+		return measured{}, err
 	}
 	defer func() {
 		if os.Getenv("RDZVBENCH_KEEP") == "" {
@@ -142,13 +181,19 @@ func measure(l launcher) (float64, float64, float64, error) {
 	os.Mkdir(out, 0o755)
 	port, err := freePort()
 	if err != nil {
-		return 0, 0, 0, err
+		return measured{}, err
 	}
 	var cmds []*exec.Cmd
 	defer func() {
+		// Every group killed before any is waited for: one by one, a
+		// thousand agents starving each other took minutes to end.
 		for _, c := range cmds {
 			if c.Process != nil {
 				syscall.Kill(-c.Process.Pid, syscall.SIGKILL)
+			}
+		}
+		for _, c := range cmds {
+			if c.Process != nil {
 				c.Wait()
 			}
 		}
@@ -175,7 +220,7 @@ func measure(l launcher) (float64, float64, float64, error) {
 	if !fromFirst {
 		for range l.agents - 1 {
 			if _, err := start(); err != nil {
-				return 0, 0, 0, err
+				return measured{}, err
 			}
 		}
 		time.Sleep(l.settle)
@@ -188,12 +233,12 @@ func measure(l launcher) (float64, float64, float64, error) {
 	} else {
 		for range l.agents - 1 {
 			if _, err := start(); err != nil {
-				return 0, 0, 0, err
+				return measured{}, err
 			}
 		}
 	}
 	if _, err := start(); err != nil {
-		return 0, 0, 0, err
+		return measured{}, err
 	}
 	// A worker's file exists before date has written it: count the
 	// files that hold a time.
@@ -208,7 +253,7 @@ func measure(l launcher) (float64, float64, float64, error) {
 			// the machine's CPU reading the others.
 			time.Sleep(5 * time.Millisecond)
 			if time.Now().After(deadline) {
-				return 0, 0, 0, fmt.Errorf("%d of %d workers started in %v", len(entries), l.agents, waitFor)
+				return measured{}, fmt.Errorf("%d of %d workers started in %v", len(entries), l.agents, waitFor)
 			}
 			continue
 		}
@@ -224,9 +269,19 @@ func measure(l launcher) (float64, float64, float64, error) {
 		}
 		if time.Now().After(deadline) {
 			b, _ := os.ReadFile(filepath.Join(dir, "agent0.log"))
-			return 0, 0, 0, fmt.Errorf("%d of %d workers started in %v; agent 0 said:\n%s", n, l.agents, waitFor, b)
+			return measured{}, fmt.Errorf("%d of %d workers started in %v; agent 0 said:\n%s", n, l.agents, waitFor, b)
 		}
 		time.Sleep(5 * time.Millisecond)
+	}
+	m := measured{workers: float64(last-t0.UnixNano()) / 1e6, execd: agentsStarted(dir, l.agents, t0)}
+	if loseOneOn {
+		time.Sleep(loseAfter)
+		pids := make([]int, len(cmds))
+		for i, c := range cmds {
+			pids[i] = c.Process.Pid
+		}
+		m.loss, err = loseOne(dir, pids, waitFor)
+		return m, err
 	}
 	var total time.Duration // agents' and their workers' whole CPU
 	for _, c := range cmds {
@@ -243,8 +298,8 @@ func measure(l launcher) (float64, float64, float64, error) {
 		}
 		c.Process = nil
 	}
-	cpuAfter := float64((total - before).Microseconds()) / 1e3
-	return float64(last-t0.UnixNano()) / 1e6, agentsStarted(dir, l.agents, t0), cpuAfter, nil
+	m.cpu = float64((total - before).Microseconds()) / 1e3
+	return m, nil
 }
 
 // schedCPU is the time pid's threads have spent on a CPU so far
