@@ -132,3 +132,21 @@ func TestVictimOf(t *testing.T) {
 		t.Errorf("victim %d, want 1 (agent 2 hosts the store)", v)
 	}
 }
+
+// firstLines takes each agent's first JSON line, after lines that are
+// not JSON, and the latest of them.
+func TestFirstLines(t *testing.T) {
+	dir := t.TempDir()
+	t0 := time.Date(2026, 12, 1, 20, 0, 0, 0, time.UTC)
+	logs := []string{
+		`{"ts":"2026-12-01T20:00:00.5Z","msg":"a"}` + "\n" + `{"ts":"2026-12-01T20:00:09Z","msg":"later"}` + "\n",
+		"gorun: something\n" + `{"ts":"2026-12-01T20:00:02.25Z","msg":"b"}` + "\n",
+		"", // never logged
+	}
+	for i, s := range logs {
+		os.WriteFile(filepath.Join(dir, fmt.Sprintf("agent%d.log", i)), []byte(s), 0o644)
+	}
+	if ms, n := firstLines(dir, len(logs), t0); ms != 2250 || n != 2 {
+		t.Errorf("last first line %.1f ms, %d agents; want 2250 ms, 2", ms, n)
+	}
+}

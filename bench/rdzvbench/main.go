@@ -11,6 +11,7 @@
 package main
 
 import (
+	"bytes"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -53,11 +54,16 @@ func main() {
 	flag.BoolVar(&loseOneOn, "lose-one", false, "once every worker has started, kill one agent (its process group) and time the survivors' next epoch (--on-failure shrink) or round: "+
 		"from the loss first known to every survivor's adoption (workers then run until the end)")
 	flag.DurationVar(&loseAfter, "lose-after", 3*time.Second, "with -lose-one: how long after every worker started the agent is killed")
+	standalone := flag.Bool("standalone", false, "every agent a job of its own (--standalone, one node): no rendezvous at all, the floor that starting the processes and their workers sets")
 	agentFlags := flag.String("gorun-flags", "", "more flags for every gorun agent, space-separated (e.g. \"--on-failure shrink\": the survivors' agreement and node liveness at scale)")
 	flag.Parse()
 	fmt.Printf("Command: %s\n\n", strings.Join(os.Args, " "))
 
 	worker := []string{"sh", "-c", `date +%s%N > "$RDZVBENCH_OUT/$RANK"`}
+	if *standalone {
+		// Every worker is rank 0 of its own job.
+		worker[2] = `date +%s%N > "$RDZVBENCH_OUT/$RDZVBENCH_AGENT"`
+	}
 	if loseOneOn {
 		// The survivors' workers must outlive the loss.
 		worker[2] += `; exec sleep 3600`
@@ -69,6 +75,10 @@ func main() {
 				// The port is free, so unused by earlier runs: a run id
 				// whose state etcd does not hold yet.
 				backend, endpoint, id = "etcd", *etcdEndpoints, "bench"+strconv.Itoa(port)
+			}
+			if *standalone {
+				return append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--standalone", "--nproc-per-node", "1",
+					"--log-dir", logDir, "--no-python"}, worker...)
 			}
 			argv := append([]string{*gorun, "--log-level", "debug", "--log-format", "json", "--nnodes", strconv.Itoa(n), "--nproc-per-node", "1",
 				"--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", id,
@@ -201,7 +211,7 @@ func measure(l launcher) (measured, error) {
 	start := func() (*exec.Cmd, error) {
 		argv := l.argv(port, filepath.Join(dir, "logs"))
 		c := exec.Command(argv[0], argv[1:]...)
-		c.Env = append(os.Environ(), "RDZVBENCH_OUT="+out)
+		c.Env = append(os.Environ(), "RDZVBENCH_OUT="+out, "RDZVBENCH_AGENT="+strconv.Itoa(len(cmds)))
 		c.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 		logf, err := os.Create(filepath.Join(dir, fmt.Sprintf("agent%d.log", len(cmds))))
 		if err != nil {
@@ -274,6 +284,9 @@ func measure(l launcher) (measured, error) {
 		time.Sleep(5 * time.Millisecond)
 	}
 	m := measured{workers: float64(last-t0.UnixNano()) / 1e6, execd: agentsStarted(dir, l.agents, t0)}
+	if fl, n := firstLines(dir, l.agents, t0); n > 0 {
+		fmt.Fprintf(os.Stderr, "rdzvbench: %d of %d agents logged a first line, the last %.1f ms after the clock started\n", n, l.agents, fl)
+	}
 	if loseOneOn {
 		time.Sleep(loseAfter)
 		pids := make([]int, len(cmds))
@@ -318,6 +331,27 @@ func schedCPU(pid int) time.Duration {
 		}
 	}
 	return time.Duration(ns)
+}
+
+// firstLines returns the milliseconds from t0 to the last agent's first
+// JSON log line (the process started and running gorun's code), and how
+// many agents logged one.
+func firstLines(dir string, agents int, t0 time.Time) (float64, int) {
+	var last time.Time
+	n := 0
+	for i := range agents {
+		b, _ := os.ReadFile(filepath.Join(dir, fmt.Sprintf("agent%d.log", i)))
+		for _, ln := range bytes.Split(b, []byte{'\n'}) {
+			if _, ts, ok := parseLine(ln); ok {
+				n++
+				if ts.After(last) {
+					last = ts
+				}
+				break
+			}
+		}
+	}
+	return float64(last.Sub(t0).Microseconds()) / 1e3, n
 }
 
 // agentsStarted reads the agents' JSON logs for their "workers started"
