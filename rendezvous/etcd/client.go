@@ -18,6 +18,7 @@ import (
 	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/backoff"
+	"google.golang.org/grpc/connectivity"
 )
 
 // DefaultPort is etcd's client port, taken for an endpoint given without
@@ -283,6 +284,7 @@ func Connect(ctx context.Context, cfg ClientConfig) (*clientv3.Client, error) {
 	start := time.Now()
 	nextLog := start.Add(cfg.ProgressInterval)
 	pause := 50 * time.Millisecond
+	attempt := cfg.AttemptTimeout
 	var cli *clientv3.Client
 	defer func() {
 		if cli != nil && err != nil {
@@ -299,10 +301,12 @@ func Connect(ctx context.Context, cfg ClientConfig) (*clientv3.Client, error) {
 			cli, err = clientv3.New(ccfg)
 		}
 		if cli != nil {
-			err = check(ctx, cli, cfg.AttemptTimeout)
+			err = check(ctx, cli, attempt)
 			if err == nil {
 				return cli, nil
 			}
+			ready := cli.ActiveConnection().GetState() == connectivity.Ready
+			attempt = nextAttempt(attempt, cfg.AttemptTimeout, ready, err)
 		}
 		if isAuthError(err) {
 			err = fmt.Errorf("%w: user %q at %v: %w", ErrAuth, cfg.Username, cfg.Endpoints, err)
@@ -331,6 +335,27 @@ func Connect(ctx context.Context, cfg ClientConfig) (*clientv3.Client, error) {
 		}
 		pause = min(2*pause, 500*time.Millisecond)
 	}
+}
+
+// maxAttemptGrowth bounds how far Connect lengthens its attempts.
+const maxAttemptGrowth = 8
+
+// nextAttempt is the timeout of Connect's next attempt after one of cur
+// that failed with err, its connection to a member up (connected) or not.
+// A probe that ran out of time may be queued at a cluster that answers,
+// only slowly: dropping it and sending another every AttemptTimeout never
+// gets an answer from a member that takes longer than that (1,024 agents
+// starting on two cores: thousands of probes, agents unconnected after
+// minutes, BENCHMARKS.md). So an attempt that timed out on a connection
+// that is up (or that the member timed out itself) doubles the next one's
+// time, up to maxAttemptGrowth × base. Any other failure (refused, no
+// leader yet), and a timeout with no connection (nobody listening: the
+// progress lines keep their pace), start again from base.
+func nextAttempt(cur, base time.Duration, connected bool, err error) time.Duration {
+	if !connected || !errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, rpctypes.ErrTimeout) {
+		return base
+	}
+	return min(2*cur, maxAttemptGrowth*base)
 }
 
 // check does one linearizable read through cli. A key the user may not

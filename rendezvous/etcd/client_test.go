@@ -3,6 +3,7 @@ package etcd_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -262,5 +264,35 @@ func TestConnectAuth(t *testing.T) {
 	}
 	if took := time.Since(start); took > 5*time.Second {
 		t.Fatalf("took %v to fail; refused credentials are not retried", took)
+	}
+}
+
+// A probe that ran out of time on a live connection makes the next one
+// wait longer, up to 8× the base; any other failure, and a timeout with no
+// connection, start again from the base.
+func TestConnectAttemptGrows(t *testing.T) {
+	const base = 2 * time.Second
+	timedOut := fmt.Errorf("etcd probe: %w", context.DeadlineExceeded)
+	tests := []struct {
+		name      string
+		cur       time.Duration
+		connected bool
+		err       error
+		want      time.Duration
+	}{
+		{"timed out once", base, true, timedOut, 2 * base},
+		{"timed out again", 2 * base, true, timedOut, 4 * base},
+		{"the member timed it out", 4 * base, true, rpctypes.ErrTimeout, 8 * base},
+		{"capped", 8 * base, true, timedOut, 8 * base},
+		{"timed out with no connection: the base", 4 * base, false, timedOut, base},
+		{"refused: back to the base", 8 * base, true, errors.New("connection refused"), base},
+		{"no leader: back to the base", 4 * base, true, rpctypes.ErrNoLeader, base},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if got := etcd.NextAttempt(tt.cur, base, tt.connected, tt.err); got != tt.want {
+				t.Errorf("next attempt after %v (connected %v, %v): %v, want %v", tt.cur, tt.connected, tt.err, got, tt.want)
+			}
+		})
 	}
 }

@@ -11,3 +11,6 @@ func (l *Liveness) LeaseID() clientv3.LeaseID {
 
 // Events counts the watch events the node's liveness received.
 func (l *Liveness) Events() int64 { return l.events.Load() }
+
+// NextAttempt is Connect's timeout for the attempt after one that failed.
+var NextAttempt = nextAttempt
