@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
@@ -67,4 +68,45 @@ func TestRetryTooManyRequests(t *testing.T) {
 	if err := s.retry(ctx, func(context.Context) error { calls++; return rpctypes.ErrNoSpace }); !errors.Is(err, rpctypes.ErrNoSpace) || calls != 1 {
 		t.Errorf("database full: %v after %d calls, want it at once", err, calls)
 	}
+}
+
+// TestRetryOutwaitsAStuckRequest: a request that gets no answer within
+// its attempt's deadline (one a dead leader took) is sent again at once,
+// each time with twice the patience, until one is answered; the
+// operation's own deadline still ends it.
+func TestRetryOutwaitsAStuckRequest(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &Storage{attempt: time.Second}
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		var patience []time.Duration
+		start := time.Now()
+		err := s.retry(ctx, func(ctx context.Context) error {
+			d, _ := ctx.Deadline()
+			patience = append(patience, d.Sub(time.Now()))
+			if len(patience) < 3 {
+				<-ctx.Done() // no answer
+				return ctx.Err()
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := []time.Duration{time.Second, 2 * time.Second, 4 * time.Second}
+		if fmt.Sprint(patience) != fmt.Sprint(want) {
+			t.Errorf("attempts' patience %v, want %v", patience, want)
+		}
+		if took := time.Since(start); took != 3*time.Second {
+			t.Errorf("answered after %v, want 3s (no pause after an attempt that waited out its deadline)", took)
+		}
+
+		ctx, cancel = context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		calls := 0
+		err = s.retry(ctx, func(ctx context.Context) error { calls++; <-ctx.Done(); return ctx.Err() })
+		if !errors.Is(err, context.DeadlineExceeded) || calls != 3 {
+			t.Errorf("never answered: %v after %d calls, want the deadline after 3 (1 s, 2 s, then the 2 s left)", err, calls)
+		}
+	})
 }

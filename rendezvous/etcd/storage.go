@@ -34,6 +34,14 @@ type StorageConfig struct {
 	// OpTimeout bounds one storage operation, etcd's retries across a
 	// leader change included. Default 60 s.
 	OpTimeout time.Duration
+	// AttemptTimeout bounds one etcd request of an operation; one that
+	// runs out of it is sent again (every request a Storage sends is safe
+	// to send twice, see update), under twice the time, up to OpTimeout.
+	// A follower holds a request it forwarded to a leader that has just
+	// died until its own request timeout (5 s plus two election
+	// timeouts) although a new leader, elected within an election
+	// timeout, would answer it at once. Default 2 s.
+	AttemptTimeout time.Duration
 	// Logger receives watch interruptions. Default: none.
 	Logger *zap.Logger
 	// BatchInflight is how many etcd requests of batched operations may
@@ -161,6 +169,7 @@ type Storage struct {
 	cli     *clientv3.Client
 	prefix  string
 	timeout time.Duration
+	attempt time.Duration // an etcd request's first patience (AttemptTimeout)
 	// leaseTTL is StorageConfig.WriteLeaseTTL.
 	leaseTTL time.Duration
 	log      *zap.Logger
@@ -215,6 +224,9 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 	if cfg.OpTimeout <= 0 {
 		cfg.OpTimeout = 60 * time.Second
 	}
+	if cfg.AttemptTimeout <= 0 {
+		cfg.AttemptTimeout = DefaultAttemptTimeout
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
@@ -230,6 +242,7 @@ func NewStorage(ctx context.Context, cli *clientv3.Client, cfg StorageConfig) (*
 		cli:      cli,
 		prefix:   cfg.Prefix,
 		timeout:  cfg.OpTimeout,
+		attempt:  cfg.AttemptTimeout,
 		leaseTTL: cfg.WriteLeaseTTL,
 		log:      cfg.Logger,
 		id:       hex.EncodeToString(id[:]),
@@ -845,16 +858,33 @@ func transient(ctx context.Context, err error) bool {
 	return false
 }
 
-// retry runs fn until it succeeds, fails for good, or ctx ends, pausing
-// between attempts: doubling pauses with a jitter (a crowd of clients
-// that failed together does not retry together), up to 0.5 s, or 2 s
-// while etcd sheds load (a refused request costs it little, but a crowd
-// retrying at once keeps it behind).
+// retry runs fn until it succeeds, fails for good, or ctx ends. Each
+// attempt has a deadline of its own (AttemptTimeout, doubled after each
+// attempt that ran out of it): a request lost with a dead leader is sent
+// again once the new one is elected, not when the member gives up on it.
+// Between failed attempts it pauses: doubling pauses with a jitter (a
+// crowd of clients that failed together does not retry together), up to
+// 0.5 s, or 2 s while etcd sheds load (a refused request costs it little,
+// but a crowd retrying at once keeps it behind).
 func (s *Storage) retry(ctx context.Context, fn func(context.Context) error) error {
-	pause := 20 * time.Millisecond
+	pause, patience := 20*time.Millisecond, s.attempt
+	if patience <= 0 {
+		patience = DefaultAttemptTimeout
+	}
 	for {
-		err := fn(ctx)
-		if err == nil || !transient(ctx, err) {
+		actx, cancel := context.WithTimeout(ctx, patience)
+		err := fn(actx)
+		outwaited := actx.Err() != nil && ctx.Err() == nil
+		cancel()
+		if err == nil {
+			return nil
+		}
+		if outwaited {
+			// No pause: the request has waited long enough.
+			patience *= 2
+			continue
+		}
+		if !transient(ctx, err) {
 			return err
 		}
 		limit := 500 * time.Millisecond

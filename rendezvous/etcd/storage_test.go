@@ -349,7 +349,10 @@ func TestStorageAcrossNodes(t *testing.T) {
 
 // TestStorageLeaderLoss: on a 3-member cluster, a wait registered before the
 // leader is killed is released by a set made after, through the other
-// node, and a counter loses no increment.
+// node, and a counter loses no increment. The first increment after the
+// kill waits about one AttemptTimeout (2 s), sent again once a new leader
+// is elected, not the member's own request timeout (5 s plus two election
+// timeouts: 6 s here) for a request its dead leader took.
 func TestStorageLeaderLoss(t *testing.T) {
 	cluster := etcdtest.Start(t, 3, etcdtest.Options{})
 	cli := cluster.Client(t, nil)
@@ -368,9 +371,13 @@ func TestStorageLeaderLoss(t *testing.T) {
 		t.Fatal(err)
 	}
 	leader.Kill()
-	for range 10 {
+	for i := range 10 {
+		start := time.Now()
 		if _, err := ns[1].cli.Add(ctx, "n", 1); err != nil {
 			t.Fatal(err)
+		}
+		if took := time.Since(start); took > 4500*time.Millisecond {
+			t.Fatalf("increment %d after the leader's kill took %v; want about the 2-s attempt timeout", i, took)
 		}
 	}
 	if err := ns[1].cli.Set(ctx, "after", []byte("x")); err != nil {
