@@ -7,6 +7,7 @@ import (
 	"net"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"go.uber.org/zap"
@@ -56,6 +57,26 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 
 // logProgress prints one rendezvous progress line: who joined, how many
 // are still awaited, when the last call ends.
+// slowStoreLogger returns an OnSlowStore that says what the rendezvous
+// waits for: the first slow operation, then at most one line every
+// interval, with how many there were since (a thousand agents on a
+// swamped store would otherwise log every pause of every agent).
+func slowStoreLogger(log *zap.Logger, interval time.Duration) func(op string, err error) {
+	var mu sync.Mutex
+	var last time.Time
+	count := 0
+	return func(op string, err error) {
+		mu.Lock()
+		defer mu.Unlock()
+		count++
+		if now := time.Now(); last.IsZero() || now.Sub(last) >= interval {
+			log.Warn("the rendezvous store is slow: reading it again until the join timeout",
+				zap.String("op", op), zap.Int("timeouts", count), zap.Error(err))
+			last, count = now, 0
+		}
+	}
+}
+
 func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress) {
 	names := func(ns []rendezvous.NodeDesc) []string {
 		out := make([]string, len(ns))

@@ -87,6 +87,7 @@ func newJobNode(cfg *Config, log *zap.Logger, runID string) (*jobNode, error) {
 	minNodes, maxNodes := cfg.MinNodes, cfg.MaxNodes
 	j.dcfg = cfg.rdzv.dynamic
 	j.dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
+	j.dcfg.OnSlowStore = slowStoreLogger(log, 10*time.Second)
 	// In queue mode (large runs) the rendezvous hands each node its
 	// summary of the round (offset, world size, rank 0, the secrets'
 	// agreement), computed once by the node that completes it: this

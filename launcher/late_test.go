@@ -139,6 +139,83 @@ func TestLateReadThroughACut(t *testing.T) {
 	}
 }
 
+// TestFileThroughACut: a survivor files a failure through a link to the
+// worker store that is cut at its first compare-set (the filing). A cut
+// shorter than the agreement timeout costs tries, and the report is on the
+// board; one that outlasts it fails with errAgreementUnanswered about when
+// the timeout ends. At 512 agents the one 5-s try of each filing timed out
+// for all but 3 survivors, and each fell back to restarting the job.
+func TestFileThroughACut(t *testing.T) {
+	const window = time.Second // the agreement timeout: tries of 0.5 s
+	for _, tc := range []struct {
+		name      string
+		healAfter time.Duration // 0: never
+	}{
+		{name: "cut for a try and a half", healAfter: 750 * time.Millisecond},
+		{name: "cut past the agreement timeout"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			server := boardWithEpochs(t, 0)
+			link := netcut.New(t, server)
+			link.CutOnFirst(byte(tcpstore.OpCompareSet))
+			c, err := tcpstore.Dial(context.Background(), link.Addr(), tcpstore.ClientConfig{Timeout: 5 * time.Second})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			// The watchers' connections, and one to read the board by,
+			// go round the cut: each watcher holds its connection in a wait.
+			var direct []*shrink.Board
+			for range 3 {
+				d, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.Close()
+				direct = append(direct, shrink.NewBoard(d, shrink.DefaultPrefix))
+			}
+			watch := direct[2]
+			coord := shrink.NewCoordinator(shrink.CoordinatorConfig{Name: "node0", World: 4, AgreementTimeout: window},
+				shrink.NewBoard(c, shrink.DefaultPrefix), direct[0], direct[1])
+			defer coord.Close()
+			core, logs := observer.New(zapcore.WarnLevel)
+			sv := &survivors{log: zap.New(core), coord: coord, agreementTimeout: window}
+			if tc.healAfter > 0 {
+				time.AfterFunc(tc.healAfter, link.Heal)
+			}
+			began := time.Now()
+			err = sv.file(context.Background(), shrink.Report{Ranks: []int{3}, Reason: "rank 3 exited", SeenAt: time.Now()})
+			took := time.Since(began)
+			if link.Cuts() != 1 {
+				t.Errorf("the link was cut %d times, want once: the filing did not go through the cut", link.Cuts())
+			}
+			if n := logs.FilterMessageSnippet("did not answer the filing of the failure of ranks [3]; trying again").Len(); n == 0 {
+				t.Error("no retry logged")
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			notices, _, nerr := watch.Notices(ctx, 0)
+			if nerr != nil {
+				t.Fatal(nerr)
+			}
+			if tc.healAfter == 0 {
+				if !errors.Is(err, errAgreementUnanswered) || took < window-200*time.Millisecond || took > window+time.Second {
+					t.Fatalf("file: %v after %v; want errAgreementUnanswered after about %v", err, took, window)
+				}
+				return
+			}
+			if err != nil || took > tc.healAfter+time.Second {
+				t.Fatalf("file: %v after %v; want it filed soon after the link heals (%v)", err, took, tc.healAfter)
+			}
+			// A try whose answer the cut held may have landed too: the
+			// report is on the board once or twice, never lost.
+			if len(notices) == 0 || len(notices) > 2 || notices[0].Failure == nil || !slices.Equal(notices[0].Failure.Ranks, []int{3}) {
+				t.Errorf("the board holds %+v; want the report of rank 3", notices)
+			}
+		})
+	}
+}
+
 // TestLateAdmittedNodeRejoinsWhenTheAgreementIsCut: a node admitted late
 // (a hot spare in a lost node's place) whose link to the round's worker
 // store is cut at its first read of the agreement, for longer than it

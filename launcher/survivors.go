@@ -31,6 +31,9 @@ type survivors struct {
 	coord   *shrink.Coordinator
 	clients []*tcpstore.Client
 	board   *shrink.Board // on the filing connection, for the respawn budget
+	// agreementTimeout bounds how long a filing waits for the worker
+	// store (Config.AgreementTimeout).
+	agreementTimeout time.Duration
 
 	me      int      // this node's group rank
 	nodeIDs []string // the round's nodes, by group rank
@@ -64,7 +67,7 @@ func startSurvivors(ctx context.Context, cfg *Config, log *zap.Logger, p *plan, 
 	s := &survivors{
 		log: log.Named("shrink"), me: me, nodeIDs: p.nodeIDs, nodes: p.nodes,
 		dead: map[int]bool{}, pending: map[int]string{}, completed: map[int]bool{},
-		epoch: shrink.Initial(p.nodes.world()),
+		epoch: shrink.Initial(p.nodes.world()), agreementTimeout: cfg.AgreementTimeout,
 	}
 	addr := net.JoinHostPort(p.env.MasterAddr, strconv.Itoa(p.env.MasterPort))
 	var auth *shrink.Auth
@@ -227,18 +230,28 @@ func (s *survivors) nodeBack(ctx context.Context, id, why string) {
 	s.updateLeader(ctx)
 }
 
+// file files r on the board. A filing the worker store does not answer
+// within an attempt is made again, up to the agreement timeout in all: at
+// 512 agents on two cores the store's host answered some survivors'
+// filings in more than the one 5-s attempt they had, and each of them fell
+// back to a restart of the whole job. Filing twice is harmless: a report
+// of ranks already pending adds nothing.
 func (s *survivors) file(ctx context.Context, r shrink.Report) error {
-	fctx, cancel := context.WithTimeout(ctx, 5*time.Second)
-	defer cancel()
-	if err := s.coord.File(fctx, r); err != nil {
+	window := s.agreementTimeout
+	if window <= 0 {
+		window = shrink.DefaultAgreementTimeout
+	}
+	err := s.persist(ctx, fmt.Sprintf("the filing of the failure of ranks %v", r.Ranks), min(5*time.Second, window/2), window,
+		func(ctx context.Context) error { return s.coord.File(ctx, r) })
+	if err != nil {
 		return fmt.Errorf("shrink mode: filing the failure of ranks %v: %w", r.Ranks, err)
 	}
 	return nil
 }
 
-// errAgreementUnanswered: a node admitted late could not read the running
-// round's agreement, its worker store not answering, for as long as it
-// waits for it.
+// errAgreementUnanswered: the round's worker store did not answer an
+// operation of the survivors' agreement (a node admitted late reading it,
+// a survivor filing a failure) for as long as the agent waits for it.
 var errAgreementUnanswered = errors.New("the running round's agreement did not answer")
 
 // latest returns the number of the latest epoch on the board: where a node
@@ -248,29 +261,43 @@ var errAgreementUnanswered = errors.New("the running round's agreement did not a
 // (bench/chaos cut a spare's link for 4 s at its admission, and its agent
 // ended on the one 5-s read) costs a retry, not the agent.
 func (s *survivors) latest(ctx context.Context, attempt, window time.Duration) (int, error) {
+	var n int
+	err := s.persist(ctx, "the read of the latest epoch", attempt, window, func(ctx context.Context) (err error) {
+		n, err = s.board.Latest(ctx)
+		return err
+	})
+	return n, err
+}
+
+// persist runs op, each try bounded by attempt, until it succeeds, fails
+// with what no retry mends (anything but the store's timeout or
+// unavailability), ctx ends, or window has passed since the first try:
+// then it fails with errAgreementUnanswered. Each retry is logged, naming
+// what (the operation).
+func (s *survivors) persist(ctx context.Context, what string, attempt, window time.Duration, op func(context.Context) error) error {
 	began := time.Now()
 	deadline := began.Add(window)
 	pause := 100 * time.Millisecond
 	for try := 1; ; try++ {
 		actx, cancel := context.WithTimeout(ctx, min(attempt, time.Until(deadline)))
-		n, err := s.board.Latest(actx)
+		err := op(actx)
 		cancel()
 		switch {
 		case err == nil || ctx.Err() != nil:
-			return n, err
+			return err
 		case !errors.Is(err, rendezvous.ErrTimeout) && !errors.Is(err, rendezvous.ErrUnavailable):
-			return 0, err
+			return err
 		case time.Until(deadline) <= pause:
-			return 0, fmt.Errorf("%w in %v (%d tries): %w", errAgreementUnanswered, window, try, err)
+			return fmt.Errorf("%w in %v (%d tries): %w", errAgreementUnanswered, window, try, err)
 		}
-		s.log.Warn("waiting for the running round's worker store: it did not answer the read of the latest epoch; trying again",
+		s.log.Warn("waiting for the running round's worker store: it did not answer "+what+"; trying again",
 			zap.Int("try", try), zap.Duration("waited", time.Since(began).Round(time.Millisecond)),
 			zap.Duration("wait_up_to", window), zap.Error(err))
 		t := time.NewTimer(pause)
 		select {
 		case <-ctx.Done():
 			t.Stop()
-			return 0, ctx.Err()
+			return ctx.Err()
 		case <-t.C:
 		}
 		pause = min(2*pause, time.Second)

@@ -189,8 +189,11 @@ func TestHungWorker(t *testing.T) {
 	})
 }
 
-// doneBeat is shell that says this worker is done: its training is over.
-const doneBeat = `python3 -c 'import os, socket; socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM).sendto((os.environ["LOCAL_RANK"] + " done").encode(), os.environ["GORUN_HEARTBEAT"])'`
+// beatThenDone is shell that sends one heartbeat and then says this worker
+// is done (its training is over), from one interpreter: two start-ups of
+// pyenv's python3 in a row took longer than a 1-s heartbeat timeout on a
+// loaded machine, and the worker was killed as hung before its done beat.
+const beatThenDone = `python3 -c 'import os, socket; s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); r = os.environ["LOCAL_RANK"]; s.sendto(r.encode(), os.environ["GORUN_HEARTBEAT"]); s.sendto((r + " done").encode(), os.environ["GORUN_HEARTBEAT"])'`
 
 // TestDoneTimeout: a worker that said it was done and then hangs in its
 // teardown (it stops itself) is killed --done-timeout later, and the job
@@ -198,8 +201,7 @@ const doneBeat = `python3 -c 'import os, socket; socket.socket(socket.AF_UNIX, s
 // the bound the agent waits for the stopped worker: the control, ended by
 // the test after 6 s, shows that the bound is what ends the others.
 func TestDoneTimeout(t *testing.T) {
-	worker := heartbeatOnce + ` || exit 8
-		` + doneBeat + ` || exit 8
+	worker := beatThenDone + ` || exit 8
 		[ "$RANK" = 0 ] && kill -STOP $$
 		exit 0`
 	for _, mode := range []string{OnFailureRestart, OnFailureShrink} {

@@ -149,6 +149,15 @@ type DynamicConfig struct {
 	// be reported that late. It runs on Next's goroutine and must not
 	// block.
 	OnProgress func(Progress)
+	// OnSlowStore, when set, is called each time one of the rendezvous's
+	// operations timed out on a store that still answers (an etcd that
+	// takes longer than read_timeout, a TCPStore host that is swamped)
+	// and the operation is about to read the state afresh and go on, as
+	// it does until its own deadline (JoinTimeout for Next): a slow store
+	// holds a join up, it does not end it. A store that refuses, hangs up
+	// or is closed still ends the operation at once. It runs on the
+	// operation's goroutine and must not block.
+	OnSlowStore func(op string, err error)
 	// Describe, when set, reads a node's data (what it gave NewDynamic)
 	// for the round's plan: in queue mode, whoever completes a round
 	// computes each member's Round.Summary from every member's traits
@@ -360,10 +369,10 @@ type nodeState struct {
 	Late bool `json:"late,omitzero"`
 	// Data is what the node gave NewDynamic.
 	Data []byte `json:"data,omitempty"`
-	// Call is the Next call (Dynamic's own numbering) whose queued
-	// request last took this node out of its previous round and into the
-	// state (see foldRequest): a later request of the same call must not
-	// take it out again.
+	// Call is the Next call (Dynamic's own numbering) that last took this
+	// node out of its previous round and into the state, by its queued
+	// request (see foldRequest) or its own write (run): a later request
+	// or pass of the same call must not take it out again.
 	Call uint64 `json:"call,omitzero"`
 	// offset is a view's: the node's shareEntry.Offset (one more than
 	// its offset in the round's plan, 0 for none). Never written.

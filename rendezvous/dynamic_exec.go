@@ -242,7 +242,10 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	// never the whole state: dynamic_share.go.
 	snap, err := d.readFor(ctx, !d.noQueue.Load())
 	if err != nil {
-		return Round{}, d.fail("next", err)
+		snap = &snapshot{}
+		if err := d.outwait(ctx, "next", err, deadline, snap, !d.noQueue.Load()); err != nil {
+			return Round{}, d.fail("next", err)
+		}
 	}
 	exit := func(s *dynState, now time.Time) action { return nextExitAction(s, d.me, now, deadline) }
 	join := func(s *dynState, now time.Time) action { return nextJoinAction(s, d.me, now, deadline, d.cfg) }
@@ -256,11 +259,12 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 			}
 		}
 	}
+	call := d.calls.Add(1)
 	var q *queued
 	if !d.noQueue.Load() {
-		q = &queued{req: request{Node: d.me, Data: d.data, Call: d.calls.Add(1), Deadline: deadline.UTC()}}
+		q = &queued{req: request{Node: d.me, Data: d.data, Call: call, Deadline: deadline.UTC()}}
 	}
-	st, err := d.run(ctx, snap, "next", deadline, []decider{exit, join}, report, q)
+	st, err := d.run(ctx, snap, "next", deadline, []decider{exit, join}, report, q, call)
 	if err != nil {
 		return Round{}, d.fail("next", err)
 	}
@@ -280,7 +284,9 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 		r.Members = nil
 	}
 	if r.Members == nil && !d.cfg.ShareOnly {
-		if err := d.fetchMembers(ctx, &r); err != nil {
+		err := d.fetchMembers(ctx, &r)
+		err = d.patiently(ctx, "next", deadline, err, func() error { return d.fetchMembers(ctx, &r) })
+		if err != nil {
 			return Round{}, d.fail("next", err)
 		}
 	}
@@ -437,7 +443,7 @@ func (d *Dynamic) SetClosed(ctx context.Context) error {
 	snap, err := d.read(ctx)
 	if err == nil {
 		closeOp := func(s *dynState, now time.Time) action { return nextCloseAction(s, now, deadline) }
-		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil, nil)
+		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil, nil, 0)
 	}
 	return d.fail("set closed", err)
 }
@@ -460,7 +466,7 @@ func (d *Dynamic) Leave(ctx context.Context) error {
 	snap, err := d.read(ctx)
 	if err == nil {
 		leave := func(s *dynState, now time.Time) action { return nextLeaveAction(s, d.me, now, deadline) }
-		_, err = d.run(ctx, snap, "leave", deadline, []decider{leave}, nil, nil)
+		_, err = d.run(ctx, snap, "leave", deadline, []decider{leave}, nil, nil, 0)
 	}
 	return d.fail("leave", err)
 }
@@ -580,14 +586,20 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 		return false, err
 	}
 	cur, err := d.store.CompareSet(ctx, d.key, snap.token, b)
-	if errors.Is(err, ErrOutcomeUnknown) {
+	if errors.Is(err, ErrOutcomeUnknown) || slowStore(ctx, err) {
 		// The store lost the answer and cannot tell whether it applied
 		// the write (etcd, its link down past the lease of the token
-		// that would say). What the state holds now tells: the write, or
-		// another state (the write not applied, or overwritten since by
-		// a node that read it): a race lost, as below. Failing instead
-		// ended the agent of a spare whose link was cut for 4 s.
+		// that would say), or it took too long to give one. What the
+		// state holds now tells: the write, or another state (the write
+		// not applied, or overwritten since by a node that read it): a
+		// race lost, as below. Failing instead ended the agent of a
+		// spare whose link was cut for 4 s; a caller that went on
+		// without knowing would redo operations the write finished.
 		cur, err = d.readState(ctx)
+		err = d.patiently(ctx, "write state", time.Time{}, err, func() (err error) {
+			cur, err = d.readState(ctx)
+			return err
+		})
 	}
 	if err != nil {
 		return false, fmt.Errorf("write state: %w", err)
@@ -670,15 +682,22 @@ type decider func(s *dynState, now time.Time) action
 // for the result like any other change: the state records with the node
 // the call whose request last put it there, which tells the node that its
 // exit is done.
-func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState), q *queued) (*dynState, error) {
+func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline time.Time, ops []decider, report func(*dynState), q *queued, call uint64) (*dynState, error) {
 	done := 0 // ops finished on a state that is in the store
 	queueMode := func() bool { return q != nil && !d.noQueue.Load() }
+	// failed ends the run with err, unless the store was only slow: then
+	// the run reads afresh (whatever became of the operation that timed
+	// out, the state says) and decides again.
+	failed := func(err error) error { return d.outwait(ctx, name, err, deadline, snap, queueMode()) }
 	for {
 		if snap.st.view && !queueMode() {
 			// No queues after all: compare-set the state itself.
 			fresh, err := d.read(ctx)
 			if err != nil {
-				return nil, err
+				if err := failed(err); err != nil {
+					return nil, err
+				}
+				continue
 			}
 			*snap = *fresh
 		}
@@ -702,7 +721,9 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				}
 			}
 			if err != nil {
-				return nil, err
+				if err := failed(err); err != nil {
+					return nil, err
+				}
 			}
 			continue
 		}
@@ -725,9 +746,9 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 		beatsOnly := !dropped // the pass only refreshes my heartbeat
 		if queueMode() {
 			cur = 0
-			if i, ok := st.find(d.me); ok && st.Nodes[i].Call == q.req.Call {
-				cur = len(ops) - 1
-			}
+		}
+		if i, ok := st.find(d.me); ok && call != 0 && st.Nodes[i].Call == call {
+			cur = len(ops) - 1 // this call's exit is done (see Call)
 		}
 		var a action
 		for steps := 0; ; steps++ {
@@ -747,11 +768,21 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				beatsOnly = beatsOnly && a == actKeepAlive
 			}
 		}
+		if i, ok := st.find(d.me); ok && call != 0 && cur == len(ops)-1 && !st.view && st.Nodes[i].Call != call {
+			// As a fold stamps a request's call (foldRequest): a pass
+			// that decides afresh after a write whose outcome it does not
+			// know (it timed out, or it won and was overwritten before
+			// the read back) must not take the node out again.
+			st.Nodes[i].Call = call
+			changed = true
+		}
 		if changed && queueMode() {
 			again, err := d.request(ctx, snap, q, now, beatsOnly)
 			switch {
 			case err != nil:
-				return nil, err
+				if err := failed(err); err != nil {
+					return nil, err
+				}
 			case again: // folded here, or no queues after all: decide afresh
 			default:
 				// Another node folds: wait for a wake-up (the round
@@ -764,15 +795,23 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				// wake every node whose request is still queued, and
 				// their reads would starve the folder's pops.
 				if err := d.awaitQueued(ctx, snap, st, q, now, deadline); err != nil {
-					return nil, err
+					if err := failed(err); err != nil {
+						return nil, err
+					}
 				}
 			}
 			continue
 		}
 		if changed {
 			won, err := d.commit(ctx, snap, st)
+			if won {
+				done = cur // even if telling the others failed
+			}
 			if err != nil {
-				return nil, err
+				if err := failed(err); err != nil {
+					return nil, err
+				}
+				continue
 			}
 			if !won {
 				continue
@@ -796,9 +835,64 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				ErrRendezvousTimeout, st.Round, others, d.cfg.MinNodes, d.cfg.MaxNodes)
 		}
 		if err := d.await(ctx, snap, now, st.wakeAt(d.me, now, deadline, d.cfg), queueMode()); err != nil { // actSync
-			return nil, err
+			if err := failed(err); err != nil {
+				return nil, err
+			}
 		}
 	}
+}
+
+// outwait is what a run makes of err, an operation's failure: err itself,
+// unless the store was only slow (slowStore) and the run's deadline is
+// still ahead; then snap is read afresh (its kind, a view or the state, as
+// view says) and outwait returns nil for the run to decide on it again.
+func (d *Dynamic) outwait(ctx context.Context, op string, err error, deadline time.Time, snap *snapshot, view bool) error {
+	return d.patiently(ctx, op, deadline, err, func() error {
+		fresh, err := d.readFor(ctx, view)
+		if err == nil {
+			*snap = *fresh
+		}
+		return err
+	})
+}
+
+// patiently calls again, after a pause, for as long as err, the last
+// call's error (or what made the first), says the store is slow
+// (slowStore) and deadline (if set; ctx's in any case) is ahead, and
+// returns the last error (nil once a call succeeds).
+func (d *Dynamic) patiently(ctx context.Context, op string, deadline time.Time, err error, again func() error) error {
+	pause := slowStorePause
+	for err != nil && slowStore(ctx, err) && (deadline.IsZero() || d.now().Before(deadline)) {
+		if d.cfg.OnSlowStore != nil {
+			d.cfg.OnSlowStore(op, err)
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return err
+		case <-t.C:
+		}
+		pause = min(2*pause, 8*slowStorePause)
+		err = again()
+	}
+	return err
+}
+
+// slowStorePause is the first pause before a run reads again after an
+// operation timed out; it doubles, up to eight times, while the reads
+// time out too.
+const slowStorePause = 250 * time.Millisecond
+
+// slowStore reports whether err, which ended a store operation, says the
+// store is slow rather than gone: the operation ran out of its time (the
+// store's own read_timeout, or etcd's) while the caller's ctx still has
+// time. A refused or broken connection, or a closed store, is not slow.
+func slowStore(ctx context.Context, err error) bool {
+	if ctx.Err() != nil || errors.Is(err, ErrClosed) || errors.Is(err, ErrRendezvousClosed) || errors.Is(err, errHandleClosed) {
+		return false
+	}
+	return errors.Is(err, ErrTimeout) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // awaitQueued waits, after queueing q's request on st (this node's
@@ -960,7 +1054,7 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		return retry
 	}
 	beat := func(s *dynState, now time.Time) action { return nextKeepAliveAction(s, d.me, now, deadline, d.cfg) }
-	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil, nil)
+	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil, nil, 0)
 	if err != nil {
 		return retry
 	}

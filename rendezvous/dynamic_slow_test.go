@@ -1,0 +1,177 @@
+package rendezvous
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"testing"
+	"testing/synctest"
+	"time"
+)
+
+// slowMemStore is a memStore whose writes and reads time out now and then,
+// as a swamped store's do: one in three, drawn from a seeded source,
+// fails with c10d's "timeout after" (ErrTimeout), half of those after it
+// was applied (its answer lost) and the rest before. With refuse, every operation is
+// refused instead, as by a store that is gone; with never, every one times
+// out.
+type slowMemStore struct {
+	*memStore
+	refuse, never bool
+
+	mu   sync.Mutex
+	rand *rand.Rand
+	slow int // operations that timed out
+}
+
+// fails reports whether this call fails, and if so whether it is applied
+// first, and with what error.
+func (s *slowMemStore) fails(op string) (bool, bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch {
+	case s.refuse:
+		return true, false, fmt.Errorf("%w: test: %s: connection refused", ErrUnavailable, op)
+	case s.never || s.rand.IntN(3) == 0:
+		s.slow++
+		return true, !s.never && s.rand.IntN(2) == 0, fmt.Errorf("%w: test: %s timeout after 2s", ErrTimeout, op)
+	}
+	return false, false, nil
+}
+
+func (s *slowMemStore) slowOps() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.slow
+}
+
+func (s *slowMemStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	fail, apply, err := s.fails("COMPARE_SET")
+	if !fail || apply {
+		b, cerr := s.memStore.CompareSet(ctx, k, expected, desired)
+		if !fail {
+			return b, cerr
+		}
+	}
+	return nil, err
+}
+
+func (s *slowMemStore) QueuePush(ctx context.Context, k string, v []byte) error {
+	fail, apply, err := s.fails("QUEUE_PUSH")
+	if !fail || apply {
+		perr := s.memStore.QueuePush(ctx, k, v)
+		if !fail {
+			return perr
+		}
+	}
+	return err
+}
+
+func (s *slowMemStore) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	if fail, _, err := s.fails("MULTI_GET"); fail {
+		return nil, err
+	}
+	return s.memStore.MultiGet(ctx, keys...)
+}
+
+func (s *slowMemStore) Set(ctx context.Context, k string, v []byte) error {
+	fail, apply, err := s.fails("SET")
+	if !fail || apply {
+		serr := s.memStore.Set(ctx, k, v)
+		if !fail {
+			return serr
+		}
+	}
+	return err
+}
+
+// TestNextOutwaitsASlowStore: operations of the rendezvous that time out
+// on a store that still answers, applied or not, hold a join up; the
+// nodes read afresh and the round completes with every node in it, once,
+// each told (OnSlowStore). A store that refuses ends Next at once; one
+// that never answers in time ends it at JoinTimeout, not at its first
+// timeout. It used to end Next at the first timed-out operation: at 1,024
+// real agents on etcd, hundreds of agents exited on "read …/marker: store
+// unavailable: … context deadline exceeded" (BENCHMARKS, issue 19).
+func TestNextOutwaitsASlowStore(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		queues        bool
+		refuse, never bool
+	}{
+		{name: "compare-set"},
+		{name: "queues", queues: true},
+		{name: "refused", refuse: true},
+		{name: "never in time", never: true},
+		{name: "never in time, queues", queues: true, never: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				m := newMemStore()
+				if tc.queues {
+					m = newQueueMemStore()
+				}
+				s := &slowMemStore{memStore: m, refuse: tc.refuse, never: tc.never, rand: rand.New(rand.NewPCG(1, 2))}
+				var told sync.Map
+				const n = 4
+				var ds []*Dynamic
+				for i := range n {
+					cfg := DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, QueueMinNodes: 1, JoinTimeout: 100 * time.Second,
+						// No node is dropped for heartbeats that a third of
+						// operations timing out held up for 15 s (it would
+						// be right to, and the round would start again).
+						KeepAliveMaxAttempt: 30,
+						OnSlowStore: func(op string, err error) {
+							if !errors.Is(err, ErrTimeout) {
+								t.Errorf("OnSlowStore(%s, %v): not a timeout", op, err)
+							}
+							told.Store(i, true)
+						}}
+					d, err := NewDynamic(s, nd(i), []byte(fmt.Sprint("lws=", i+1)), cfg)
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					ds = append(ds, d)
+				}
+				start := time.Now()
+				var results []<-chan bubbleResult
+				for _, d := range ds {
+					results = append(results, goNext(d, start))
+				}
+				ranks := map[int]bool{}
+				for i, ch := range results {
+					x := <-ch
+					switch {
+					case tc.refuse:
+						if !errors.Is(x.err, ErrUnavailable) || x.at > time.Second {
+							t.Errorf("node %d: %v after %v; want the refusal at once", i, x.err, x.at)
+						}
+						continue
+					case tc.never:
+						if !errors.Is(x.err, ErrTimeout) || x.at < 100*time.Second || x.at > 110*time.Second {
+							t.Errorf("node %d: %v after %v; want a timeout at the 100-s join timeout", i, x.err, x.at)
+						}
+						continue
+					case x.err != nil:
+						t.Fatalf("node %d: %v after %v (after %d slow operations)", i, x.err, x.at, s.slowOps())
+					}
+					if x.r.Size != n || ranks[x.r.Rank] {
+						t.Errorf("node %d: rank %d of %d; ranks so far %v", i, x.r.Rank, x.r.Size, ranks)
+					}
+					ranks[x.r.Rank] = true
+				}
+				if tc.refuse {
+					return
+				}
+				count := 0
+				told.Range(func(any, any) bool { count++; return true })
+				if s.slowOps() == 0 || count == 0 {
+					t.Errorf("%d operations timed out, %d nodes told; want some of both", s.slowOps(), count)
+				}
+			})
+		})
+	}
+}
