@@ -325,7 +325,7 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	now := d.now()
 	st := snap.st.clone()
 	if st.sanitize(now, d.cfg) {
-		if _, err := d.commit(ctx, snap, st); err != nil {
+		if _, err := d.commit(ctx, snap, st, time.Time{}); err != nil {
 			return Status{}, d.fail("status", err)
 		}
 		st = snap.st.clone()
@@ -422,7 +422,7 @@ func (d *Dynamic) Admit(ctx context.Context, ranks ...int) ([]NodeDesc, error) {
 			break
 		}
 		var won bool
-		if won, err = d.commit(ctx, snap, st); err == nil && won {
+		if won, err = d.commit(ctx, snap, st, time.Time{}); err == nil && won {
 			return ns, nil
 		}
 	}
@@ -568,7 +568,14 @@ func (d *Dynamic) decode(b []byte) (*snapshot, error) {
 //
 // In queue mode the winner also publishes the change (the marker, the
 // shares, the members: dynamic_share.go) before it wakes anybody.
-func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (bool, error) {
+//
+// A write whose answer is lost or late is settled by reading the state
+// back: once, or, with patience (a run's deadline), for as long as the
+// store is only slow and patience is ahead. Status and the folder, which
+// decide nothing more on the outcome, take no patience: a Status that
+// waited out a swamped store for its whole window counted the store's host
+// as gone (512 agents, every one of them).
+func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState, patience time.Time) (bool, error) {
 	if snap.st.view || st.view {
 		return false, errors.New("bug: a node's view written as the state")
 	}
@@ -596,10 +603,12 @@ func (d *Dynamic) commit(ctx context.Context, snap *snapshot, st *dynState) (boo
 		// spare whose link was cut for 4 s; a caller that went on
 		// without knowing would redo operations the write finished.
 		cur, err = d.readState(ctx)
-		err = d.patiently(ctx, "write state", time.Time{}, err, func() (err error) {
-			cur, err = d.readState(ctx)
-			return err
-		})
+		if !patience.IsZero() {
+			err = d.patiently(ctx, "write state", patience, err, func() (err error) {
+				cur, err = d.readState(ctx)
+				return err
+			})
+		}
 	}
 	if err != nil {
 		return false, fmt.Errorf("write state: %w", err)
@@ -803,7 +812,7 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			continue
 		}
 		if changed {
-			won, err := d.commit(ctx, snap, st)
+			won, err := d.commit(ctx, snap, st, deadline)
 			if won {
 				done = cur // even if telling the others failed
 			}

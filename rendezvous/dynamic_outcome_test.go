@@ -55,7 +55,7 @@ func TestCommitOutcomeUnknown(t *testing.T) {
 			}
 			st := snap.st.clone()
 			st.apply(actAddToParticipants, nd(0), nil, time.Now(), d.cfg)
-			won, err := d.commit(ctx, snap, st)
+			won, err := d.commit(ctx, snap, st, time.Time{})
 			if err != nil || won != apply || m.lost != 1 {
 				t.Fatalf("commit: won %v, %v (answers lost %d); want won %v, no error", won, err, m.lost, apply)
 			}

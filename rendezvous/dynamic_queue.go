@@ -730,7 +730,7 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 			continue
 		}
 		start := d.now()
-		won, err := d.commit(ctx, snap, st)
+		won, err := d.commit(ctx, snap, st, time.Time{}) // the lock held: no waiting out a slow store here
 		d.observe(start)
 		if err != nil {
 			return err

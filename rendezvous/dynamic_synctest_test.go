@@ -333,7 +333,7 @@ func TestBubbleRejoinerDies(t *testing.T) {
 		if !st.apply(nextExitAction(st, nd(2), time.Now(), time.Now().Add(time.Hour)), nd(2), nil, time.Now(), cfg.withDefaults()) {
 			t.Fatal("exit changed nothing")
 		}
-		if ok, err := ds[0].commit(context.Background(), snap, st); err != nil || !ok {
+		if ok, err := ds[0].commit(context.Background(), snap, st, time.Time{}); err != nil || !ok {
 			t.Fatalf("commit: %v %v", ok, err)
 		}
 		start = time.Now()
@@ -390,7 +390,7 @@ func TestCommitStateDeleted(t *testing.T) {
 	}
 	st := snap.st.clone()
 	st.apply(actAddToParticipants, nd(0), nil, time.Now(), d.cfg)
-	if won, err := d.commit(ctx, snap, st); !won || err != nil {
+	if won, err := d.commit(ctx, snap, st, time.Time{}); !won || err != nil {
 		t.Fatalf("first commit: %v, %v", won, err)
 	}
 	if _, err := m.Delete(ctx, d.key); err != nil {
@@ -398,7 +398,7 @@ func TestCommitStateDeleted(t *testing.T) {
 	}
 	st = snap.st.clone()
 	st.apply(actMarkClosed, nd(0), nil, time.Now(), d.cfg)
-	won, err := d.commit(ctx, snap, st)
+	won, err := d.commit(ctx, snap, st, time.Time{})
 	if won || err != nil || len(snap.st.Nodes) != 0 || snap.st.Closed || string(m.kv[d.key]) != string(emptyState) {
 		t.Fatalf("commit on a deleted state: won %v, %v; now %+v, stored %s", won, err, snap.st, m.kv[d.key])
 	}
