@@ -45,6 +45,9 @@ type jobNode struct {
 	// a store silent for longer than the keep-alive window means its host
 	// is gone.
 	lastSeen time.Time
+	// slowSince is when status reads began to time out on a store that
+	// still holds the connection (zero while it answers).
+	slowSince time.Time
 	// sealed is j.store's sealing layer, with a job secret (nil without).
 	sealed *rendezvous.SealedStore
 	// refusalsLogged are the sources (why, and the key check claimed) of
@@ -444,12 +447,26 @@ func (j *jobNode) status(ctx context.Context) (*change, error) {
 	defer cancel()
 	st, err := j.dyn.Status(wctx)
 	if err != nil {
-		if time.Since(j.lastSeen) > window {
+		silent := time.Since(j.lastSeen)
+		if rendezvous.SlowStore(err) {
+			// It answers, late: a host swamped by a large job's agents
+			// (at 512 on two cores every agent, the host's own included,
+			// took it for gone after the keep-alive window), or one that
+			// hangs. Gone only after read_timeout, as a torchrun agent's
+			// store client would give up.
+			window = max(window, j.cfg.rdzv.readTimeout)
+			if j.slowSince.IsZero() {
+				j.slowSince = time.Now()
+				j.log.Warn("the rendezvous store answers late; its host counts as gone only if it stays silent",
+					zap.Duration("silent", silent.Round(time.Millisecond)), zap.Duration("gone_after", window), zap.Error(err))
+			}
+		}
+		if silent > window {
 			return &change{closed: true, storeLost: true}, nil
 		}
 		return nil, err
 	}
-	j.lastSeen = time.Now()
+	j.lastSeen, j.slowSince = time.Now(), time.Time{}
 	switch {
 	case st.Closed:
 		ok, _ := j.outcome(ctx)

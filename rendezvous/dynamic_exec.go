@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -893,12 +894,21 @@ func (d *Dynamic) patiently(ctx context.Context, op string, deadline time.Time, 
 // time out too.
 const slowStorePause = 250 * time.Millisecond
 
-// slowStore reports whether err, which ended a store operation, says the
-// store is slow rather than gone: the operation ran out of its time (the
-// store's own read_timeout, or etcd's) while the caller's ctx still has
-// time. A refused or broken connection, or a closed store, is not slow.
+// slowStore is SlowStore while the caller's ctx still has time.
 func slowStore(ctx context.Context, err error) bool {
-	if ctx.Err() != nil || errors.Is(err, ErrClosed) || errors.Is(err, ErrRendezvousClosed) || errors.Is(err, errHandleClosed) {
+	return ctx.Err() == nil && SlowStore(err)
+}
+
+// SlowStore reports whether err, which ended an operation of the dynamic
+// rendezvous (or of a Store), says the store is slow rather than gone: it
+// ran out of time, on its connection or reconnecting, and nothing refused
+// or reset the connection. A swamped host, or one that hangs, times out;
+// one whose process died refuses (a TCPStore client's reconnecting keeps
+// the refusal in its error). A closed store or handle is not slow.
+func SlowStore(err error) bool {
+	switch {
+	case errors.Is(err, ErrClosed), errors.Is(err, ErrRendezvousClosed), errors.Is(err, errHandleClosed),
+		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
 		return false
 	}
 	return errors.Is(err, ErrTimeout) || errors.Is(err, context.DeadlineExceeded)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"sync"
+	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -173,5 +174,37 @@ func TestNextOutwaitsASlowStore(t *testing.T) {
 				}
 			})
 		})
+	}
+}
+
+// TestSlowStore: which failures of a store operation a rendezvous waits
+// out: timeouts, on a connection or reconnecting, not a refusal (even one
+// whose reconnecting then ran out of time: a TCPStore whose host died), a
+// reset, a closed store, or anything once the caller's own context has
+// ended.
+func TestSlowStore(t *testing.T) {
+	live := context.Background()
+	ended, cancel := context.WithCancel(live)
+	cancel()
+	for _, tc := range []struct {
+		name string
+		ctx  context.Context
+		err  error
+		want bool
+	}{
+		{"c10d's timeout", live, fmt.Errorf("%w: tcpstore 127.0.0.1:1: COMPARE_SET: timeout after 2s (%w)", ErrTimeout, context.DeadlineExceeded), true},
+		{"etcd's op timeout", live, fmt.Errorf("%w: etcd storage get %q: no answer in 1m0s: %w", ErrTimeout, "k", context.DeadlineExceeded), true},
+		{"a deadline alone", live, context.DeadlineExceeded, true},
+		{"refused", live, fmt.Errorf("%w: reconnect: connection refused", ErrUnavailable), false},
+		{"reconnecting refused till the deadline", live, fmt.Errorf("%w: reconnect: timeout after 60s (%w): %w", ErrUnavailable, context.DeadlineExceeded, syscall.ECONNREFUSED), false},
+		{"reconnecting timed out (a swamped host's handshake)", live, fmt.Errorf("%w: reconnect: %w: PING timeout after 1s (%w)", ErrUnavailable, ErrTimeout, context.DeadlineExceeded), true},
+		{"reset", live, fmt.Errorf("%w: connection closed by the server (%w)", ErrUnavailable, syscall.ECONNRESET), false},
+		{"closed", live, fmt.Errorf("%w (%w)", ErrClosed, ErrTimeout), false},
+		{"caller's context ended", ended, fmt.Errorf("%w: timeout after 2s", ErrTimeout), false},
+		{"not a store's failure", live, ErrNotInteger, false},
+	} {
+		if got := slowStore(tc.ctx, tc.err); got != tc.want {
+			t.Errorf("%s: slowStore = %v, want %v", tc.name, got, tc.want)
+		}
 	}
 }

@@ -365,6 +365,11 @@ func (s *Storage) fail(op string, key []byte, err error) error {
 	case tooLarge(err):
 		return fmt.Errorf("%w: etcd storage %s %q: more than one etcd request carries (etcd's --max-request-bytes): %w",
 			rendezvous.ErrTooLarge, op, key, err)
+	case errors.Is(err, context.DeadlineExceeded) || status.Code(err) == codes.DeadlineExceeded:
+		// etcd did not answer within OpTimeout: slow (or down, and
+		// perhaps back soon), which a caller may wait out, as it would
+		// not a store that hung up.
+		return fmt.Errorf("%w: etcd storage %s %q: no answer in %v: %w", rendezvous.ErrTimeout, op, key, s.timeout, err)
 	}
 	return fmt.Errorf("%w: etcd storage %s %q: %w", rendezvous.ErrUnavailable, op, key, err)
 }
