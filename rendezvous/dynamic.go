@@ -849,7 +849,13 @@ func (s *dynState) completeIfRejoined(cfg DynamicConfig) {
 // on every read, so a dead node is gone for everyone at about the same
 // time whether or not anyone writes.
 func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
-	expire := now.Add(-cfg.DropTimeout())
+	return s.sanitizeAt(now, now, cfg)
+}
+
+// sanitizeAt is sanitize with the heartbeats judged as of judged rather
+// than now (see judgedAt).
+func (s *dynState) sanitizeAt(now, judged time.Time, cfg DynamicConfig) bool {
+	expire := judged.Add(-cfg.DropTimeout())
 	dropped, participant := false, false
 	s.Nodes = slices.DeleteFunc(s.Nodes, func(e nodeState) bool {
 		if !e.Heartbeat.Before(expire) {

@@ -150,6 +150,7 @@ type Dynamic struct {
 	// Status must read the state again (an admission).
 	lateSeen int
 	ka       *keepAlive // the running heartbeat, or nil
+	silence  silence    // when this node last found itself silent (judgedAt)
 }
 
 // keepAlive is a running heartbeat goroutine.
@@ -325,12 +326,12 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	}
 	now := d.now()
 	st := snap.st.clone()
-	if st.sanitize(now, d.cfg) {
+	if st.sanitizeAt(now, d.judgedAt(st, now), d.cfg) {
 		if _, err := d.commit(ctx, snap, st, time.Time{}); err != nil {
 			return Status{}, d.fail("status", err)
 		}
 		st = snap.st.clone()
-		st.sanitize(now, d.cfg)
+		st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
 	}
 	d.mu.Lock()
 	shareOnly := d.last != nil && d.last.Members == nil && d.last.Size > 0
@@ -414,7 +415,8 @@ func (d *Dynamic) Admit(ctx context.Context, ranks ...int) ([]NodeDesc, error) {
 	snap, err := d.read(ctx)
 	for err == nil {
 		st := snap.st.clone()
-		st.sanitize(d.now(), d.cfg)
+		now := d.now()
+		st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
 		if st.Round != last.Number {
 			return nil, d.fail("admit", fmt.Errorf("round %d has ended (the run is at round %d)", last.Number, st.Round))
 		}
@@ -750,7 +752,7 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				st.Nodes[i].Heartbeat = q.beat
 			}
 		} else {
-			dropped = st.sanitize(now, d.cfg)
+			dropped = st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
 		}
 		cur, changed := done, dropped
 		beatsOnly := !dropped // the pass only refreshes my heartbeat
@@ -888,6 +890,35 @@ func (d *Dynamic) patiently(ctx context.Context, op string, deadline time.Time, 
 	}
 	return err
 }
+
+// judgedAt is the instant as of which this node judges the heartbeats in
+// s, the state: now, unless its own heartbeat in s is older than the drop
+// timeout (it would count itself dead), or was within the last drop
+// timeout; then one heartbeat interval after its own last heartbeat from
+// before that silence. A node whose own beats have not landed (a store
+// too swamped to take them, or this node paused) learns nothing of the
+// others from theirs, which did not land either; judged so, it drops only
+// those whose beats stopped before its own did, and the others once they
+// have missed a whole drop timeout of beats after its own landed again.
+// Judging by now, the first agent of 512 whose beat got through a swamped
+// store found every other dead and ended the round for all of them.
+func (d *Dynamic) judgedAt(s *dynState, now time.Time) time.Time {
+	drop := d.cfg.DropTimeout()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if i, ok := s.find(d.me); ok && s.Nodes[i].Heartbeat.Before(now.Add(-drop)) {
+		d.silence = silence{judged: s.Nodes[i].Heartbeat.Add(d.cfg.HeartbeatInterval()), until: now.Add(drop)}
+	}
+	if now.Before(d.silence.until) {
+		return d.silence.judged
+	}
+	return now
+}
+
+// silence is the last time this node found its own heartbeat in the state
+// older than the drop timeout: until when it judges the others' as of
+// judged (see judgedAt).
+type silence struct{ judged, until time.Time }
 
 // slowStorePause is the first pause before a run reads again after an
 // operation timed out; it doubles, up to eight times, while the reads

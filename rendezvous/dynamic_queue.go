@@ -705,7 +705,7 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 	for {
 		now := d.now()
 		st := snap.st.clone()
-		changed := st.sanitize(now, d.cfg)
+		changed := st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
 		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
 			if !st.foldRequest(r, now, d.cfg) && !r.KeepAlive {

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"testing/synctest"
@@ -206,5 +208,95 @@ func TestSlowStore(t *testing.T) {
 		if got := slowStore(tc.ctx, tc.err); got != tc.want {
 			t.Errorf("%s: slowStore = %v, want %v", tc.name, got, tc.want)
 		}
+	}
+}
+
+// swampedMemStore is a memStore that, while swamped, answers nothing in
+// time: every compare-set and set waits 2 s and times out, as a store host
+// buried under hundreds of agents does.
+type swampedMemStore struct {
+	*memStore
+	swamped atomic.Bool
+}
+
+func (s *swampedMemStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	if s.swamped.Load() {
+		time.Sleep(2 * time.Second)
+		return nil, fmt.Errorf("%w: test: COMPARE_SET timeout after 2s", ErrTimeout)
+	}
+	return s.memStore.CompareSet(ctx, k, expected, desired)
+}
+
+func (s *swampedMemStore) Set(ctx context.Context, k string, v []byte) error {
+	if s.swamped.Load() {
+		time.Sleep(2 * time.Second)
+		return fmt.Errorf("%w: test: SET timeout after 2s", ErrTimeout)
+	}
+	return s.memStore.Set(ctx, k, v)
+}
+
+// TestSwampedStoreKillsNobody: a store that takes no heartbeat for 40 s
+// (longer than the 15-s drop timeout) and then recovers: no member of the
+// running round is found dead, however the beats land again (each node
+// judges the others' heartbeats as of its own, which did not land either,
+// and gives theirs a drop timeout to land after its own did). A member
+// that died before the swamp is still found dead after it. Judging by the
+// clock alone, the first agent of 512 whose beat got through found every
+// other dead.
+func TestSwampedStoreKillsNobody(t *testing.T) {
+	for _, dead := range []bool{false, true} {
+		t.Run(fmt.Sprintf("one dead before=%v", dead), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				s := &swampedMemStore{memStore: newMemStore()}
+				var ds []*Dynamic
+				for i := range 3 {
+					d, err := NewDynamic(s, nd(i), nil, DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3})
+					if err != nil {
+						t.Fatal(err)
+					}
+					t.Cleanup(func() { d.Close() })
+					ds = append(ds, d)
+				}
+				start := time.Now()
+				for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
+					if x := <-ch; x.err != nil {
+						t.Fatalf("node %d: %v", i, x.err)
+					}
+				}
+				time.Sleep(10 * time.Second)
+				if dead {
+					ds[2].Close()
+				}
+				s.swamped.Store(true)
+				time.Sleep(40 * time.Second)
+				s.swamped.Store(false)
+				var lost []NodeDesc
+				for range 60 { // a minute after, a look a second
+					time.Sleep(time.Second)
+					for i, d := range ds[:2] {
+						st, err := d.Status(context.Background())
+						if err != nil {
+							t.Fatalf("node %d: status: %v", i, err)
+						}
+						if st.Round != 0 {
+							t.Fatalf("node %d: the run is at round %d: the round ended", i, st.Round)
+						}
+						for _, n := range st.Lost {
+							if !slices.Contains(lost, n) {
+								lost = append(lost, n)
+							}
+						}
+					}
+				}
+				if want := []NodeDesc(nil); dead {
+					want = []NodeDesc{nd(2)}
+					if !slices.Equal(lost, want) {
+						t.Errorf("lost %v, want %v", lost, want)
+					}
+				} else if len(lost) != 0 {
+					t.Errorf("lost %v after the store recovered; want nobody", lost)
+				}
+			})
+		})
 	}
 }
