@@ -55,8 +55,6 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 	return d, nil
 }
 
-// logProgress prints one rendezvous progress line: who joined, how many
-// are still awaited, when the last call ends.
 // slowStoreLogger returns an OnSlowStore that says what the rendezvous
 // waits for: the first slow operation, then at most one line every
 // interval, with how many there were since (a thousand agents on a
@@ -77,6 +75,8 @@ func slowStoreLogger(log *zap.Logger, interval time.Duration) func(op string, er
 	}
 }
 
+// logProgress prints one rendezvous progress line: who joined, how many
+// are still awaited, when the last call ends.
 func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress) {
 	names := func(ns []rendezvous.NodeDesc) []string {
 		out := make([]string, len(ns))

@@ -3,6 +3,7 @@ package launcher
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"slices"
 	"strconv"
@@ -270,4 +271,59 @@ func mustAtoi(t *testing.T, s string) int {
 		t.Fatal(err)
 	}
 	return n
+}
+
+// TestSharedLossFiledByTheLeaderOnly: a node loss every survivor sees alike
+// (the rendezvous state's lapsed keep-alives) is filed by the agreement's
+// leader alone, with every such loss it has not filed yet once the losses
+// make it the leader; a loss from this node's own gossip view is filed at
+// once, leader or not. At 512 agents every survivor filed the same loss,
+// O(N²) compare-sets on the worker store, and 508 of 511 gave up.
+func TestSharedLossFiledByTheLeaderOnly(t *testing.T) {
+	server := boardWithEpochs(t, 0)
+	var boards []*shrink.Board
+	for range 4 {
+		c, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		boards = append(boards, shrink.NewBoard(c, shrink.DefaultPrefix))
+	}
+	nodes := nodeRanks{{2}, {2}, {2}, {2}, {2}}
+	coord := shrink.NewCoordinator(shrink.CoordinatorConfig{Name: "n2", World: nodes.world()}, boards[0], boards[1], boards[2])
+	defer coord.Close()
+	sv := &survivors{log: zap.NewNop(), coord: coord, me: 2, nodeIDs: []string{"n0", "n1", "n2", "n3", "n4"}, nodes: nodes,
+		dead: map[int]bool{}, epoch: shrink.Initial(nodes.world()), agreementTimeout: 5 * time.Second}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	filed := func() [][]int {
+		t.Helper()
+		notices, _, err := boards[3].Notices(ctx, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var out [][]int
+		for _, n := range notices {
+			out = append(out, n.Failure.Ranks)
+		}
+		return out
+	}
+	for _, step := range []struct {
+		lost   string
+		shared bool
+		want   string // the board's reports after the step
+	}{
+		{"n3", true, "[]"},                     // n0 leads
+		{"n0", true, "[]"},                     // n1 leads now
+		{"n1", true, "[[0 1 2 3 6 7]]"},        // this node leads: n3, n0 and n1 at once
+		{"n4", false, "[[0 1 2 3 6 7] [8 9]]"}, // its own view: filed at once
+	} {
+		if n, err := sv.nodesLost(ctx, []string{step.lost}, "test", step.shared); err != nil || n != 1 {
+			t.Fatalf("%s lost: %d, %v", step.lost, n, err)
+		}
+		if got := fmt.Sprint(filed()); got != step.want {
+			t.Errorf("after %s lost (shared %v): the board holds %s, want %s", step.lost, step.shared, got, step.want)
+		}
+	}
 }

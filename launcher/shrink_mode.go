@@ -83,7 +83,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		case evAgreementFailed:
 			return fallBack(ev.err.Error())
 		case evNodeDead:
-			n, err := sv.nodesLost(ctx, []string{ev.node}, "node liveness: "+ev.why)
+			n, err := sv.nodesLost(ctx, []string{ev.node}, "node liveness: "+ev.why, false)
 			if err == nil {
 				a.endpoint.FailureReported(ReportNode, n)
 			} else {
@@ -117,7 +117,7 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 					w.p.replace(ad)
 					sv.replaced(ad.groupRank, ad.id)
 				}
-				n, err := sv.nodesLost(ctx, ev.change.lost, "its rendezvous keep-alive lapsed")
+				n, err := sv.nodesLost(ctx, ev.change.lost, "its rendezvous keep-alive lapsed", true)
 				a.endpoint.FailureReported(ReportNode, n)
 				if err != nil {
 					return fallBack(err.Error())

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"net"
 	"slices"
 	"strconv"
@@ -50,6 +51,10 @@ type survivors struct {
 	// since is when the first of the pending reports was filed: the start
 	// of the failure-to-epoch latency.
 	since time.Time
+	// unreported are the nodes (group ranks) lost in everyone's view (the
+	// rendezvous state) that this node has not reported: the leader
+	// reports those (see nodesLost).
+	unreported map[int]string
 	// unfilled is why heal last could not fill the vacant places
 	// (admitWaiting), logged once until it changes.
 	unfilled string
@@ -183,8 +188,15 @@ func (s *survivors) workerFailed(ctx context.Context, f Failure) error {
 // answering) and re-chooses the leader. Nodes already known lost, and
 // names that are not the round's nodes, are skipped. It returns how many
 // nodes were newly lost.
-func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (int, error) {
-	var ranks []int
+//
+// shared says every node sees the loss alike (the rendezvous state's
+// lapsed keep-alives, not this node's own gossip view): then only the
+// leader files it, once, with every shared loss it has not filed yet (it
+// may have become leader by this very loss). At 512 agents every survivor
+// filed the same node's failure at once, each taking the board's next free
+// index by create-only compare-sets from the last it had seen: O(N²)
+// requests on the worker store, and 508 of the 511 gave up and restarted.
+func (s *survivors) nodesLost(ctx context.Context, ids []string, why string, shared bool) (int, error) {
 	var names []string
 	for _, id := range ids {
 		g := slices.Index(s.nodeIDs, id)
@@ -193,17 +205,41 @@ func (s *survivors) nodesLost(ctx context.Context, ids []string, why string) (in
 		}
 		s.dead[g] = true
 		names = append(names, id)
+		if shared {
+			if s.unreported == nil {
+				s.unreported = map[int]string{}
+			}
+			s.unreported[g] = why
+		}
+	}
+	if len(names) == 0 {
+		return 0, nil
+	}
+	s.updateLeader(ctx)
+	var report []int // group ranks of the nodes this node reports
+	switch {
+	case !shared:
+		for _, id := range names {
+			report = append(report, slices.Index(s.nodeIDs, id))
+		}
+	case s.leading:
+		report = slices.Sorted(maps.Keys(s.unreported))
+		clear(s.unreported)
+	}
+	var ranks []int
+	for _, g := range report {
 		for _, r := range s.nodes.ranksOf(g) {
 			if s.epoch.Alive(r) {
 				ranks = append(ranks, r)
 			}
 		}
 	}
-	if len(names) == 0 {
-		return 0, nil
+	by := "this node"
+	if shared && !s.leading {
+		by = "the agreement's leader"
 	}
-	s.log.Warn("nodes lost; reporting their ranks", zap.Strings("nodes", names), zap.Ints("ranks", ranks), zap.String("why", why))
-	s.updateLeader(ctx)
+	s.log.Warn("nodes lost; reporting their ranks", zap.Strings("nodes", names), zap.Ints("ranks", ranks),
+		zap.String("why", why), zap.String("reported_by", by))
 	if len(ranks) == 0 {
 		return len(names), nil
 	}
@@ -226,6 +262,7 @@ func (s *survivors) nodeBack(ctx context.Context, id, why string) {
 		return
 	}
 	s.dead[g] = false
+	delete(s.unreported, g)
 	s.log.Warn("a node found lost answers again; it counts again", zap.String("node", id), zap.String("why", why))
 	s.updateLeader(ctx)
 }
