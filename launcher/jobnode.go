@@ -45,9 +45,9 @@ type jobNode struct {
 	// a store silent for longer than the keep-alive window means its host
 	// is gone.
 	lastSeen time.Time
-	// slowSince is when status reads began to time out on a store that
-	// still holds the connection (zero while it answers).
-	slowSince time.Time
+	// slowLogged: status reads time out on a store that still holds the
+	// connection, and that was logged (false again once it answers).
+	slowLogged bool
 	// sealed is j.store's sealing layer, with a job secret (nil without).
 	sealed *rendezvous.SealedStore
 	// refusalsLogged are the sources (why, and the key check claimed) of
@@ -455,8 +455,8 @@ func (j *jobNode) status(ctx context.Context) (*change, error) {
 			// hangs. Gone only after read_timeout, as a torchrun agent's
 			// store client would give up.
 			window = max(window, j.cfg.rdzv.readTimeout)
-			if j.slowSince.IsZero() {
-				j.slowSince = time.Now()
+			if !j.slowLogged {
+				j.slowLogged = true
 				j.log.Warn("the rendezvous store answers late; its host counts as gone only if it stays silent",
 					zap.Duration("silent", silent.Round(time.Millisecond)), zap.Duration("gone_after", window), zap.Error(err))
 			}
@@ -466,7 +466,7 @@ func (j *jobNode) status(ctx context.Context) (*change, error) {
 		}
 		return nil, err
 	}
-	j.lastSeen, j.slowSince = time.Now(), time.Time{}
+	j.lastSeen, j.slowLogged = time.Now(), false
 	switch {
 	case st.Closed:
 		ok, _ := j.outcome(ctx)

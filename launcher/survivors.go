@@ -307,9 +307,10 @@ func (s *survivors) latest(ctx context.Context, attempt, window time.Duration) (
 }
 
 // persist runs op, each try bounded by attempt, until it succeeds, fails
-// with what no retry mends (anything but the store's timeout or
-// unavailability), ctx ends, or window has passed since the first try:
-// then it fails with errAgreementUnanswered. Each retry is logged, naming
+// with what no retry mends (anything but a slow store's timeout,
+// rendezvous.SlowStore: a worker store whose host is gone refuses, and
+// waiting for it would only delay the fall-back), ctx ends, or window has
+// passed since the first try: then it fails with errAgreementUnanswered. Each retry is logged, naming
 // what (the operation).
 func (s *survivors) persist(ctx context.Context, what string, attempt, window time.Duration, op func(context.Context) error) error {
 	began := time.Now()
@@ -322,7 +323,7 @@ func (s *survivors) persist(ctx context.Context, what string, attempt, window ti
 		switch {
 		case err == nil || ctx.Err() != nil:
 			return err
-		case !errors.Is(err, rendezvous.ErrTimeout) && !errors.Is(err, rendezvous.ErrUnavailable):
+		case !rendezvous.SlowStore(err):
 			return err
 		case time.Until(deadline) <= pause:
 			return fmt.Errorf("%w in %v (%d tries): %w", errAgreementUnanswered, window, try, err)

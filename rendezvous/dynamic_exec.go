@@ -11,7 +11,6 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
 )
 
@@ -928,21 +927,6 @@ const slowStorePause = 250 * time.Millisecond
 // slowStore is SlowStore while the caller's ctx still has time.
 func slowStore(ctx context.Context, err error) bool {
 	return ctx.Err() == nil && SlowStore(err)
-}
-
-// SlowStore reports whether err, which ended an operation of the dynamic
-// rendezvous (or of a Store), says the store is slow rather than gone: it
-// ran out of time, on its connection or reconnecting, and nothing refused
-// or reset the connection. A swamped host, or one that hangs, times out;
-// one whose process died refuses (a TCPStore client's reconnecting keeps
-// the refusal in its error). A closed store or handle is not slow.
-func SlowStore(err error) bool {
-	switch {
-	case errors.Is(err, ErrClosed), errors.Is(err, ErrRendezvousClosed), errors.Is(err, errHandleClosed),
-		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
-		return false
-	}
-	return errors.Is(err, ErrTimeout) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // awaitQueued waits, after queueing q's request on st (this node's

@@ -279,20 +279,20 @@ func (b *Board) waitKept(ctx context.Context, key string, gone func(Floor) bool)
 // askAgainPause is how long askAgain waits between tries.
 const askAgainPause = 50 * time.Millisecond
 
-// askAgain calls look until it returns anything but the store's timeout
-// (rendezvous.ErrTimeout: no answer in the store's time, a reconnect that
-// timed out), or ctx is done. It serves the waits that last as long as the
+// askAgain calls look until it returns anything but a slow store's timeout
+// (rendezvous.SlowStore: no answer in the store's time, a reconnect that
+// timed out with nothing refusing it), or ctx is done. It serves the waits that last as long as the
 // round (the watchers of epochs and notices): a link cut for a few seconds
 // times their looks out, and a failed watcher ended the agreement, every
 // rank of its node restarted (bench/chaos, a 4-s cut, "await epoch 1:
 // read the board's floor: … CHECK: timeout after 10s"). A stall that
 // matters is bounded elsewhere: the Coordinator gives up on what is
-// pending after its AgreementTimeout. A store that is gone answers with
-// another error (ErrUnavailable: refused, closed), returned at once.
+// pending after its AgreementTimeout. A store that is gone (refused,
+// reset, closed) is not slow: its error returns at once.
 func askAgain[T any](ctx context.Context, look func() (T, error)) (T, error) {
 	for {
 		v, err := look()
-		if err == nil || !errors.Is(err, rendezvous.ErrTimeout) || ctx.Err() != nil {
+		if err == nil || !rendezvous.SlowStore(err) || ctx.Err() != nil {
 			return v, err
 		}
 		if pause(ctx, askAgainPause) != nil {

@@ -35,8 +35,9 @@ type StorageConfig struct {
 	// leader change included. Default 60 s.
 	OpTimeout time.Duration
 	// AttemptTimeout bounds one etcd request of an operation; one that
-	// runs out of it is sent again (every request a Storage sends is safe
-	// to send twice, see update), under twice the time, up to OpTimeout.
+	// runs out of it is sent again, under twice the time, up to OpTimeout
+	// (read-modify-writes carry tokens that make a second sending safe,
+	// see update; a lease granted twice leaves one unused until its TTL).
 	// A follower holds a request it forwarded to a leader that has just
 	// died until its own request timeout (5 s plus two election
 	// timeouts) although a new leader, elected within an election
