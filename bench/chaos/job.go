@@ -27,6 +27,10 @@ type runEnv struct {
 	// cutFor is how long a link cut lasts before the link heals.
 	cutFor  time.Duration
 	timeout time.Duration // bound on the run
+	// fromFirstStep counts the schedule from the job's first step
+	// (-clock first-step) instead of from its launch: a short run's faults
+	// then strike training however long the start-up took.
+	fromFirstStep bool
 	// witness is the host whose agent witnesses the job
 	// (ScheduleConfig.Witness).
 	witness int
@@ -219,10 +223,22 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 	var pending []replacement
 	spareStarted := !r.Spare || env.bed == nil
 	next := 0
+	clock := ru.t0 // the schedule's zero
+	if env.fromFirstStep {
+		clock = time.Time{} // set at the first step
+	}
 	for !witness.done() {
 		var faultC, replaceC <-chan time.Time
 		if next < len(sched) {
-			faultC = time.After(time.Until(ru.t0.Add(sched[next].At)))
+			if clock.IsZero() && ru.out.started() {
+				clock = time.Now()
+				fmt.Fprintf(ru.env.console, "# the schedule's clock starts at %v (the first step)\n", time.Since(ru.t0).Round(time.Millisecond))
+			}
+			if clock.IsZero() {
+				faultC = time.After(20 * time.Millisecond) // look for the first step again
+			} else {
+				faultC = time.After(time.Until(clock.Add(sched[next].At)))
+			}
 		}
 		if len(pending) > 0 {
 			replaceC = time.After(time.Until(pending[0].at))
@@ -232,6 +248,9 @@ func runRow(ctx context.Context, j Job, r Row, sched []Fault, stepTime time.Dura
 		case <-ctx.Done():
 			return res, fmt.Errorf("%s: %w after %v (%d progress lines)", r.Name, context.Cause(ctx), time.Since(ru.t0).Round(time.Second), ru.out.lines())
 		case <-faultC:
+			if clock.IsZero() {
+				break
+			}
 			a := ru.bring(ctx, sched[next])
 			res.Faults = append(res.Faults, a)
 			fmt.Fprintf(ru.env.console, "# fault %v\n", a)

@@ -28,7 +28,8 @@
 // what lost time and the goodput ratio are measured against, and the
 // schedule's horizon is 3× its wall time (or -horizon). The schedule
 // (-seed, -mtbf, -min-gap, -kinds) is the same for every row; a fault's
-// time counts from the job's start.
+// time counts from the job's launch, or with -clock first-step from its
+// first step (a short run whose start-up time varies).
 //
 // Rows (-rows, by number):
 //
@@ -125,12 +126,19 @@ type config struct {
 	etcd       string        // the etcd binary, for -backend etcd
 	replace    time.Duration // a killed agent's replacement starts this much later
 	cutFor     time.Duration // a link cut lasts this long
+	clock      string        // the schedule's zero: clockLaunch ("": the same) or clockFirstStep
 	// baselineSteps is the fault-free row's work (0: -steps): its rate is
 	// what is measured, and a shorter run gives it sooner.
 	baselineSteps int
 	// python214 is -python214: "auto" (the sid bed's), "" (none) or a path.
 	python214 string
 }
+
+// The schedule's zero (-clock).
+const (
+	clockLaunch    = "launch"
+	clockFirstStep = "first-step"
+)
 
 func main() {
 	c, err := parseFlags(os.Args[1:], os.Stderr)
@@ -188,6 +196,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.DurationVar(&c.sched.MTBF, "mtbf", 30*time.Second, "mean time between failures")
 	fs.DurationVar(&c.sched.MinGap, "min-gap", 0, "shortest gap between faults (default mtbf/5)")
 	fs.StringVar(&c.kinds, "kinds", "rank-kill,rank-exit,rank-hang", "fault kinds, comma-separated: rank-kill, rank-exit, rank-hang, two-ranks, grow-kill; on several hosts also agent-kill, link-cut, spare-kill; with -backend etcd coordinator-lost")
+	fs.StringVar(&c.clock, "clock", clockLaunch, `the schedule's zero: "launch" (the row's start) or "first-step" (when the job has trained its first step)`)
 	fs.DurationVar(&c.horizon, "horizon", 0, "no fault after this (default 3× the fault-free run's wall time)")
 	fs.StringVar(&c.rows, "rows", "", "rows to run, by number, comma-separated (default all)")
 	fs.DurationVar(&c.rowTimeout, "row-timeout", 30*time.Minute, "bound on one row's run")
@@ -221,6 +230,8 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 		return nil, fmt.Errorf("-worker-kind %q: want %s or %s", c.job.WorkerKind, workerGo, workerTorch)
 	case c.job.Startup < 0:
 		return nil, fmt.Errorf("-startup %v: want 0 or more", c.job.Startup)
+	case c.clock != "" && c.clock != clockLaunch && c.clock != clockFirstStep:
+		return nil, fmt.Errorf("-clock %q: want %s or %s", c.clock, clockLaunch, clockFirstStep)
 	}
 	if d, err := time.ParseDuration(c.job.WorkerTimeout); err != nil || d <= 0 {
 		return nil, fmt.Errorf("-worker-timeout %q: want a duration above 0, such as 15s", c.job.WorkerTimeout)
@@ -306,7 +317,7 @@ func run(ctx context.Context, c *config, stdout, stderr io.Writer) ([]RowResult,
 	if c.job.Hosts <= 1 {
 		skip(func(r Row) bool { return r.Spare }, "hot-spare row skipped: it needs -hosts 2 or more")
 	}
-	env := runEnv{replaceAfter: c.replace, cutFor: c.cutFor, timeout: c.rowTimeout,
+	env := runEnv{replaceAfter: c.replace, cutFor: c.cutFor, timeout: c.rowTimeout, fromFirstStep: c.clock == clockFirstStep,
 		witness: ScheduleConfig{Kinds: c.sched.Kinds, Hosts: c.job.Hosts}.Witness()}
 	if c.job.Hosts > 1 {
 		cfg := hostbed.Config{Hosts: c.job.Hosts + 1, Dir: tmp} // the last: the spare's

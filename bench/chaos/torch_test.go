@@ -38,6 +38,8 @@ func TestParseFlags(t *testing.T) {
 		{"not a duration", []string{"-startup", "5"}, nil, true},
 		{"a worker timeout", []string{"-worker-timeout", "20s"}, func(c *config) bool { return c.job.WorkerTimeout == "20s" }, false},
 		{"unknown flag", []string{"-worker-kinds", "torch"}, nil, true},
+		{"the clock's default", nil, func(c *config) bool { return c.clock == clockLaunch }, false},
+		{"the clock from the first step", []string{"-clock", "first-step"}, func(c *config) bool { return c.clock == clockFirstStep }, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -52,8 +54,9 @@ func TestParseFlags(t *testing.T) {
 	}
 }
 
-// TestRunRefusesBadWorker: a worker kind, start-up cost or worker timeout
-// that cannot be run is refused before anything is built or started.
+// TestRunRefusesBadWorker: a worker kind, start-up cost, worker timeout or
+// schedule clock that cannot be run is refused before anything is built or
+// started.
 func TestRunRefusesBadWorker(t *testing.T) {
 	for _, tt := range []struct {
 		name    string
@@ -63,17 +66,19 @@ func TestRunRefusesBadWorker(t *testing.T) {
 		hosts   int
 		backend string
 		faults  string
+		clock   string
 		want    string
 	}{
-		{"kind", "rust", 0, "15s", 1, "", "rank-kill", `-worker-kind "rust"`},
-		{"start-up", workerTorch, -time.Second, "15s", 1, "", "rank-kill", "-startup -1s"},
-		{"worker timeout without a unit", workerTorch, 0, "20", 1, "", "rank-kill", `-worker-timeout "20"`},
-		{"worker timeout of 0", workerGo, 0, "0s", 1, "", "rank-kill", `-worker-timeout "0s"`},
-		{"the coordinator's host with c10d", workerGo, 0, "15s", 2, backendC10d, "coordinator-lost", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
-		{"the coordinator's host on one host", workerGo, 0, "15s", 1, "", "coordinator-lost", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
+		{"kind", "rust", 0, "15s", 1, "", "rank-kill", "", `-worker-kind "rust"`},
+		{"start-up", workerTorch, -time.Second, "15s", 1, "", "rank-kill", "", "-startup -1s"},
+		{"worker timeout without a unit", workerTorch, 0, "20", 1, "", "rank-kill", "", `-worker-timeout "20"`},
+		{"worker timeout of 0", workerGo, 0, "0s", 1, "", "rank-kill", "", `-worker-timeout "0s"`},
+		{"the coordinator's host with c10d", workerGo, 0, "15s", 2, backendC10d, "coordinator-lost", "", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
+		{"the coordinator's host on one host", workerGo, 0, "15s", 1, "", "coordinator-lost", "", "coordinator-lost needs -hosts 2 or more and -backend etcd"},
+		{"a clock", workerGo, 0, "15s", 1, "", "rank-kill", "first-stpe", `-clock "first-stpe"`},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			c := &config{job: Job{Hosts: tt.hosts, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up, WorkerTimeout: tt.timeout, Backend: tt.backend}, kinds: tt.faults}
+			c := &config{job: Job{Hosts: tt.hosts, Nproc: 1, WorkerKind: tt.kind, Startup: tt.up, WorkerTimeout: tt.timeout, Backend: tt.backend}, kinds: tt.faults, clock: tt.clock}
 			_, err := run(context.Background(), c, io.Discard, io.Discard)
 			if err == nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("run: %v, want an error naming %q", err, tt.want)
@@ -315,10 +320,12 @@ func TestTorchWorkerRows(t *testing.T) {
 		job: Job{Gorun: testutil.BuildGorun(t), Python: py, WorkerKind: workerTorch, LR: "0.001", Hosts: 1, Nproc: 2,
 			Steps: 100, StepMs: 30, HeartbeatTimeout: "5", RespawnBackoff: "0.1", WorkerTimeout: "15s"},
 		python214: bed.Python(),
-		// MinGap = MTBF: faults every 6 s exactly; the horizon keeps
-		// the first (while the workers train, on an idle machine).
-		sched: ScheduleConfig{Seed: 1, MTBF: 6 * time.Second, MinGap: 6 * time.Second}, kinds: "rank-kill",
-		horizon: 7 * time.Second, rows: "1,7", rowTimeout: 2 * time.Minute, root: "../..",
+		// MinGap = MTBF: faults every 1.5 s exactly, counted from the
+		// first step; the horizon keeps the first. Counted from the
+		// launch, CI's load once had torchrun 2.14's workers still
+		// importing torch when the fault came, and it found no rank.
+		sched: ScheduleConfig{Seed: 1, MTBF: 1500 * time.Millisecond, MinGap: 1500 * time.Millisecond}, kinds: "rank-kill",
+		clock: clockFirstStep, horizon: 2 * time.Second, rows: "1,7", rowTimeout: 2 * time.Minute, root: "../..",
 	}
 	results, progress := runRows(ctx, t, c, 2)
 	for _, r := range results {
