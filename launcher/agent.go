@@ -184,9 +184,13 @@ func newAgent(cfg Config, log *zap.Logger, stdout, stderr io.Writer) (*agent, er
 // listenHeartbeats opens the heartbeat socket the workers find in
 // GORUN_HEARTBEAT. It lives in a directory of its own under the system's
 // temporary directory: a unix socket's path must stay under 108 bytes,
-// which a --log-dir path need not.
+// which a --log-dir path need not. Those that agents killed without a
+// chance to clean up left behind go first.
 func (a *agent) listenHeartbeats() error {
-	dir, err := os.MkdirTemp("", "gorun-hb-")
+	if gone := sweepHeartbeatDirs(os.TempDir(), time.Now()); len(gone) > 0 {
+		a.log.Debug("removed heartbeat directories of agents gone", zap.Strings("dirs", gone))
+	}
+	dir, err := os.MkdirTemp("", heartbeatDirPrefix)
 	if err != nil {
 		return localf("--heartbeat-timeout: %w", err)
 	}
