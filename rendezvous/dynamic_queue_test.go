@@ -129,6 +129,24 @@ func TestFoldRequest(t *testing.T) {
 			}
 		},
 	}, {
+		name: "a heartbeat folded after its deadline still counts, stamped at its deadline",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 2*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(8 * time.Second)}, changed: true,
+		check: func(t *testing.T, s *dynState) {
+			if !s.Nodes[0].Heartbeat.Equal(at(8 * time.Second)) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
+		name: "a late heartbeat older than the state's changes nothing",
+		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 7*time.Second)),
+		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(8 * time.Second)},
+		check: func(t *testing.T, s *dynState) {
+			if !s.Nodes[0].Heartbeat.Equal(at(7 * time.Second)) {
+				t.Fatalf("%+v", s.Nodes)
+			}
+		},
+	}, {
 		name: "a queued heartbeat does not put a dropped node back",
 		st:   mkState(dynState{Complete: true, Size: 1}, part(1, 4*time.Second)),
 		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)},
