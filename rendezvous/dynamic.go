@@ -1021,21 +1021,17 @@ type request struct {
 // decided on s, as the node itself would on reading s.
 func (s *dynState) foldRequest(r request, now time.Time, cfg DynamicConfig) bool {
 	if r.KeepAlive {
-		// Stamped at now, when it lands, or at its deadline if it lands
-		// later: a heartbeat the folder took late still says its node was
-		// alive when it was pushed. Dropping it, as a late join is
-		// dropped, counted the nodes of a 512-agent job dead a dozen at a
-		// time whenever the store's host was too swamped to fold within a
-		// KeepAliveTimeout. Either way a node may look alive up to one
-		// KeepAliveTimeout longer than it is.
-		at := now
-		if !r.Deadline.IsZero() && r.Deadline.Before(now) {
-			at = r.Deadline
-		}
-		if !keepAliveDue(s, r.Node, at, cfg) {
+		// Stamped at now, when it lands, however late: liveness is what
+		// the store has heard, and a store too swamped to fold for a
+		// while has heard late of every node alike. Dropping a beat that
+		// came after its deadline (as a late join is dropped), or
+		// stamping it then, counted the nodes of a 512-agent job dead a
+		// dozen at a time when the folds fell behind by more than a drop
+		// timeout. A dead node is found as much later as the folds lag.
+		if !keepAliveDue(s, r.Node, now, cfg) {
 			return false
 		}
-		return s.apply(actKeepAlive, r.Node, nil, at, cfg)
+		return s.apply(actKeepAlive, r.Node, nil, now, cfg)
 	}
 	ops := [2]func() action{
 		func() action { return nextExitAction(s, r.Node, now, r.Deadline) },

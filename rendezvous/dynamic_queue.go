@@ -705,13 +705,28 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 	for {
 		now := d.now()
 		st := snap.st.clone()
-		changed := st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
+		// The batch's heartbeats before the state is judged: a beat in
+		// it says its node is alive, however old the state's is (a
+		// folder that fell behind; a node whose earlier beats did not
+		// get through), and a node dropped first would stay dropped.
+		// As of when is judged on the state as it was: the folder's own
+		// beat in the batch does not end its silence (judgedAt).
+		judged := d.judgedAt(st, now)
+		changed := false
+		for _, r := range reqs {
+			if r.KeepAlive && st.foldRequest(r, now, d.cfg) {
+				changed = true
+			}
+		}
+		changed = st.sanitizeAt(now, judged, d.cfg) || changed
 		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
-			if !st.foldRequest(r, now, d.cfg) && !r.KeepAlive {
-				idle = append(idle, r.Node)
-			} else {
+			switch {
+			case r.KeepAlive:
+			case st.foldRequest(r, now, d.cfg):
 				changed = true
+			default:
+				idle = append(idle, r.Node)
 			}
 		}
 		if changed {
