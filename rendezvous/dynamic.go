@@ -1005,7 +1005,8 @@ type request struct {
 	Data []byte   `json:"data,omitempty"`
 	// Call numbers the Next call on its node; never 0.
 	Call uint64 `json:"call"`
-	// Deadline is the node's join deadline, or its heartbeat's.
+	// Deadline is the node's join deadline, or its heartbeat's (which a
+	// fold does not hold it to: a late beat still counts).
 	Deadline time.Time `json:"deadline"`
 	// KeepAlive: refresh the node's heartbeat (keep-alive operation)
 	// rather than run its Next.

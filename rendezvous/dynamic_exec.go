@@ -1072,8 +1072,6 @@ func (d *Dynamic) stopKeepAlive() error {
 // On a store with queues it queues the heartbeat (keepAliveQueued) and
 // reads nothing: the next is due an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
-	defer cancel()
 	if !d.noQueue.Load() {
 		next, err := d.keepAliveQueued(ctx)
 		if !errors.Is(err, ErrNotSupported) {
@@ -1081,6 +1079,8 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 		}
 		d.noQueue.Store(true)
 	}
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
+	defer cancel()
 	retry := d.now().Add(d.cfg.HeartbeatInterval())
 	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)

@@ -321,9 +321,19 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	if err != nil {
 		return next, err
 	}
-	if err := d.store.QueuePush(ctx, d.key+queueSuffix, b); err != nil {
+	// The push may take what the drop timeout leaves after an interval,
+	// not KeepAliveTimeout: on a store that answers slower than that, a
+	// beat given up never lands, while a patient Next's writes do, and
+	// such a writer judged every member dead (509 of 512 agents at once
+	// on two cores). A beat that lands late is stamped when folded.
+	pctx, cancel := context.WithTimeout(ctx, max(d.cfg.KeepAliveTimeout, d.cfg.DropTimeout()-d.cfg.HeartbeatInterval()))
+	err = d.store.QueuePush(pctx, d.key+queueSuffix, b)
+	cancel()
+	if err != nil {
 		return next, err
 	}
+	ctx, cancel = context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
+	defer cancel()
 	if err := sleep(ctx, d.lazyDelay()); err != nil {
 		return next, err
 	}

@@ -300,3 +300,74 @@ func TestSwampedStoreKillsNobody(t *testing.T) {
 		})
 	}
 }
+
+// slowPushStore is a queue memStore whose pushes, while slow is set, take
+// 7 s to land (longer than a keep-alive's 5-s timeout), as on a store's
+// host that hundreds of agents swamp; a push whose caller gives up first
+// does not land.
+type slowPushStore struct {
+	*memStore
+	slow atomic.Bool
+}
+
+func (s *slowPushStore) QueuePush(ctx context.Context, k string, v []byte) error {
+	if s.slow.Load() {
+		t := time.NewTimer(7 * time.Second)
+		defer t.Stop()
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%w: test: QUEUE_PUSH timeout (%w)", ErrTimeout, ctx.Err())
+		case <-t.C:
+		}
+	}
+	return s.memStore.QueuePush(ctx, k, v)
+}
+
+// TestSlowPushesKeepHeartbeats: on a store whose every push takes 7 s,
+// the members' heartbeats still land within the drop timeout (a
+// keep-alive waits for its push up to what the drop timeout leaves, not
+// its own 5-s timeout). Given up at 5 s, none landed: the members lived
+// on only because each judged the others as of its own stale beat, and
+// any node whose writes did get through (a patient Next's) judged every
+// member dead — 509 of 512 agents in one write on two cores.
+func TestSlowPushesKeepHeartbeats(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &slowPushStore{memStore: newQueueMemStore()}
+		cfg := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1}
+		var ds []*Dynamic
+		for i := range 2 {
+			d, err := NewDynamic(s, nd(i), nil, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { d.Close() })
+			ds = append(ds, d)
+		}
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+			if x := <-ch; x.err != nil {
+				t.Fatalf("node %d: %v", i, x.err)
+			}
+		}
+		s.slow.Store(true)
+		drop := ds[0].cfg.DropTimeout()
+		oldest := time.Duration(0)
+		for range 60 {
+			time.Sleep(time.Second)
+			snap, err := ds[0].read(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(snap.st.Nodes) != 2 {
+				t.Fatalf("the state holds %+v, want both members", snap.st.Nodes)
+			}
+			for _, n := range snap.st.Nodes {
+				oldest = max(oldest, time.Since(n.Heartbeat))
+			}
+		}
+		if oldest >= drop {
+			t.Errorf("a member's heartbeat in the state grew %v old on a slow store; want under the drop timeout (%v)", oldest, drop)
+		}
+		t.Logf("the oldest heartbeat seen: %v", oldest)
+	})
+}
