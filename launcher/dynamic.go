@@ -60,19 +60,50 @@ func newDynamicNode(ctx context.Context, cfg *Config, log *zap.Logger, runID str
 // interval, with how many there were since (a thousand agents on a
 // swamped store would otherwise log every pause of every agent).
 func slowStoreLogger(log *zap.Logger, interval time.Duration) func(op string, err error) {
+	warn := warnEvery(log, interval, "the rendezvous store is slow: reading it again until the join timeout", "timeouts")
+	return func(op string, err error) { warn(zap.String("op", op), zap.Error(err)) }
+}
+
+// keepAliveLogger returns an OnKeepAliveFailed that says when this node's
+// rendezvous heartbeats do not get through (KeepAliveMaxAttempt in a row
+// and the others drop it), at most once every interval.
+func keepAliveLogger(log *zap.Logger, interval time.Duration) func(error) {
+	warn := warnEvery(log, interval, "a rendezvous keep-alive did not get through; the next goes an interval later", "failures")
+	return func(err error) { warn(zap.Error(err)) }
+}
+
+// warnEvery returns a function that logs msg at warn level the first
+// time, then at most once every interval, each line with how many calls
+// it stands for under countKey.
+func warnEvery(log *zap.Logger, interval time.Duration, msg, countKey string) func(...zap.Field) {
 	var mu sync.Mutex
 	var last time.Time
 	count := 0
-	return func(op string, err error) {
+	return func(fields ...zap.Field) {
 		mu.Lock()
 		defer mu.Unlock()
 		count++
 		if now := time.Now(); last.IsZero() || now.Sub(last) >= interval {
-			log.Warn("the rendezvous store is slow: reading it again until the join timeout",
-				zap.String("op", op), zap.Int("timeouts", count), zap.Error(err))
+			log.Warn(msg, append(fields, zap.Int(countKey, count))...)
 			last, count = now, 0
 		}
 	}
+}
+
+// logDrop says that this node is dropping others from the rendezvous
+// state for lapsed keep-alives, and on what it judged: the judge of a
+// node's loss is whoever writes the state first, and without this line a
+// crowd's logs say only that nodes were lost, not who found them so.
+func logDrop(log *zap.Logger, d rendezvous.Drop) {
+	const shown = 8
+	names := make([]string, 0, min(len(d.Nodes), shown))
+	for _, n := range d.Nodes[:min(len(d.Nodes), shown)] {
+		names = append(names, n.String())
+	}
+	log.Warn("dropping nodes from the rendezvous: their keep-alives lapsed",
+		zap.String("op", d.Op), zap.Int("dropped", len(d.Nodes)), zap.Strings("nodes", names),
+		zap.Duration("newest_beat_age", d.Newest.Round(time.Millisecond)), zap.Duration("oldest_beat_age", d.Oldest.Round(time.Millisecond)),
+		zap.Duration("judged_behind", d.Behind.Round(time.Millisecond)), zap.Int("kept", d.Kept))
 }
 
 // logProgress prints one rendezvous progress line: who joined, how many

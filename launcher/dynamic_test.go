@@ -15,6 +15,48 @@ import (
 // TestSlowStoreLogger: the first slow operation of the rendezvous is
 // logged at once, the next ones at most once an interval, each line
 // counting the timeouts since the last.
+// TestLogDrop: a drop's line names the judge's operation, how many it
+// dropped (the first 8 by name), their beats' ages and how far behind now
+// it judged.
+func TestLogDrop(t *testing.T) {
+	core, logs := observer.New(zap.WarnLevel)
+	var nodes []rendezvous.NodeDesc
+	for i := range 20 {
+		nodes = append(nodes, rendezvous.NodeDesc{Addr: "10.0.0.1", Pid: 100 + i})
+	}
+	logDrop(zap.New(core), rendezvous.Drop{Op: "fold", Nodes: nodes, Newest: 15200 * time.Millisecond, Oldest: 31 * time.Second, Behind: 4 * time.Second, Kept: 490})
+	all := logs.All()
+	if len(all) != 1 {
+		t.Fatalf("%d lines, want 1", len(all))
+	}
+	m := all[0].ContextMap()
+	names, _ := m["nodes"].([]interface{})
+	if m["op"] != "fold" || m["dropped"] != int64(20) || len(names) != 8 || names[0] != "10.0.0.1_100_0" ||
+		m["newest_beat_age"] != 15200*time.Millisecond || m["oldest_beat_age"] != 31*time.Second || m["judged_behind"] != 4*time.Second || m["kept"] != int64(490) {
+		t.Errorf("logged %v", m)
+	}
+}
+
+// TestKeepAliveLogger: the first failed heartbeat is said at once, the
+// rest at most once an interval, with their count.
+func TestKeepAliveLogger(t *testing.T) {
+	core, logs := observer.New(zap.WarnLevel)
+	failed := keepAliveLogger(zap.New(core), 50*time.Millisecond)
+	refused := fmt.Errorf("%w: QUEUE_PUSH: connection refused", rendezvous.ErrUnavailable)
+	for range 4 {
+		failed(refused)
+	}
+	time.Sleep(60 * time.Millisecond)
+	failed(refused)
+	var got []string
+	for _, e := range logs.All() {
+		got = append(got, fmt.Sprintf("%v %v", e.ContextMap()["failures"], e.ContextMap()["error"]))
+	}
+	if want := []string{"1 " + refused.Error(), "4 " + refused.Error()}; !slices.Equal(got, want) {
+		t.Errorf("logged %q, want %q", got, want)
+	}
+}
+
 func TestSlowStoreLogger(t *testing.T) {
 	core, logs := observer.New(zap.WarnLevel)
 	onSlow := slowStoreLogger(zap.New(core), 50*time.Millisecond)

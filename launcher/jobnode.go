@@ -91,6 +91,8 @@ func newJobNode(cfg *Config, log *zap.Logger, runID string) (*jobNode, error) {
 	j.dcfg = cfg.rdzv.dynamic
 	j.dcfg.OnProgress = func(p rendezvous.Progress) { logProgress(log, minNodes, maxNodes, p) }
 	j.dcfg.OnSlowStore = slowStoreLogger(log, 10*time.Second)
+	j.dcfg.OnDrop = func(d rendezvous.Drop) { logDrop(log, d) }
+	j.dcfg.OnKeepAliveFailed = keepAliveLogger(log, 10*time.Second)
 	// In queue mode (large runs) the rendezvous hands each node its
 	// summary of the round (offset, world size, rank 0, the secrets'
 	// agreement), computed once by the node that completes it: this

@@ -158,6 +158,18 @@ type DynamicConfig struct {
 	// or is closed still ends the operation at once. It runs on the
 	// operation's goroutine and must not block.
 	OnSlowStore func(op string, err error)
+	// OnDrop, when set, is called each time this node drops others from
+	// the state for heartbeats older than the drop timeout, before it
+	// writes the state without them: the judgment that ends their place
+	// in the round, with what it was made on. It runs on the operation's
+	// goroutine and must not block.
+	OnDrop func(Drop)
+	// OnKeepAliveFailed, when set, is called each time this node's
+	// heartbeat could not be sent or applied (the next is tried an
+	// interval later; KeepAliveMaxAttempt in a row and the others drop
+	// this node). It runs on the keep-alive's goroutine and must not
+	// block.
+	OnKeepAliveFailed func(error)
 	// Describe, when set, reads a node's data (what it gave NewDynamic)
 	// for the round's plan: in queue mode, whoever completes a round
 	// computes each member's Round.Summary from every member's traits
@@ -850,6 +862,46 @@ func (s *dynState) completeIfRejoined(cfg DynamicConfig) {
 // time whether or not anyone writes.
 func (s *dynState) sanitize(now time.Time, cfg DynamicConfig) bool {
 	return s.sanitizeAt(now, now, cfg)
+}
+
+// Drop is what a node saw as it dropped others from the rendezvous state
+// for heartbeats older than the drop timeout (DynamicConfig.OnDrop).
+type Drop struct {
+	Op    string     // the operation that judged: "next", "status", "keep-alive", "fold", "admit", "leave", "close"
+	Nodes []NodeDesc // the nodes dropped
+	// Newest and Oldest are the ages of the dropped nodes' heartbeats,
+	// as of now.
+	Newest, Oldest time.Duration
+	// Behind is how long before now the heartbeats were judged as of:
+	// 0 unless this node's own had lapsed too (see judgedAt).
+	Behind time.Duration
+	Kept   int // the nodes left in the state
+}
+
+// sanitize is st.sanitizeAt on behalf of op, telling OnDrop whom it
+// dropped.
+func (d *Dynamic) sanitize(st *dynState, now, judged time.Time, op string) bool {
+	if d.cfg.OnDrop == nil {
+		return st.sanitizeAt(now, judged, d.cfg)
+	}
+	expire := judged.Add(-d.cfg.DropTimeout())
+	drop := Drop{Op: op, Behind: now.Sub(judged)}
+	for _, e := range st.Nodes {
+		if e.Heartbeat.Before(expire) {
+			age := now.Sub(e.Heartbeat)
+			if len(drop.Nodes) == 0 || age < drop.Newest {
+				drop.Newest = age
+			}
+			drop.Oldest = max(drop.Oldest, age)
+			drop.Nodes = append(drop.Nodes, e.NodeDesc)
+		}
+	}
+	changed := st.sanitizeAt(now, judged, d.cfg)
+	if len(drop.Nodes) > 0 {
+		drop.Kept = len(st.Nodes)
+		d.cfg.OnDrop(drop)
+	}
+	return changed
 }
 
 // sanitizeAt is sanitize with the heartbeats judged as of judged rather

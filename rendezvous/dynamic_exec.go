@@ -325,7 +325,7 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	}
 	now := d.now()
 	st := snap.st.clone()
-	if st.sanitizeAt(now, d.judgedAt(st, now), d.cfg) {
+	if d.sanitize(st, now, d.judgedAt(st, now), "status") {
 		if _, err := d.commit(ctx, snap, st, time.Time{}); err != nil {
 			return Status{}, d.fail("status", err)
 		}
@@ -415,7 +415,7 @@ func (d *Dynamic) Admit(ctx context.Context, ranks ...int) ([]NodeDesc, error) {
 	for err == nil {
 		st := snap.st.clone()
 		now := d.now()
-		st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
+		d.sanitize(st, now, d.judgedAt(st, now), "admit")
 		if st.Round != last.Number {
 			return nil, d.fail("admit", fmt.Errorf("round %d has ended (the run is at round %d)", last.Number, st.Round))
 		}
@@ -751,7 +751,7 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 				st.Nodes[i].Heartbeat = q.beat
 			}
 		} else {
-			dropped = st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
+			dropped = d.sanitize(st, now, d.judgedAt(st, now), name)
 		}
 		cur, changed := done, dropped
 		beatsOnly := !dropped // the pass only refreshes my heartbeat
@@ -1072,6 +1072,7 @@ func (d *Dynamic) stopKeepAlive() error {
 // On a store with queues it queues the heartbeat (keepAliveQueued) and
 // reads nothing: the next is due an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
+	failed := func(err error) { d.keepAliveFailed(ctx, err) }
 	if !d.noQueue.Load() {
 		next, err := d.keepAliveQueued(ctx)
 		if !errors.Is(err, ErrNotSupported) {
@@ -1085,17 +1086,27 @@ func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
 	deadline := d.now().Add(d.cfg.KeepAliveTimeout)
 	snap, err := d.read(ctx)
 	if err != nil {
+		failed(err)
 		return retry
 	}
 	beat := func(s *dynState, now time.Time) action { return nextKeepAliveAction(s, d.me, now, deadline, d.cfg) }
 	st, err := d.run(ctx, snap, "keep-alive", deadline, []decider{beat}, nil, nil, 0)
 	if err != nil {
+		failed(err)
 		return retry
 	}
 	if i, ok := st.find(d.me); ok {
 		return st.Nodes[i].Heartbeat.Add(d.cfg.HeartbeatInterval())
 	}
 	return retry // dropped from the state: nothing to keep alive
+}
+
+// keepAliveFailed tells OnKeepAliveFailed that a heartbeat did not get
+// through, unless the handle is closing.
+func (d *Dynamic) keepAliveFailed(ctx context.Context, err error) {
+	if d.cfg.OnKeepAliveFailed != nil && ctx.Err() == nil {
+		d.cfg.OnKeepAliveFailed(err)
+	}
 }
 
 // DynamicUnwatched lists the keys (and the queue) of run runID's dynamic

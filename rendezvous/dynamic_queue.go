@@ -330,6 +330,9 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	err = d.store.QueuePush(pctx, d.key+queueSuffix, b)
 	cancel()
 	if err != nil {
+		if !errors.Is(err, ErrNotSupported) {
+			d.keepAliveFailed(ctx, err)
+		}
 		return next, err
 	}
 	ctx, cancel = context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
@@ -728,7 +731,7 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 				changed = true
 			}
 		}
-		changed = st.sanitizeAt(now, judged, d.cfg) || changed
+		changed = d.sanitize(st, now, judged, "fold") || changed
 		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
 			switch {

@@ -307,10 +307,14 @@ func TestSwampedStoreKillsNobody(t *testing.T) {
 // does not land.
 type slowPushStore struct {
 	*memStore
-	slow atomic.Bool
+	slow   atomic.Bool
+	refuse atomic.Bool // every push refused at once
 }
 
 func (s *slowPushStore) QueuePush(ctx context.Context, k string, v []byte) error {
+	if s.refuse.Load() {
+		return fmt.Errorf("%w: test: QUEUE_PUSH refused", ErrUnavailable)
+	}
 	if s.slow.Load() {
 		t := time.NewTimer(7 * time.Second)
 		defer t.Stop()
@@ -369,5 +373,98 @@ func TestSlowPushesKeepHeartbeats(t *testing.T) {
 			t.Errorf("a member's heartbeat in the state grew %v old on a slow store; want under the drop timeout (%v)", oldest, drop)
 		}
 		t.Logf("the oldest heartbeat seen: %v", oldest)
+	})
+}
+
+// TestOnDropSaysWhom: a node that stops beating is dropped, and whoever
+// drops it says so: that node alone, its heartbeat at least a drop timeout
+// old, judged as of now (the judge's own beats landed), two nodes kept.
+func TestOnDropSaysWhom(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var mu sync.Mutex
+		var drops []Drop
+		cfg := DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, OnDrop: func(d Drop) {
+			mu.Lock()
+			defer mu.Unlock()
+			drops = append(drops, d)
+		}}
+		ds := bubbleNodes(t, newMemStore(), 3, cfg)
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
+			if x := <-ch; x.err != nil {
+				t.Fatalf("node %d: %v", i, x.err)
+			}
+		}
+		time.Sleep(10 * time.Second)
+		ds[2].Close()
+		for {
+			time.Sleep(time.Second)
+			st, err := ds[0].Status(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(st.Lost) > 0 {
+				break
+			}
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(drops) == 0 {
+			t.Fatal("node 2 was lost and nobody said it dropped it")
+		}
+		drop := ds[0].cfg.DropTimeout()
+		for _, d := range drops {
+			if !slices.Equal(d.Nodes, []NodeDesc{nd(2)}) || d.Newest < drop || d.Oldest != d.Newest || d.Behind != 0 || d.Kept != 2 || d.Op == "" {
+				t.Errorf("drop %+v; want node 2 alone, a heartbeat at least %v old, judged as of now, 2 kept", d, drop)
+			}
+		}
+	})
+}
+
+// TestOnKeepAliveFailed: each heartbeat that does not get through is
+// told, with the store's error; none while they do.
+func TestOnKeepAliveFailed(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		s := &slowPushStore{memStore: newQueueMemStore()}
+		var mu sync.Mutex
+		var errs []error
+		cfg := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1, OnKeepAliveFailed: func(err error) {
+			mu.Lock()
+			defer mu.Unlock()
+			errs = append(errs, err)
+		}}
+		var ds []*Dynamic
+		for i := range 2 {
+			d, err := NewDynamic(s, nd(i), nil, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { d.Close() })
+			ds = append(ds, d)
+		}
+		start := time.Now()
+		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+			if x := <-ch; x.err != nil {
+				t.Fatalf("node %d: %v", i, x.err)
+			}
+		}
+		time.Sleep(12 * time.Second)
+		mu.Lock()
+		if len(errs) != 0 {
+			t.Errorf("%d failures told while every beat got through: %v", len(errs), errs)
+		}
+		mu.Unlock()
+		s.refuse.Store(true)
+		time.Sleep(11 * time.Second) // two intervals: two beats a node
+		mu.Lock()
+		defer mu.Unlock()
+		if len(errs) < 4 {
+			t.Errorf("%d failures told in two intervals of refused beats from two nodes, want at least 4", len(errs))
+		}
+		for _, err := range errs {
+			if !errors.Is(err, ErrUnavailable) {
+				t.Errorf("told %v, want the store's refusal", err)
+			}
+		}
 	})
 }
