@@ -311,6 +311,27 @@ type slowPushStore struct {
 	refuse atomic.Bool // every push refused at once
 }
 
+// slowPushPair starts two nodes on s and their first round, complete.
+func slowPushPair(t *testing.T, s *slowPushStore, cfg DynamicConfig) []*Dynamic {
+	t.Helper()
+	var ds []*Dynamic
+	for i := range 2 {
+		d, err := NewDynamic(s, nd(i), nil, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds = append(ds, d)
+	}
+	start := time.Now()
+	for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
+		if x := <-ch; x.err != nil {
+			t.Fatalf("node %d: %v", i, x.err)
+		}
+	}
+	return ds
+}
+
 func (s *slowPushStore) QueuePush(ctx context.Context, k string, v []byte) error {
 	if s.refuse.Load() {
 		return fmt.Errorf("%w: test: QUEUE_PUSH refused", ErrUnavailable)
@@ -338,21 +359,7 @@ func TestSlowPushesKeepHeartbeats(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		s := &slowPushStore{memStore: newQueueMemStore()}
 		cfg := DynamicConfig{RunID: "job", MinNodes: 2, MaxNodes: 2, QueueMinNodes: 1}
-		var ds []*Dynamic
-		for i := range 2 {
-			d, err := NewDynamic(s, nd(i), nil, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { d.Close() })
-			ds = append(ds, d)
-		}
-		start := time.Now()
-		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
-			if x := <-ch; x.err != nil {
-				t.Fatalf("node %d: %v", i, x.err)
-			}
-		}
+		ds := slowPushPair(t, s, cfg)
 		s.slow.Store(true)
 		drop := ds[0].cfg.DropTimeout()
 		oldest := time.Duration(0)
@@ -433,21 +440,7 @@ func TestOnKeepAliveFailed(t *testing.T) {
 			defer mu.Unlock()
 			errs = append(errs, err)
 		}}
-		var ds []*Dynamic
-		for i := range 2 {
-			d, err := NewDynamic(s, nd(i), nil, cfg)
-			if err != nil {
-				t.Fatal(err)
-			}
-			t.Cleanup(func() { d.Close() })
-			ds = append(ds, d)
-		}
-		start := time.Now()
-		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
-			if x := <-ch; x.err != nil {
-				t.Fatalf("node %d: %v", i, x.err)
-			}
-		}
+		slowPushPair(t, s, cfg)
 		time.Sleep(12 * time.Second)
 		mu.Lock()
 		if len(errs) != 0 {
