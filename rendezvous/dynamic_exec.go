@@ -901,6 +901,9 @@ func (d *Dynamic) patiently(ctx context.Context, op string, deadline time.Time, 
 // have missed a whole drop timeout of beats after its own landed again.
 // Judging by now, the first agent of 512 whose beat got through a swamped
 // store found every other dead and ended the round for all of them.
+//
+// And the crowd's rule (crowdJudged): judged so, it would drop more than
+// half of the others at once.
 func (d *Dynamic) judgedAt(s *dynState, now time.Time) time.Time {
 	drop := d.cfg.DropTimeout()
 	d.mu.Lock()
@@ -908,10 +911,50 @@ func (d *Dynamic) judgedAt(s *dynState, now time.Time) time.Time {
 	if i, ok := s.find(d.me); ok && s.Nodes[i].Heartbeat.Before(now.Add(-drop)) {
 		d.silence = silence{judged: s.Nodes[i].Heartbeat.Add(d.cfg.HeartbeatInterval()), until: now.Add(drop)}
 	}
+	judged := now
 	if now.Before(d.silence.until) {
-		return d.silence.judged
+		judged = d.silence.judged
 	}
-	return now
+	return crowdJudged(s, d.me, now, judged, d.cfg)
+}
+
+// crowdJudged is judged, or an earlier instant: when judging as of judged
+// would drop two or more nodes and more than half of the nodes other than
+// me, it is a heartbeat interval after the newest of their heartbeats, but
+// not earlier than a drop timeout ago. A crowd whose beats all lapse together has
+// most likely not died together: its store fell behind (every agent of
+// 512 on two cores, the store's host among them) or this node cannot hear
+// of it (one that was itself dropped and joins again), and it is given
+// one more drop timeout; nodes that fell silent a drop timeout before the
+// crowd's newest beat go as before. Half of a job lost at once is found
+// one drop timeout later than one node is.
+func crowdJudged(s *dynState, me NodeDesc, now, judged time.Time, cfg DynamicConfig) time.Time {
+	expire := judged.Add(-cfg.DropTimeout())
+	others, lapsed := 0, 0
+	var newest time.Time
+	for _, e := range s.Nodes {
+		if e.NodeDesc == me {
+			continue
+		}
+		others++
+		if e.Heartbeat.Before(expire) {
+			lapsed++
+		}
+		if e.Heartbeat.After(newest) {
+			newest = e.Heartbeat
+		}
+	}
+	if lapsed < 2 || 2*lapsed <= others {
+		return judged
+	}
+	crowd := newest.Add(cfg.HeartbeatInterval())
+	if floor := now.Add(-cfg.DropTimeout()); crowd.Before(floor) {
+		crowd = floor
+	}
+	if crowd.Before(judged) {
+		return crowd
+	}
+	return judged
 }
 
 // silence is the last time this node found its own heartbeat in the state

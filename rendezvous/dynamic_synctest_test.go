@@ -346,11 +346,12 @@ func TestBubbleRejoinerDies(t *testing.T) {
 	})
 }
 
-// TestBubbleClockSkew: the clock is the handle's own (injected here). A
-// node whose clock runs 20 s ahead — more than the 15 s heartbeat TTL —
-// sees everyone else's heartbeats as expired and drops them: the hazard
-// torchrun shares, since heartbeats are wall-clock times written by each
-// node. Within the TTL, skew is harmless.
+// TestBubbleClockSkew: the clock is the handle's own (injected here).
+// Within the 15-s heartbeat TTL, skew is harmless. A node whose clock runs
+// 20 s ahead sees everyone else's heartbeats as expired — torchrun's node
+// would drop them all, since heartbeats are wall-clock times written by
+// each node — but all of them at once, and the crowd's rule (crowdJudged)
+// gives them one more TTL: nobody is dropped.
 func TestBubbleClockSkew(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newMemStore()
@@ -366,7 +367,7 @@ func TestBubbleClockSkew(t *testing.T) {
 		}
 		skew.Store(int64(20 * time.Second))
 		st, err := ds[1].Status(context.Background())
-		if err != nil || !slices.Equal(st.Lost, []NodeDesc{nd(0), nd(2)}) {
+		if err != nil || len(st.Lost) != 0 {
 			t.Fatalf("20 s ahead: %+v, %v", st, err)
 		}
 	})
@@ -442,4 +443,60 @@ func TestBubbleStateReset(t *testing.T) {
 			}
 		}
 	})
+}
+
+// TestCrowdRule: one node of four that stops beating is dropped a drop
+// timeout (15 s) after its last beat; three of four that stop at once are
+// dropped one drop timeout later than that (crowdJudged), not before.
+func TestCrowdRule(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		dead       []int
+		keptAt     time.Duration // nobody lost this long after they stopped
+		lostWithin time.Duration
+	}{
+		{"one", []int{3}, 10 * time.Second, 21 * time.Second},
+		{"three at once", []int{1, 2, 3}, 25 * time.Second, 36 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ds := bubbleNodes(t, newMemStore(), 4, DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 4, LastCallTimeout: time.Second})
+				start := time.Now()
+				var chs []<-chan bubbleResult
+				for _, d := range ds {
+					chs = append(chs, goNext(d, start))
+				}
+				for i, ch := range chs {
+					if x := <-ch; x.err != nil {
+						t.Fatalf("node %d: %v", i, x.err)
+					}
+				}
+				var want []NodeDesc
+				for _, i := range tc.dead {
+					if err := ds[i].stopKeepAlive(); err != nil {
+						t.Fatal(err)
+					}
+					want = append(want, nd(i))
+				}
+				stopped := time.Now()
+				for {
+					time.Sleep(500 * time.Millisecond)
+					st, err := ds[0].Status(context.Background())
+					if err != nil {
+						t.Fatal(err)
+					}
+					took := time.Since(stopped)
+					if len(st.Lost) > 0 {
+						if !slices.Equal(st.Lost, want) || took <= tc.keptAt {
+							t.Errorf("lost %v after %v; want %v, after %v", st.Lost, took, want, tc.keptAt)
+						}
+						return
+					}
+					if took > tc.lostWithin {
+						t.Fatalf("nobody lost %v after %d stopped beating", took, len(tc.dead))
+					}
+				}
+			})
+		})
+	}
 }
