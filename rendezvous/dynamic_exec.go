@@ -360,7 +360,7 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 // quickStatus answers Status from the marker alone, in queue mode, when
 // it shows this node's last round complete and whole, as it was at the
 // last look (no member gone, none admitted, nobody waiting, not closed,
-// no heartbeat expired):
+// no heartbeat expired that no fold has judged since):
 // what Status finds on almost every poll, for O(1) bytes instead of the
 // state's O(N). It reports false when the state must be read.
 func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
@@ -376,8 +376,24 @@ func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	}
 	var m marker
 	if json.Unmarshal(b, &m) != nil || m.Pub == 0 || m.Round != last.Number || !m.Complete || m.Closed ||
-		m.Participants != last.Size || m.Waiting != 0 || m.Late != lateSeen || d.now().After(m.Expires) {
+		m.Participants != last.Size || m.Waiting != 0 || m.Late != lateSeen {
 		return Status{}, false, nil
+	}
+	if now := d.now(); now.After(m.Expires) && !now.Before(m.Expires.Add(d.cfg.HeartbeatInterval())) {
+		// The oldest heartbeat has lapsed: the state's next writer drops
+		// its node, and the marker will say so. The heartbeats' folds
+		// write it as they go (at least one an interval while anyone
+		// beats), and a fold started since the expiry has judged it (it
+		// may have kept it: judgedAt). Read and written back by every
+		// Status instead (at 512 agents, 441 of them at once, the whole
+		// state each, every second, on the store that had to take their
+		// beats), it swamped the store. So Status reads the state only
+		// when no fold has started an interval after the expiry: a loss
+		// is seen up to an interval later than the window.
+		folded, err := d.foldedSince(ctx, m.Expires)
+		if err != nil || !folded {
+			return Status{}, false, err
+		}
 	}
 	return Status{Round: m.Round, Complete: true, Participants: m.Participants}, true, nil
 }

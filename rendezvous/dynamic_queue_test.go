@@ -242,7 +242,7 @@ func TestBubbleQueuedNoQueues(t *testing.T) {
 // through the queue: a minute later all are alive, having written the
 // state about once per lazy fold (1 s), not once per heartbeat (32 every
 // 5 s); then one stops and is lost once its last heartbeat, stamped when
-// it was folded, is 15 s old.
+// it was folded, is 15 s old, at the next fold.
 func TestBubbleQueuedHeartbeats(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
@@ -281,8 +281,10 @@ func TestBubbleQueuedHeartbeats(t *testing.T) {
 			}
 			if st.Lost != nil {
 				// Its last heartbeat was pushed at most 5 s before it
-				// stopped, and folded at most 1 s after the push.
-				if took := time.Since(closed); took < 10*time.Second || took > 17*time.Second {
+				// stopped, and folded at most 1 s after the push; the
+				// fold that drops it comes up to an interval after the
+				// window (Status leaves the drop to the folds).
+				if took := time.Since(closed); took < 10*time.Second || took > 22*time.Second {
 					t.Errorf("lost %v after %v", st.Lost, took)
 				}
 				break
@@ -368,6 +370,62 @@ func TestBubbleSmallRunsDoNotQueue(t *testing.T) {
 		}
 		if len(m.queues) != 0 {
 			t.Errorf("queues used: %v", m.queues)
+		}
+	})
+}
+
+// TestBubbleQueuedStatusLeavesTheDropToTheFolds: in queue mode a member
+// that stops beating is dropped by a fold, not by the others' Status
+// polls: an expired heartbeat that a fold has judged since does not send
+// every poll to the state (at 512 agents, every poller reading and
+// writing back the whole state each second swamped the store). Every node
+// sees the loss within the drop window and two intervals of its last beat
+// (the folds of in-phase beats are an interval apart).
+func TestBubbleQueuedStatusLeavesTheDropToTheFolds(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		const n = 32
+		ops := make(chan string, 64)
+		cfg := DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, QueueMinNodes: 1, OnDrop: func(d Drop) { ops <- d.Op }}
+		ds := bubbleNodes(t, m, n, cfg)
+		start := time.Now()
+		chs := make([]<-chan bubbleResult, n)
+		for i := range ds {
+			chs[i] = goNext(ds[i], start)
+		}
+		for i, ch := range chs {
+			if x := <-ch; x.err != nil {
+				t.Fatalf("node %d: %+v", i, x)
+			}
+		}
+		time.Sleep(10 * time.Second)
+		if err := ds[n-1].stopKeepAlive(); err != nil {
+			t.Fatal(err)
+		}
+		stopped := time.Now()
+		limit := ds[0].cfg.DropTimeout() + 2*ds[0].cfg.HeartbeatInterval()
+		for lost := 0; lost < n-1; {
+			time.Sleep(time.Second)
+			if time.Since(stopped) > limit {
+				t.Fatalf("%d of %d saw the loss %v after the last beat", lost, n-1, limit)
+			}
+			lost = 0
+			for _, d := range ds[:n-1] {
+				st, err := d.Status(context.Background())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(st.Lost) > 0 {
+					lost++
+				}
+			}
+		}
+		var by []string
+		for len(ops) > 0 {
+			by = append(by, <-ops)
+		}
+		if !slices.Contains(by, "fold") || slices.Contains(by, "status") {
+			t.Errorf("dropped by %v; want by a fold, never by a Status", by)
 		}
 	})
 }

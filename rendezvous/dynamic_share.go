@@ -81,10 +81,10 @@ type marker struct {
 	// (Admit): a change tells Status to look at the state.
 	Late int `json:"late,omitzero"`
 	// Expires is when the oldest heartbeat in the state expires: from
-	// then on the state's next reader drops a node (sanitize), so Status
-	// reads the state, as it would before every poll. The heartbeats'
-	// folds (a fifth of a keep-alive interval apart) would find it too,
-	// but only at their next fold: up to an interval later.
+	// then on the state's next writer drops a node (sanitize). The
+	// heartbeats' folds find it at their next fold; Status reads the
+	// state itself only if none has started an interval after
+	// (quickStatus).
 	Expires time.Time `json:"expires,omitzero"`
 }
 
