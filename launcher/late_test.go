@@ -140,6 +140,22 @@ func TestLateReadThroughACut(t *testing.T) {
 	}
 }
 
+// dialBoards returns n Boards on the worker store at server, each on a
+// connection of its own (closed when the test ends).
+func dialBoards(t *testing.T, server string, n int) []*shrink.Board {
+	t.Helper()
+	var boards []*shrink.Board
+	for range n {
+		c, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		boards = append(boards, shrink.NewBoard(c, shrink.DefaultPrefix))
+	}
+	return boards
+}
+
 // TestFileThroughACut: a survivor files a failure through a link to the
 // worker store that is cut at its first compare-set (the filing). A cut
 // shorter than the agreement timeout costs tries, and the report is on the
@@ -166,15 +182,7 @@ func TestFileThroughACut(t *testing.T) {
 			defer c.Close()
 			// The watchers' connections, and one to read the board by,
 			// go round the cut: each watcher holds its connection in a wait.
-			var direct []*shrink.Board
-			for range 3 {
-				d, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
-				if err != nil {
-					t.Fatal(err)
-				}
-				defer d.Close()
-				direct = append(direct, shrink.NewBoard(d, shrink.DefaultPrefix))
-			}
+			direct := dialBoards(t, server, 3)
 			watch := direct[2]
 			coord := shrink.NewCoordinator(shrink.CoordinatorConfig{Name: "node0", World: 4, AgreementTimeout: window},
 				shrink.NewBoard(c, shrink.DefaultPrefix), direct[0], direct[1])
@@ -281,15 +289,7 @@ func mustAtoi(t *testing.T, s string) int {
 // O(N²) compare-sets on the worker store, and 508 of 511 gave up.
 func TestSharedLossFiledByTheLeaderOnly(t *testing.T) {
 	server := boardWithEpochs(t, 0)
-	var boards []*shrink.Board
-	for range 4 {
-		c, err := tcpstore.Dial(context.Background(), server, tcpstore.ClientConfig{Timeout: 5 * time.Second})
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer c.Close()
-		boards = append(boards, shrink.NewBoard(c, shrink.DefaultPrefix))
-	}
+	boards := dialBoards(t, server, 4)
 	nodes := nodeRanks{{2}, {2}, {2}, {2}, {2}}
 	coord := shrink.NewCoordinator(shrink.CoordinatorConfig{Name: "n2", World: nodes.world()}, boards[0], boards[1], boards[2])
 	defer coord.Close()

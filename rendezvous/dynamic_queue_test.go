@@ -18,6 +18,12 @@ func TestFoldRequest(t *testing.T) {
 	withCall := func(e nodeState, call uint64) nodeState { e.Call = call; return e }
 	ranked := func(e nodeState, rank int) nodeState { e.Rank = rank; return e }
 	now := at(10 * time.Second)
+	// stampedNow: node 0's heartbeat is the fold's instant.
+	stampedNow := func(t *testing.T, s *dynState) {
+		if !s.Nodes[0].Heartbeat.Equal(now) {
+			t.Fatalf("%+v", s.Nodes)
+		}
+	}
 	for _, tc := range []struct {
 		name    string
 		st      *dynState
@@ -123,20 +129,12 @@ func TestFoldRequest(t *testing.T) {
 		name: "a queued heartbeat refreshes a due one, stamped when folded",
 		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 4*time.Second)),
 		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(15 * time.Second)}, changed: true,
-		check: func(t *testing.T, s *dynState) {
-			if !s.Nodes[0].Heartbeat.Equal(now) {
-				t.Fatalf("%+v", s.Nodes)
-			}
-		},
+		check: stampedNow,
 	}, {
 		name: "a heartbeat folded after its deadline still counts, stamped when folded",
 		st:   mkState(dynState{Complete: true, Size: 1}, part(0, 2*time.Second)),
 		r:    request{Node: nd(0), KeepAlive: true, Deadline: at(3 * time.Second)}, changed: true,
-		check: func(t *testing.T, s *dynState) {
-			if !s.Nodes[0].Heartbeat.Equal(now) {
-				t.Fatalf("%+v", s.Nodes)
-			}
-		},
+		check: stampedNow,
 	}, {
 		name: "a queued heartbeat does not put a dropped node back",
 		st:   mkState(dynState{Complete: true, Size: 1}, part(1, 4*time.Second)),
