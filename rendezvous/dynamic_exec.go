@@ -149,7 +149,11 @@ type Dynamic struct {
 	// Status must read the state again (an admission).
 	lateSeen int
 	ka       *keepAlive // the running heartbeat, or nil
-	silence  silence    // when this node last found itself silent (judgedAt)
+	// inNext: a Next is under way; nextBeat: what its heartbeat does
+	// (holdKeepAlive).
+	inNext   atomic.Bool
+	nextBeat atomic.Int32
+	silence  silence // when this node last found itself silent (judgedAt)
 }
 
 // keepAlive is a running heartbeat goroutine.
@@ -228,9 +232,21 @@ func (d *Dynamic) Config() DynamicConfig { return d.cfg }
 func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	d.op.Lock()
 	defer d.op.Unlock()
-	if err := d.stopKeepAlive(); err != nil {
+	if err := d.holdKeepAlive(!d.noQueue.Load()); err != nil {
 		return Round{}, err
 	}
+	d.inNext.Store(true)
+	d.nextBeat.Store(beatNone)
+	if d.lastRound() != nil {
+		d.nextBeat.Store(beatInState)
+	}
+	joined := false
+	defer func() {
+		d.inNext.Store(false)
+		if !joined {
+			d.stopKeepAlive() // as before Next: no round, no heartbeat
+		}
+	}()
 	ctx, done := d.bind(ctx)
 	defer done()
 	// Past the deadline the join may still spend the rollback window
@@ -306,7 +322,10 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	if r.Late {
 		d.lateSeen = -1 // unknown: Status reads the state once
 	}
-	d.startKeepAlive(beat.Add(d.cfg.HeartbeatInterval()))
+	if d.ka == nil { // compare-set mode: Next beat itself until now
+		d.startKeepAlive(beat.Add(d.cfg.HeartbeatInterval()))
+	}
+	joined = true
 	return r, nil
 }
 
@@ -771,11 +790,15 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 		}
 		cur, changed := done, dropped
 		beatsOnly := !dropped // the pass only refreshes my heartbeat
+		stamped := false      // … or stamps my call too
 		if queueMode() {
 			cur = 0
 		}
 		if i, ok := st.find(d.me); ok && call != 0 && st.Nodes[i].Call == call {
 			cur = len(ops) - 1 // this call's exit is done (see Call)
+		}
+		if _, in := st.find(d.me); in && q != nil {
+			d.nextBeat.Store(beatInState)
 		}
 		var a action
 		for steps := 0; ; steps++ {
@@ -801,7 +824,12 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			// know (it timed out, or it won and was overwritten before
 			// the read back) must not take the node out again.
 			st.Nodes[i].Call = call
-			changed = true
+			changed, stamped = true, true
+		}
+		if changed && beatsOnly && !stamped && queueMode() {
+			// My heartbeat alone is due: the keep-alive goroutine, which
+			// runs through a queued Next, sends it (holdKeepAlive).
+			changed = false
 		}
 		if changed && queueMode() {
 			again, err := d.request(ctx, snap, q, now, beatsOnly)
@@ -1106,6 +1134,48 @@ func (d *Dynamic) startKeepAlive(next time.Time) {
 	}()
 }
 
+// What a queued Next's heartbeat does (Dynamic.nextBeat).
+const (
+	// beatNone: nothing yet; the node is neither in the state nor queued
+	// to be, and a beat would change nothing.
+	beatNone int32 = iota
+	// beatQueued: its request is queued, and may be folded before its
+	// reads show it: a beat is pushed, and left to whoever folds (its
+	// own look at the folder lock would be one more of a crowd's looks
+	// at a folder at work).
+	beatQueued
+	// beatInState: the node has seen itself in the state: a beat is
+	// pushed and folded lazily, as outside a Next.
+	beatInState
+)
+
+// holdKeepAlive readies the heartbeat for a Next: with queued (the store
+// has queues) it keeps the goroutine running, starting it an interval
+// from now if none runs; else it stops it, and Next beats itself. It
+// fails when the handle is closed.
+//
+// A queued Next's heartbeats are the goroutine's: a push each interval,
+// whatever the Next waits for. They used to be the Next's own decision,
+// taken only when its loop came round to one: a node whose join was
+// folded early in a 25-s rendezvous of 512 real agents, and whose reads
+// of the outcome then lagged (a stale share, a swamped store), sent no
+// beat for 24 s and was dropped as the round started, its workers not
+// yet running (BENCHMARKS, issue 19).
+func (d *Dynamic) holdKeepAlive(queued bool) error {
+	if !queued {
+		return d.stopKeepAlive()
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return errHandleClosed
+	}
+	if d.ka == nil {
+		d.startKeepAlive(d.now().Add(d.cfg.HeartbeatInterval()))
+	}
+	return nil
+}
+
 // stopKeepAlive stops the heartbeat goroutine and waits for it; it fails
 // when the handle is closed.
 func (d *Dynamic) stopKeepAlive() error {
@@ -1131,6 +1201,13 @@ func (d *Dynamic) stopKeepAlive() error {
 // On a store with queues it queues the heartbeat (keepAliveQueued) and
 // reads nothing: the next is due an interval later.
 func (d *Dynamic) keepAliveOnce(ctx context.Context) time.Time {
+	if d.inNext.Load() && (d.noQueue.Load() || d.nextBeat.Load() == beatNone) {
+		// In a Next that compare-sets (the store turned out to have no
+		// queues), the Next beats itself; in a queued one whose node is
+		// neither in the state nor queued to be, a beat would change
+		// nothing.
+		return d.now().Add(d.cfg.HeartbeatInterval())
+	}
 	failed := func(err error) { d.keepAliveFailed(ctx, err) }
 	if !d.noQueue.Load() {
 		next, err := d.keepAliveQueued(ctx)

@@ -232,6 +232,7 @@ func (d *Dynamic) request(ctx context.Context, snap *snapshot, q *queued, now ti
 			return false, fmt.Errorf("queue request: %w", err)
 		}
 		d.observe(start)
+		d.nextBeat.CompareAndSwap(beatNone, beatQueued)
 		q.sent, q.token, q.due = now, snap.token, now.Add(d.lookPeriod())
 		q.atWork = false
 	}
@@ -312,8 +313,9 @@ func (d *Dynamic) push(ctx context.Context, b []byte, look bool) (*lockLook, err
 func (d *Dynamic) crowded() bool { return d.cfg.crowdPeriod() > d.settle() }
 
 // keepAliveQueued queues this node's heartbeat and, lazyDelay later,
-// folds unless somebody has since: the keep-alive of a node that is in
-// no Next, without reading the state. It returns when the next is due.
+// folds unless somebody has since (not in a Next whose node is only
+// queued: beatQueued): the keep-alive of a node, without reading the
+// state. It returns when the next is due.
 func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	now := d.now()
 	next := now.Add(d.cfg.HeartbeatInterval())
@@ -334,6 +336,9 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 			d.keepAliveFailed(ctx, err)
 		}
 		return next, err
+	}
+	if d.inNext.Load() && d.nextBeat.Load() != beatInState {
+		return next, nil // left to the folder (beatQueued)
 	}
 	ctx, cancel = context.WithTimeout(ctx, d.cfg.KeepAliveTimeout)
 	defer cancel()

@@ -311,11 +311,11 @@ type slowPushStore struct {
 	refuse atomic.Bool // every push refused at once
 }
 
-// slowPushPair starts two nodes on s and their first round, complete.
-func slowPushPair(t *testing.T, s *slowPushStore, cfg DynamicConfig) []*Dynamic {
+// nodesOn makes node i's handle on stores[i], closed at the test's end.
+func nodesOn(t *testing.T, cfg DynamicConfig, stores ...Store) []*Dynamic {
 	t.Helper()
 	var ds []*Dynamic
-	for i := range 2 {
+	for i, s := range stores {
 		d, err := NewDynamic(s, nd(i), nil, cfg)
 		if err != nil {
 			t.Fatal(err)
@@ -323,6 +323,13 @@ func slowPushPair(t *testing.T, s *slowPushStore, cfg DynamicConfig) []*Dynamic 
 		t.Cleanup(func() { d.Close() })
 		ds = append(ds, d)
 	}
+	return ds
+}
+
+// slowPushPair starts two nodes on s and their first round, complete.
+func slowPushPair(t *testing.T, s *slowPushStore, cfg DynamicConfig) []*Dynamic {
+	t.Helper()
+	ds := nodesOn(t, cfg, s, s)
 	start := time.Now()
 	for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)} {
 		if x := <-ch; x.err != nil {
@@ -459,5 +466,151 @@ func TestOnKeepAliveFailed(t *testing.T) {
 				t.Errorf("told %v, want the store's refusal", err)
 			}
 		}
+	})
+}
+
+// stallStore is one node's way to a shared store whose every answer,
+// while stalled, times out (after 5 s, as a swamped c10d server's client
+// does) but its queue pushes, which go through: a node whose reads of
+// the round's outcome lag while its beats still land.
+type stallStore struct {
+	Store
+	stalled atomic.Bool
+}
+
+// stall times the operation op out while s is stalled.
+func (s *stallStore) stall(ctx context.Context, op string) error {
+	if !s.stalled.Load() {
+		return nil
+	}
+	t := time.NewTimer(5 * time.Second)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
+	return fmt.Errorf("%w: test: %s timeout after 5s", ErrTimeout, op)
+}
+
+func (s *stallStore) Get(ctx context.Context, k string) ([]byte, error) {
+	if err := s.stall(ctx, "GET"); err != nil {
+		return nil, err
+	}
+	return s.Store.Get(ctx, k)
+}
+
+func (s *stallStore) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	if err := s.stall(ctx, "MULTI_GET"); err != nil {
+		return nil, err
+	}
+	return s.Store.MultiGet(ctx, keys...)
+}
+
+func (s *stallStore) Check(ctx context.Context, keys ...string) (bool, error) {
+	if err := s.stall(ctx, "CHECK"); err != nil {
+		return false, err
+	}
+	return s.Store.Check(ctx, keys...)
+}
+
+func (s *stallStore) Wait(ctx context.Context, keys ...string) error {
+	if err := s.stall(ctx, "WAIT"); err != nil {
+		return err
+	}
+	return s.Store.Wait(ctx, keys...)
+}
+
+func (s *stallStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	if err := s.stall(ctx, "COMPARE_SET"); err != nil {
+		return nil, err
+	}
+	return s.Store.CompareSet(ctx, k, expected, desired)
+}
+
+func (s *stallStore) QueuePop(ctx context.Context, k string, block bool) ([]byte, error) {
+	if err := s.stall(ctx, "QUEUE_POP"); err != nil {
+		return nil, err
+	}
+	return s.Store.QueuePop(ctx, k, block)
+}
+
+func (s *stallStore) QueueLen(ctx context.Context, k string) (int64, error) {
+	if err := s.stall(ctx, "QUEUE_LEN"); err != nil {
+		return 0, err
+	}
+	return s.Store.QueueLen(ctx, k)
+}
+
+// TestBeatsWhileNextStalls: a node whose join was folded and whose reads
+// then time out for 40 s, while it waits in Next for the round to fill,
+// stays in the state: its heartbeats (pushes, which get through) land
+// every interval, whatever its Next waits for. They were the Next's own
+// decision, taken only when its loop came round, and such a node was
+// dropped after the drop timeout (15 s) and went on waiting outside the
+// round (512 real agents: the last to leave its Next was dropped as its
+// round started). When the third node comes, the round completes with
+// all three, and nobody was dropped.
+func TestBeatsWhileNextStalls(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var mu sync.Mutex
+		var drops []Drop
+		cfg := DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1, OnDrop: func(d Drop) {
+			mu.Lock()
+			defer mu.Unlock()
+			drops = append(drops, d)
+		}}
+		m := newQueueMemStore()
+		slow := &stallStore{Store: m}
+		ds := nodesOn(t, cfg, m, slow, m)
+		start := time.Now()
+		chs := []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start)}
+		inState := func() (bool, time.Duration) {
+			snap, err := ds[0].read(context.Background())
+			if err != nil {
+				t.Fatal(err)
+			}
+			i, ok := snap.st.find(nd(1))
+			if !ok {
+				return false, 0
+			}
+			return true, time.Since(snap.st.Nodes[i].Heartbeat)
+		}
+		for {
+			time.Sleep(100 * time.Millisecond)
+			if in, _ := inState(); in {
+				break
+			}
+		}
+		slow.stalled.Store(true)
+		drop := ds[0].cfg.DropTimeout()
+		oldest := time.Duration(0)
+		for range 40 {
+			time.Sleep(time.Second)
+			in, age := inState()
+			if !in {
+				t.Fatalf("node 1 was dropped from the state %v after its reads began to stall", time.Since(start))
+			}
+			oldest = max(oldest, age)
+		}
+		if oldest >= drop {
+			t.Errorf("node 1's heartbeat grew %v old while its Next stalled; want under the drop timeout (%v)", oldest, drop)
+		}
+		slow.stalled.Store(false)
+		chs = append(chs, goNext(ds[2], start))
+		for i, ch := range chs {
+			x := <-ch
+			if x.err != nil {
+				t.Fatalf("node %d: %v", i, x.err)
+			}
+			if x.r.Size != 3 {
+				t.Errorf("node %d: a round of %d nodes, want 3", i, x.r.Size)
+			}
+		}
+		mu.Lock()
+		defer mu.Unlock()
+		if len(drops) > 0 {
+			t.Errorf("nodes dropped: %+v; want none", drops)
+		}
+		t.Logf("node 1's oldest heartbeat while it stalled: %v", oldest)
 	})
 }
