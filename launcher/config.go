@@ -407,6 +407,20 @@ type Config struct {
 	// it doubles with each respawn of the same slot, up to 30 s. Default
 	// 1 s. --respawn-backoff.
 	RespawnBackoff time.Duration
+	// RespawnStandbys is how many workers heal keeps pre-started on this
+	// node, parked beside the round's (as --spare-prestart parks them):
+	// their start-up (interpreter, imports, a checkpoint read into host
+	// memory) is over when a local rank is lost, and its respawn takes a
+	// standby instead of starting cold; a new standby starts in its
+	// place. The standby learns its slot (LOCAL_RANK and the round's
+	// variables, GORUN_SHRINK_NEWCOMER among them) on its assignment
+	// pipe, so it cannot pick its GPU before then. Its output is held
+	// until it takes a slot, then goes where the slot's does. A standby
+	// that exits while parked is not replaced until the next respawn.
+	// Default 0: none. Shrink mode with Regrow only; not with
+	// NUMABinding (a standby's CPUs depend on the slot it takes).
+	// --respawn-standbys.
+	RespawnStandbys int
 	// GrowTimeout is how long the ranks of a grow epoch have to form the
 	// grown group before the agents give it up: a newcomer that does not
 	// come is excluded again and the survivors go on. Default 30 s
@@ -764,6 +778,12 @@ func (c Config) validateFaultTolerance() error {
 		return invalidf("--respawn-backoff %v: want 0 or more", c.RespawnBackoff)
 	case c.GrowTimeout <= 0:
 		return invalidf("--grow-timeout %v: want a positive timeout", c.GrowTimeout)
+	case c.RespawnStandbys < 0:
+		return invalidf("--respawn-standbys %d: want 0 or more", c.RespawnStandbys)
+	case c.RespawnStandbys > 0 && (c.OnFailure != OnFailureShrink || !c.Regrow):
+		return invalidf("--respawn-standbys %d: standbys take lost ranks' places in heal: it needs --on-failure shrink with --regrow on", c.RespawnStandbys)
+	case c.RespawnStandbys > 0 && c.NUMABinding != "":
+		return invalidf("--respawn-standbys %d with --numa-binding %s: a standby starts before its slot, and so its CPUs, is known", c.RespawnStandbys, c.NUMABinding)
 	case c.HeartbeatTimeout < 0:
 		return invalidf("--heartbeat-timeout %v: want 0 (off) or more", c.HeartbeatTimeout)
 	case c.DoneTimeout < 0:

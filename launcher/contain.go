@@ -134,7 +134,11 @@ func (c *containment) slotFor(w *worker, attr *os.ProcAttr) error {
 	if c == nil || c.jail == nil {
 		return nil
 	}
-	s, err := c.jail.NewSlot(fmt.Sprintf("rank%d", w.a.LocalRank))
+	label := fmt.Sprintf("rank%d", w.a.LocalRank)
+	if w.a.LocalRank < 0 {
+		label = "standby" // no slot yet (RespawnStandbys)
+	}
+	s, err := c.jail.NewSlot(label)
 	if err != nil {
 		return localf("%w", err)
 	}

@@ -109,6 +109,27 @@ func (w WorkerEnv) ParkedEnviron(base []string, localRank int, errorFile string,
 	return overlay(base, set, roundVars)
 }
 
+// slotVars are the variables a standby (Config.RespawnStandbys) starts
+// without, beside roundVars: they depend on the slot it will take.
+var slotVars = []string{"LOCAL_RANK", "TORCHELASTIC_ERROR_FILE"}
+
+// StandbyEnviron returns the environment of a standby: ParkedEnviron's
+// without the slot's variables either (slotVars; with VirtualLocalRank,
+// CUDA_VISIBLE_DEVICES too, which the slot narrows to its GPU). They come
+// with its assignment.
+func (w WorkerEnv) StandbyEnviron(base []string, fd int) []string {
+	drop := slices.Concat(roundVars, slotVars)
+	if w.VirtualLocalRank {
+		drop = append(drop, "CUDA_VISIBLE_DEVICES")
+	}
+	set := w.vars(lookup(base), Assignment{}, "")
+	for _, k := range drop {
+		delete(set, k)
+	}
+	set[prestart.EnvFD] = strconv.Itoa(fd)
+	return overlay(base, set, drop)
+}
+
 // Assigned returns what a parked worker receives once its round is known:
 // every variable Environ would have set for it.
 func (w WorkerEnv) Assigned(base []string, a Assignment, errorFile string) prestart.Assignment {

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -58,6 +59,9 @@ type worker struct {
 	// assignTo is a parked worker's assignment pipe (the agent's end),
 	// nil once assigned or for a worker started with its assignment.
 	assignTo *os.File
+	// exitTo carries the worker's exit to the channel that owns it when
+	// it ends: a standby's moves to its group's when it takes a slot.
+	exitTo *exitRoute
 	// slot is the worker's own cgroup (nil without one): it and all it
 	// starts, and nothing else.
 	slot *cgroup.Slot
@@ -95,6 +99,10 @@ type spawnSpec struct {
 	// parked starts the workers before their round (SparePrestart): only
 	// their local ranks count, and they wait for assign.
 	parked bool
+	// standby starts a parked worker that has no slot yet (heal's
+	// RespawnStandbys): no local rank, no logs of its own, until
+	// takeSlot gives it a lost rank's.
+	standby bool
 	// contain gives each worker a cgroup of its own; nil gives none.
 	contain *containment
 }
@@ -130,21 +138,19 @@ func startGroup(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, as
 
 // startWorker starts one worker, bound to cpus unless they are nil.
 func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a Assignment, cpus []int, exits chan<- workerExit) (*worker, error) {
-	dir := filepath.Join(spec.dir, strconv.Itoa(a.LocalRank))
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
+	w := &worker{a: a}
+	var out *workerOutput
+	var ends [2]*os.File
+	var err error
+	if spec.standby {
+		out, ends, err = openHeldOutput(con)
+	} else {
+		var plans [2]streamPlan
+		if plans, err = w.logsIn(cfg, spec); err != nil {
+			return nil, err
+		}
+		out, ends, err = openOutput(con, spec.prefix(a), plans)
 	}
-	w := &worker{a: a, errorFile: filepath.Join(dir, "error.json")}
-	// A stale error file from an earlier run must not be taken for this
-	// worker's.
-	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
-		return nil, err
-	}
-	plans := routes(cfg, a.LocalRank, dir, spec.filtered)
-	for i := range plans {
-		plans[i].appendFile = spec.appendLogs
-	}
-	out, ends, err := openOutput(con, spec.prefix(a), plans)
 	if err != nil {
 		return nil, err
 	}
@@ -164,7 +170,11 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 			spec.contain.remove(w)
 			return nil, err
 		}
-		attr.Env = spec.env.ParkedEnviron(spec.base, a.LocalRank, w.errorFile, assignmentFD)
+		if spec.standby {
+			attr.Env = spec.env.StandbyEnviron(spec.base, assignmentFD)
+		} else {
+			attr.Env = spec.env.ParkedEnviron(spec.base, a.LocalRank, w.errorFile, assignmentFD)
+		}
 		attr.Files = append(attr.Files, assignFrom)
 	}
 	var proc *os.Process
@@ -186,8 +196,58 @@ func startWorker(rp *reaper.Reaper, con *console, cfg *Config, spec spawnSpec, a
 	}
 	spec.contain.started(w)
 	w.proc, w.out, w.since = proc, out, spec.env.NewcomerAfter
-	go func() { exits <- workerExit{w, <-ch} }()
+	w.exitTo = &exitRoute{to: exits}
+	go func() { w.exitTo.deliver(workerExit{w, <-ch}) }()
 	return w, nil
+}
+
+// logsIn readies w's log directory in the attempt's (spec.dir), for its
+// local rank, and returns where its streams go: its error file is named
+// there, and a stale one from an earlier run, which must not be taken for
+// this worker's, is removed.
+func (w *worker) logsIn(cfg *Config, spec spawnSpec) ([2]streamPlan, error) {
+	dir := filepath.Join(spec.dir, strconv.Itoa(w.a.LocalRank))
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return [2]streamPlan{}, err
+	}
+	w.errorFile = filepath.Join(dir, "error.json")
+	if err := os.Remove(w.errorFile); err != nil && !os.IsNotExist(err) {
+		return [2]streamPlan{}, err
+	}
+	plans := routes(cfg, w.a.LocalRank, dir, spec.filtered)
+	for i := range plans {
+		plans[i].appendFile = spec.appendLogs
+	}
+	return plans, nil
+}
+
+// exitRoute carries one worker's exit to the channel that owns the worker
+// when it ends. A standby's goes to the standbys' until it takes a slot
+// (move), then to its group's, which every wait on the group reads.
+type exitRoute struct {
+	mu   sync.Mutex
+	to   chan<- workerExit
+	sent bool
+}
+
+func (r *exitRoute) deliver(x workerExit) {
+	r.mu.Lock()
+	to := r.to
+	r.sent = true
+	r.mu.Unlock()
+	to <- x
+}
+
+// move sends the exit to to from now on; false when it has been sent
+// already (the worker has exited).
+func (r *exitRoute) move(to chan<- workerExit) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.sent {
+		return false
+	}
+	r.to = to
+	return true
 }
 
 // respawn starts a newcomer in the slot of old, a worker that has exited
@@ -215,6 +275,43 @@ func (g *group) respawn(rp *reaper.Reaper, con *console, cfg *Config, spec spawn
 	g.workers[i] = w
 	g.running++
 	return w, nil
+}
+
+// takeSlot gives the standby sb the slot of old, a worker of g that has
+// exited (heal's respawn, as respawn does with a new process): old's
+// assignment, GORUN_SHRINK_NEWCOMER=after, its lines (those it held while
+// parked first) added to old's logs. It reports false, changing nothing,
+// when sb has exited already: its exit is the standbys'.
+func (g *group) takeSlot(cfg *Config, spec spawnSpec, sb, old *worker, after int) (bool, error) {
+	i := slices.Index(g.workers, old)
+	if i < 0 || !old.exited {
+		return false, fmt.Errorf("a standby for rank %d: its worker is not an exited one of this group", old.a.Rank)
+	}
+	if !sb.exitTo.move(g.exits) {
+		return false, nil
+	}
+	syscall.Kill(-old.proc.Pid, syscall.SIGKILL) // ESRCH when nothing is left
+	g.contain.remove(old)
+	old.out.drain(outputDrainTimeout)
+	spec.env.NewcomerAfter, spec.appendLogs = after, true
+	sb.a, sb.since, sb.newcomer, sb.started = old.a, after, true, time.Now()
+	plans, err := sb.logsIn(cfg, spec)
+	if err == nil {
+		sb.out.setPrefix(spec.prefix(sb.a))
+		err = sb.out.route(plans)
+	}
+	g.workers[i] = sb
+	g.running++
+	if err != nil {
+		// In the group, so that its exit is waited for like any other.
+		syscall.Kill(-sb.proc.Pid, syscall.SIGKILL)
+		return true, fmt.Errorf("a standby for rank %d: its logs: %w", old.a.Rank, err)
+	}
+	// A standby that died meanwhile closed its end: the write fails
+	// (EPIPE) and its exit, now the group's, tells.
+	prestart.Write(sb.assignTo, spec.env.Assigned(spec.base, sb.a, sb.errorFile))
+	sb.closeAssignment()
+	return true, nil
 }
 
 // assign gives the parked workers of g (spec.parked) their round: as, by

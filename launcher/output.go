@@ -6,6 +6,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -45,6 +46,7 @@ type workerOutput struct {
 	files   []*os.File // opened log files, closed when the copies end
 	readers []*os.File // the agent's ends of the pipes
 	writers []*os.File // the worker's ends; closed once the worker started
+	streams [2]*stream // stdout's and stderr's way
 	wg      sync.WaitGroup
 	// prefix is what the worker's console lines start with; a parked
 	// worker's changes when it gets its assignment (its rank).
@@ -53,6 +55,55 @@ type workerOutput struct {
 
 // setPrefix changes the prefix of the lines copied from now on.
 func (o *workerOutput) setPrefix(p string) { o.prefix.Store(&p) }
+
+// stream is where one of a worker's streams goes: its plan and file, or,
+// for a standby that has no slot yet (openHeldOutput), nowhere until
+// route: its lines are held meanwhile.
+type stream struct {
+	con  *console
+	mu   sync.Mutex
+	plan streamPlan
+	file *os.File
+	// held are the lines of a stream not routed yet, at most
+	// maxHeldOutput bytes of the latest (heldBytes); dropped counts the
+	// earlier ones let go.
+	routed    bool
+	held      [][]byte
+	heldBytes int
+	dropped   int
+}
+
+// maxHeldOutput bounds what a standby's stream holds before it takes a
+// slot: its start-up's lines, not a log.
+const maxHeldOutput = 1 << 20
+
+// write sends one line where the stream goes, or holds it.
+func (st *stream) write(prefix string, line []byte) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.routed {
+		st.held = append(st.held, slices.Clone(line))
+		st.heldBytes += len(line)
+		for st.heldBytes > maxHeldOutput && len(st.held) > 1 {
+			st.heldBytes -= len(st.held[0])
+			st.held = st.held[1:]
+			st.dropped++
+		}
+		return
+	}
+	st.emit(prefix, line)
+}
+
+// emit sends line where the routed stream goes; st.mu must be held.
+func (st *stream) emit(prefix string, line []byte) {
+	if st.file != nil {
+		st.file.Write(line)
+	}
+	if st.plan.toConsole {
+		st.con.writeLine(st.plan.stream, prefix, line)
+	}
+	st.plan.filtered.offer(prefix, line)
+}
 
 // streamPlan says where one stream goes.
 type streamPlan struct {
@@ -106,10 +157,26 @@ func contains(xs []int, x int) bool {
 // openOutput makes the pipes and files for one worker and starts copying.
 // The returned files are the worker's stdout and stderr.
 func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput, [2]*os.File, error) {
-	o := &workerOutput{}
+	o, ends, err := openHeldOutput(con)
+	if err != nil {
+		return nil, ends, err
+	}
 	o.setPrefix(prefix)
+	if err := o.route(plans); err != nil {
+		o.abort()
+		return nil, ends, err
+	}
+	return o, ends, nil
+}
+
+// openHeldOutput makes the pipes for a standby, whose slot and so whose
+// logs are not known yet, and starts copying: its lines are held until
+// route.
+func openHeldOutput(con *console) (*workerOutput, [2]*os.File, error) {
+	o := &workerOutput{}
+	o.setPrefix("")
 	var ends [2]*os.File
-	for i, p := range plans {
+	for i := range o.streams {
 		r, w, err := os.Pipe()
 		if err != nil {
 			o.abort()
@@ -118,27 +185,69 @@ func openOutput(con *console, prefix string, plans [2]streamPlan) (*workerOutput
 		o.readers = append(o.readers, r)
 		o.writers = append(o.writers, w)
 		ends[i] = w
-		var file *os.File
-		if p.toFile != "" {
-			mode := os.O_TRUNC
-			if p.appendFile {
-				mode = os.O_APPEND
-			}
-			if file, err = os.OpenFile(p.toFile, os.O_CREATE|os.O_WRONLY|mode, 0o644); err != nil {
-				o.abort()
-				return nil, ends, err
-			}
-			o.files = append(o.files, file)
-		}
+		o.streams[i] = &stream{con: con}
 		o.wg.Add(1)
-		go o.copy(r, file, con, p)
+		go o.copy(r, o.streams[i])
 	}
 	return o, ends, nil
 }
 
+// route sends the streams where plans say, from now on, starting with
+// what they held: the files are opened (and added to, with appendFile)
+// here.
+func (o *workerOutput) route(plans [2]streamPlan) error {
+	var files [2]*os.File
+	for i, p := range plans {
+		if p.toFile == "" {
+			continue
+		}
+		mode := os.O_TRUNC
+		if p.appendFile {
+			mode = os.O_APPEND
+		}
+		f, err := os.OpenFile(p.toFile, os.O_CREATE|os.O_WRONLY|mode, 0o644)
+		if err != nil {
+			for _, f := range files {
+				if f != nil {
+					f.Close()
+				}
+			}
+			return err
+		}
+		files[i] = f
+	}
+	prefix := *o.prefix.Load()
+	for i, st := range o.streams {
+		if files[i] != nil {
+			o.files = append(o.files, files[i])
+		}
+		st.mu.Lock()
+		st.plan, st.file, st.routed = plans[i], files[i], true
+		for _, line := range st.held { // before any later line: the lock is held
+			st.emit(prefix, line)
+		}
+		st.held, st.heldBytes = nil, 0
+		st.mu.Unlock()
+	}
+	return nil
+}
+
+// heldTail returns the last n bytes or less of what stream i (0 stdout,
+// 1 stderr) holds, whole lines, and how many earlier lines it let go.
+func (o *workerOutput) heldTail(i, n int) (string, int) {
+	st := o.streams[i]
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	var b []byte
+	for k := len(st.held) - 1; k >= 0 && len(b)+len(st.held[k]) <= n; k-- {
+		b = append(slices.Clone(st.held[k]), b...)
+	}
+	return strings.TrimRight(string(b), "\n"), st.dropped
+}
+
 // copy moves one stream line by line until the worker (and any child that
 // inherited the stream) closes it.
-func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPlan) {
+func (o *workerOutput) copy(r *os.File, st *stream) {
 	defer o.wg.Done()
 	br := bufio.NewReaderSize(r, 64<<10)
 	for {
@@ -147,14 +256,7 @@ func (o *workerOutput) copy(r *os.File, file *os.File, con *console, p streamPla
 			err = nil // an overlong line goes out in pieces
 		}
 		if len(line) > 0 {
-			prefix := *o.prefix.Load()
-			if file != nil {
-				file.Write(line)
-			}
-			if p.toConsole {
-				con.writeLine(p.stream, prefix, line)
-			}
-			p.filtered.offer(prefix, line)
+			st.write(*o.prefix.Load(), line)
 		}
 		if err != nil {
 			return

@@ -105,8 +105,9 @@ type roundWatch struct {
 	// spec starts the round's workers, and heal's newcomers.
 	spec spawnSpec
 	// respawns is heal's policy (shrink mode with --regrow on; nil
-	// otherwise).
+	// otherwise), standbys its pre-started workers (nil: none).
 	respawns *respawns
+	standbys *standbys
 }
 
 // watchRound starts watching round p's group g; sv is shrink mode's
@@ -121,6 +122,10 @@ func (a *agent) watchRound(p *plan, g *group, spec spawnSpec, sigs <-chan os.Sig
 	if sv != nil {
 		w.epochs, w.agreementFailed, w.grown = sv.coord.Epochs(), sv.coord.Err(), sv.coord.Completions()
 		w.respawns = newRespawns(a.cfg.Regrow, a.cfg.RespawnBackoff, len(p.assignments))
+		if a.cfg.Regrow {
+			w.standbys = newStandbys(a.cfg.RespawnStandbys)
+			w.standbys.fill(a.reaper, a.con, &a.cfg, spec, a.log)
+		}
 	}
 	return w
 }
@@ -144,6 +149,8 @@ func (w *roundWatch) pollSoon(on bool) {
 func (w *roundWatch) close() {
 	w.stopPoll()
 	w.respawns.cancel()
+	w.standbys.signal(syscall.SIGKILL) // none left by now, but for a panic's unwinding
+	w.standbys.wait(0, w.g.contain)
 }
 
 // next waits for the round's next event. What means the same under both
@@ -159,6 +166,8 @@ func (w *roundWatch) next(ctx context.Context) roundEvent {
 		case x := <-w.g.exits:
 			w.g.record(x)
 			return roundEvent{kind: evWorkerExit, exit: x}
+		case x := <-w.standbys.exitsC():
+			w.standbys.exited(x, w.g.contain, a.log)
 		case e := <-w.epochs:
 			return roundEvent{kind: evEpoch, epoch: e}
 		case err := <-w.agreementFailed:
@@ -225,7 +234,9 @@ func (w *roundWatch) forward(s os.Signal) {
 // then SIGKILL; a second SIGINT or SIGTERM kills at once.
 func (w *roundWatch) stop(sig syscall.Signal) {
 	w.a.endpoint.SetPhase(PhaseStopping)
+	w.standbys.signal(sig)
 	w.g.stop(sig, w.a.cfg.ShutdownTimeout, w.sigs, w.forward)
+	w.standbys.wait(w.a.cfg.ShutdownTimeout, w.g.contain)
 }
 
 // gatherFailures returns first and the failures of the other workers that
@@ -250,8 +261,13 @@ func (w *roundWatch) gatherFailures(first Failure, window time.Duration) []Failu
 	return failures
 }
 
-// finish waits for the last of the workers' output once all have exited.
-func (w *roundWatch) finish() { w.g.wait(nil, 0, nil) }
+// finish waits for the last of the workers' output once all have exited,
+// and ends the standbys: the round needs no more respawns.
+func (w *roundWatch) finish() {
+	w.standbys.signal(syscall.SIGTERM)
+	w.g.wait(nil, 0, nil)
+	w.standbys.wait(w.a.cfg.ShutdownTimeout, w.g.contain)
+}
 
 // runRound starts the local workers of a round, or gives pk's parked
 // workers the round when it is not nil, and supervises them under the

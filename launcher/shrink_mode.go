@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"slices"
 	"syscall"
+	"time"
 
 	"go.uber.org/zap"
 
@@ -80,6 +81,10 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			a.respawn(ctx, w, sv, ev.slot)
 		case evGrown:
 			a.grown(sv, ev.grown)
+			// A standby taken for a respawn is replaced once its grow
+			// is over, not beside it: its start-up would take CPU from
+			// the grow that everyone waits on.
+			w.standbys.fill(a.reaper, a.con, &a.cfg, w.spec, a.log)
 		case evAgreementFailed:
 			return fallBack(ev.err.Error())
 		case evNodeDead:
@@ -320,15 +325,36 @@ func (a *agent) respawn(ctx context.Context, w *roundWatch, sv *survivors, slot 
 	if a.heartbeats != nil {
 		a.heartbeats.Start(w.g.workers[i].a.LocalRank)
 	}
-	wk, err := w.g.respawn(a.reaper, a.con, &a.cfg, w.spec, w.g.workers[i], sv.epoch.Number)
-	if err != nil {
-		a.log.Error("rank stays out: its respawn did not start", zap.Int("rank", slot), zap.Error(err))
-		return
+	old := w.g.workers[i]
+	var wk *worker
+	var parkedFor time.Duration
+	if sb := w.standbys.take(); sb != nil {
+		since := sb.started
+		took, err := w.g.takeSlot(&a.cfg, w.spec, sb, old, sv.epoch.Number)
+		switch {
+		case err != nil:
+			a.log.Error("rank stays out: the standby could not take its place", zap.Int("rank", slot), zap.Error(err))
+			return
+		case took:
+			wk, parkedFor = sb, time.Since(since)
+		}
+		// Not took: the standby had exited; its exit, on the standbys'
+		// channel, is logged. The respawn starts cold.
+	}
+	if wk == nil {
+		var err error
+		if wk, err = w.g.respawn(a.reaper, a.con, &a.cfg, w.spec, old, sv.epoch.Number); err != nil {
+			a.log.Error("rank stays out: its respawn did not start", zap.Int("rank", slot), zap.Error(err))
+			return
+		}
 	}
 	a.endpoint.Respawned(true)
-	a.log.Warn("respawned a lost rank; it joins the running group by a grow", zap.Int("rank", slot),
-		zap.Int("pid", wk.proc.Pid), zap.Int("after_epoch", sv.epoch.Number),
-		zap.Int("respawn", n), zap.Int("max_respawns", a.cfg.MaxRespawns))
+	fields := []zap.Field{zap.Int("rank", slot), zap.Int("pid", wk.proc.Pid), zap.Int("after_epoch", sv.epoch.Number),
+		zap.Int("respawn", n), zap.Int("max_respawns", a.cfg.MaxRespawns)}
+	if parkedFor > 0 {
+		fields = append(fields, zap.Duration("standby_parked_for", parkedFor.Round(time.Millisecond)))
+	}
+	a.log.Warn("respawned a lost rank; it joins the running group by a grow", fields...)
 }
 
 // grown notes that a grow completed, and logs it: every rank of it is in

@@ -553,7 +553,7 @@ func (ru *runner) workers(ctx context.Context) map[int]int {
 	for deadline := time.Now().Add(10 * time.Second); ; {
 		workers := map[int]int{}
 		for _, pid := range ru.pids() {
-			for rank, w := range liveWorkers(pid) {
+			for rank, w := range liveWorkers(pid, ru.out.respawnedAs) {
 				workers[rank] = w
 			}
 		}

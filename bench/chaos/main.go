@@ -52,6 +52,10 @@
 //     worker kind (the Go worker is static, copied where the bed sees
 //     it); c10d on several hosts, as row 5 (each agent enters the bed
 //     from its host, under its host's name).
+//  8. gorun heal with a respawn standby on each host (--respawn-standbys
+//     1): a lost rank's respawn takes a worker whose start-up is done. A
+//     rank fault finds a former standby by the respawn gorun logged, not
+//     by its environment, which it started without (liveWorkers).
 //
 // Faults (-kinds): rank-kill (SIGKILL), rank-exit (SIGTERM: the Go worker
 // ends between steps with exit code 1; the torch worker, which has no

@@ -28,11 +28,12 @@ func TestSelectRows(t *testing.T) {
 		want    []string
 		wantErr bool
 	}{
-		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name, rows[5].Name, rows[6].Name}, false},
+		{"", []string{rows[0].Name, rows[1].Name, rows[2].Name, rows[3].Name, rows[4].Name, rows[5].Name, rows[6].Name, rows[7].Name}, false},
 		{"4,2,2", []string{rows[1].Name, rows[3].Name}, false},
 		{"7,1", []string{"gorun, no faults", "torchrun 2.14 restart"}, false},
 		{"0", nil, true},
-		{"8", nil, true},
+		{"9", nil, true},
+		{"8", []string{"gorun heal, a respawn standby"}, false},
 		{"x", nil, true},
 	}
 	for _, tt := range tests {
@@ -60,6 +61,7 @@ func TestAgentArgv(t *testing.T) {
 		{rows[2], []string{"--on-failure shrink --regrow off", worker}},
 		{rows[3], []string{"--on-failure shrink --regrow on --max-respawns 100000 --respawn-backoff 0.1", worker}},
 		{rows[4], []string{"/py -m torch.distributed.run --redirects 1 --tee 1 --standalone --nproc_per_node 4 --max_restarts 100000", worker}},
+		{rows[7], []string{"--on-failure shrink --regrow on --max-respawns 100000 --respawn-backoff 0.1 --respawn-standbys 1", worker}},
 	}
 	for _, tt := range tests {
 		got := strings.Join(j.agentArgv(tt.row, "/d", "127.0.0.1:9", 0, false), " ")

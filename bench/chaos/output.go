@@ -25,6 +25,10 @@ var (
 	// A rank's last line: examples/allreduce's sum, train_elastic.py's
 	// loss (then its pid).
 	doneRE = regexp.MustCompile(`\[default(\d+)\]:done rank=\d+ world=(\d+) steps=(\d+) (?:sum|loss)=(\S+)`)
+	// gorun's log of a respawn: the rank and the PID that now runs it
+	// (a standby's has no RANK in its environment: it got it on its
+	// assignment pipe).
+	respawnedRE = regexp.MustCompile(`respawned a lost rank.*"rank": (\d+), "pid": (\d+)`)
 )
 
 // placeTakenLine is gorun's log when the others took its node for lost
@@ -48,10 +52,13 @@ type output struct {
 	// newcomers counts the workers that said they are newcomers: a grow
 	// is under way (GrowKill waits for one).
 	newcomers int
+	// respawned maps the PID of each respawn gorun logged to its launch
+	// rank.
+	respawned map[int]int
 }
 
 func newOutput() *output {
-	return &output{others: map[int]Progress{}, epochs: map[[2]int]bool{}}
+	return &output{others: map[int]Progress{}, epochs: map[[2]int]bool{}, respawned: map[int]int{}}
 }
 
 // progress returns every completion: rank 0's, and another rank's for a
@@ -122,6 +129,12 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 			}
 			o.epochs[[2]int{int(v[0]), int(v[1])}] = true
 			o.mu.Unlock()
+		} else if m := respawnedRE.FindStringSubmatch(line); m != nil {
+			rank, _ := strconv.Atoi(m[1])
+			pid, _ := strconv.Atoi(m[2])
+			o.mu.Lock()
+			o.respawned[pid] = rank
+			o.mu.Unlock()
 		} else if strings.Contains(line, "]:newcomer slot=") {
 			o.mu.Lock()
 			o.newcomers++
@@ -141,6 +154,14 @@ func (o *output) scan(r io.Reader, console io.Writer, t0 time.Time, label string
 }
 
 func (o *output) started() bool { return o.lines() > 0 }
+
+// respawnedAs returns the launch rank gorun logged pid was respawned as.
+func (o *output) respawnedAs(pid int) (int, bool) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	r, ok := o.respawned[pid]
+	return r, ok
+}
 
 // finishing reports whether a rank has printed its done line.
 func (o *output) finishing() bool {

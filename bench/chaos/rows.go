@@ -37,6 +37,9 @@ type Row struct {
 	// hosts only), started once the job runs, its workers pre-started
 	// (--spare-prestart).
 	Spare bool
+	// Standbys: each agent keeps this many workers pre-started for its
+	// lost ranks' respawns (--respawn-standbys; heal rows).
+	Standbys int
 }
 
 // rows are the rows the harness knows, in table order.
@@ -49,6 +52,7 @@ var rows = []Row{
 	{Name: "gorun heal, hot spare", Mode: modeHeal, Spare: true},
 	// Last, so that the rows' numbers stay what earlier runs named.
 	{Name: "torchrun 2.14 restart", Torchrun: true, Torch214: true, Mode: modeRestart},
+	{Name: "gorun heal, a respawn standby", Mode: modeHeal, Standbys: 1},
 }
 
 // selectRows returns the rows named by number (1-based, comma-separated),
@@ -232,6 +236,9 @@ func (j Job) agentArgv(r Row, dir, healthAddr string, host int, standby bool) []
 	case modeHeal:
 		argv = append(argv, "--on-failure", modeShrink, "--regrow", "on", "--max-respawns", plenty,
 			"--respawn-backoff", j.RespawnBackoff)
+		if r.Standbys > 0 {
+			argv = append(argv, "--respawn-standbys", strconv.Itoa(r.Standbys))
+		}
 	}
 	return append(append(argv, "--no-python"), worker...)
 }

@@ -272,15 +272,21 @@ func checkSamples(res *RowResult, r Row, lim Limits, bad func(string, ...any)) {
 }
 
 // liveWorkers maps the launch rank of every worker under agent that is
-// running (not stopped, not a zombie) to its PID.
-func liveWorkers(agent int) map[int]int {
+// running (not stopped, not a zombie) to its PID. A worker's rank is its
+// environment's RANK, or, for one that started without (a respawn
+// standby, which got its rank on its assignment pipe), what respawnedAs
+// says its agent logged.
+func liveWorkers(agent int, respawnedAs func(pid int) (int, bool)) map[int]int {
 	out := map[int]int{}
 	for _, pid := range procs.Descendants(agent) {
-		v, ok := procs.Env(pid, "RANK")
-		if !ok || !running(pid) {
+		if !running(pid) {
 			continue
 		}
-		if rank, err := strconv.Atoi(v); err == nil {
+		if v, ok := procs.Env(pid, "RANK"); ok {
+			if rank, err := strconv.Atoi(v); err == nil {
+				out[rank] = pid
+			}
+		} else if rank, ok := respawnedAs(pid); ok {
 			out[rank] = pid
 		}
 	}

@@ -359,3 +359,20 @@ func TestScanPlaceTaken(t *testing.T) {
 		}
 	}
 }
+
+// TestScanRespawned: gorun's log of a respawn says which PID runs the
+// rank now (a standby's, whose environment has no RANK), and only that
+// line does.
+func TestScanRespawned(t *testing.T) {
+	o := newOutput()
+	in := "2026-12-02T05:50:51.056Z\tWARN\tgorun\trespawned a lost rank; it joins the running group by a grow\t" +
+		`{"rank": 1, "pid": 3897, "after_epoch": 1, "respawn": 1, "max_respawns": 3, "standby_parked_for": 1.2}` + "\n" +
+		"2026-12-02T05:50:50.851Z\tWARN\tgorun\tworker failed; reporting it to the survivors\t" + `{"rank": 2, "pid": 77}` + "\n"
+	o.scan(strings.NewReader(in), io.Discard, time.Now(), "", 2, func() {})
+	if r, ok := o.respawnedAs(3897); !ok || r != 1 {
+		t.Errorf("pid 3897: rank %d, %v; want rank 1", r, ok)
+	}
+	if r, ok := o.respawnedAs(77); ok {
+		t.Errorf("pid 77 taken for a respawn of rank %d", r)
+	}
+}

@@ -164,6 +164,9 @@ func launchFlags() []cli.Flag {
 		&cli.Float64Flag{Name: "respawn-backoff", Value: def.RespawnBackoff.Seconds(),
 			Usage:   "`SECONDS` a lost rank waits before it is respawned; doubles with each respawn of the same rank, up to 30",
 			EnvVars: []string{"GORUN_RESPAWN_BACKOFF"}, Category: catFT},
+		&cli.IntFlag{Name: "respawn-standbys", Value: def.RespawnStandbys,
+			Usage:   "shrink mode's heal: keep `N` workers pre-started on this node, parked (as --spare-prestart parks them), so that a lost rank's respawn takes one whose start-up is done instead of starting cold; it learns its slot (LOCAL_RANK, RANK, …) on $GORUN_ASSIGNMENT_FD",
+			EnvVars: []string{"GORUN_RESPAWN_STANDBYS"}, Category: catFT},
 		&cli.Float64Flag{Name: "grow-timeout", Value: def.GrowTimeout.Seconds(),
 			Usage:   "`SECONDS` the ranks of a grow have to form the grown group; a newcomer that does not come is excluded again and the survivors go on",
 			EnvVars: []string{"GORUN_GROW_TIMEOUT"}, Category: catFT},
@@ -316,6 +319,7 @@ func launchConfig(c *cli.Context) (launcher.Config, error) {
 	cfg.OnFailure = c.String("on-failure")
 	cfg.MinWorldSize = c.Int("min-world-size")
 	cfg.MaxRespawns = c.Int("max-respawns")
+	cfg.RespawnStandbys = c.Int("respawn-standbys")
 	switch v := strings.ToLower(c.String("regrow")); v {
 	case "on", "true", "1":
 		cfg.Regrow = true

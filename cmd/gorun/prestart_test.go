@@ -113,3 +113,32 @@ func TestSparePrestartFlag(t *testing.T) {
 		}
 	}
 }
+
+// TestRespawnStandbyExits: a standby (--respawn-standbys) that exits
+// while parked is no failure of the job: the agent says so with the end of
+// the standby's stderr, does not start it again, and the job ends as its
+// ranks do (0 here), nothing left. The standby starts without the slot's
+// variables (RANK, LOCAL_RANK), which it has no slot for yet.
+func TestRespawnStandbyExits(t *testing.T) {
+	t.Parallel()
+	bin := testutil.BuildGorun(t)
+	script := `if [ -n "$GORUN_ASSIGNMENT_FD" ]; then echo "standby rank=${RANK-unset} local=${LOCAL_RANK-unset}: no device for me" >&2; exit 3; fi; ` +
+		`echo pid=$$; sleep 2`
+	p := startAgent(t, bin, "--standalone", "--nproc-per-node", "2", "--on-failure", "shrink", "--respawn-standbys", "1",
+		"--log-dir", t.TempDir(), "--no-python", "sh", "-c", script)
+	pids := p.pids(t, 2)
+	if code := p.exitCode(t, 30*time.Second); code != 0 {
+		t.Fatalf("exit %d, want 0; stderr:\n%s", code, p.stderr)
+	}
+	log := p.stderr.String()
+	if n := strings.Count(log, "a standby exited while parked"); n != 1 {
+		t.Errorf("%d lines say a standby exited, want 1:\n%s", n, log)
+	}
+	if !strings.Contains(log, "standby rank=unset local=unset: no device for me") {
+		t.Errorf("the log does not carry the standby's stderr, or the standby had a slot's variables:\n%s", log)
+	}
+	if n := strings.Count(log, "started a standby"); n != 1 {
+		t.Errorf("%d standbys started, want 1 (one that exits is not replaced until a respawn):\n%s", n, log)
+	}
+	waitGone(t, pids, 5*time.Second)
+}

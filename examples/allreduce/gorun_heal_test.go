@@ -2,8 +2,11 @@ package main
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -284,5 +287,101 @@ func TestUnderGorunHealEndsWhenTheJobFinishes(t *testing.T) {
 	// The stopped newcomer is no failure, and its slot was not grown back.
 	if !strings.Contains(errs, "lost ranks [1] in 2 epoch(s), world 2 -> 1:") {
 		t.Errorf("gorun's summary: want rank 1 lost, two epochs, world 1 at the end:\n%s", errs)
+	}
+}
+
+var parkedForRE = regexp.MustCompile(`"standby_parked_for": ([0-9.]+)`)
+
+// TestUnderGorunHealStandby: with --respawn-standbys 1 a fifth worker
+// starts beside the four ranks, parked (no RANK, no LOCAL_RANK). When
+// rank 2 is SIGKILLed the standby takes its place, the process it was, and
+// is grown back in; the line it printed while parked ("parked …") reaches
+// the console with rank 2's prefix, after the fact. Once the grow is over
+// a new standby is started, and it ends with the job: nothing is left.
+func TestUnderGorunHealStandby(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		killAt time.Duration // after the standby started
+	}{
+		{"before it may have parked", 0},
+		{"early", 300 * time.Millisecond},
+		{"mid-run", 1500 * time.Millisecond},
+	} {
+		t.Run(tt.name, func(t *testing.T) { testHealStandby(t, tt.killAt) })
+	}
+}
+
+func testHealStandby(t *testing.T, killAt time.Duration) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	gorun, bin := testutil.BuildGorun(t), buildExample(t)
+	g := testutil.StartGorun(t, gorun, nil, "--standalone", "--nproc-per-node", "4", "--on-failure", "shrink",
+		"--respawn-backoff", "0.1", "--respawn-standbys", "1", "--log-dir", t.TempDir(),
+		"--no-python", bin, "--steps", "1000", "--step-ms", "5", "--timestamps")
+	j := &healJob{g: g, steps: 1000}
+	g.AwaitLines(ctx, t, "start rank=", 4)
+	g.AwaitLog(ctx, t, "started a standby")
+	standbys := func() []int {
+		pids, err := testutil.ChildrenWithEnv(g.Cmd.Process.Pid, "GORUN_ASSIGNMENT_FD", "3")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return pids
+	}
+	first := standbys()
+	if len(first) != 1 {
+		t.Fatalf("standbys %v, want one\n%s", first, g.Output())
+	}
+	time.Sleep(killAt)
+	victim := j.pid(t, 2)
+	if err := syscall.Kill(victim, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	g.AwaitLines(ctx, t, "]:grow epoch=2 world=4 added=[2]", 4)
+	if err := syscall.Kill(first[0], 0); err != nil {
+		t.Errorf("the standby %d is gone after the grow: %v", first[0], err)
+	}
+	respawned := ""
+	for l := range strings.Lines(g.Stderr.String()) {
+		if strings.Contains(l, "respawned a lost rank") {
+			respawned = l
+		}
+	}
+	if !strings.Contains(respawned, `"pid": `+strconv.Itoa(first[0])) {
+		t.Errorf("rank 2's respawn was not the standby %d: %q\n%s", first[0], respawned, g.Output())
+	}
+	// Parked since before the test's wait, not since it took the slot.
+	if m := parkedForRE.FindStringSubmatch(respawned); m == nil {
+		t.Errorf("the respawn does not say how long the standby was parked: %q", respawned)
+	} else if s, _ := strconv.ParseFloat(m[1], 64); s < killAt.Seconds() {
+		t.Errorf("the standby was parked for %s s, want at least the test's %v", m[1], killAt)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	var second []int
+	for {
+		second = standbys()
+		if len(second) == 2 || time.Now().After(deadline) {
+			break
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	second = slices.DeleteFunc(second, func(p int) bool { return p == first[0] })
+	if len(second) != 1 {
+		t.Fatalf("no new standby after the grow (children with an assignment pipe: %v)\n%s", standbys(), g.Output())
+	}
+	g.Wait(ctx, t)
+	out := g.Stdout.String()
+	if n := strings.Count(out, "[default2]:parked unix_ns="); n != 1 {
+		t.Errorf("%d parked lines with rank 2's prefix, want the standby's one\n%s", n, g.Output())
+	}
+	if strings.Count(out, "parked unix_ns=") != 1 {
+		t.Errorf("a parked line that no slot took reached the console\n%s", g.Output())
+	}
+	if n := strings.Count(out, "]:newcomer slot=2 after epoch=1"); n != 1 {
+		t.Errorf("%d newcomer lines, want 1\n%s", n, g.Output())
+	}
+	j.expectDone(t, 4, 10)
+	if err := syscall.Kill(second[0], 0); !errors.Is(err, syscall.ESRCH) {
+		t.Errorf("the second standby %d outlived gorun (kill 0: %v)", second[0], err)
 	}
 }

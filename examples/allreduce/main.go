@@ -111,7 +111,8 @@ benchmark can tell when the group was working again after a failure; and
   started attempt=A unix_ns=T            as the process starts
   ready attempt=A unix_ns=T              a newcomer, asking to be grown in
   stopped attempt=A epoch=E unix_ns=T    when a new epoch stops its steps
-  parked unix_ns=T                       pre-started (gorun --spare-prestart),
+  parked unix_ns=T                       pre-started (gorun --spare-prestart,
+                                         or a --respawn-standbys standby),
                                          waiting for its place
 
 Exit codes:

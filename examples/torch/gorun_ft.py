@@ -243,13 +243,15 @@ def nccl_environment(env):
 
 
 def await_assignment():
-    """Wait, if gorun pre-started this worker (--spare-prestart), for the
-    round that gives it its place, and put that place in os.environ.
+    """Wait, if gorun pre-started this worker (--spare-prestart, or a
+    standby under --respawn-standbys), for the round or the lost slot that
+    gives it its place, and put that place in os.environ.
 
     A pre-started worker is parked before its first collective: it has done
     its start-up (imports, device set-up) while its agent waited as a spare
     or for its job to form, but RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-    TORCHELASTIC_RESTART_COUNT, GORUN_SHRINK_NEWCOMER … are not set yet.
+    TORCHELASTIC_RESTART_COUNT, GORUN_SHRINK_NEWCOMER … are not set yet (a
+    standby lacks LOCAL_RANK too: pick the device after this returns).
     The agent writes them, as one JSON object ``{"env": {...}}``, on the
     inherited descriptor named in GORUN_ASSIGNMENT_FD and closes it (Go's
     package prestart is the other side). Returns True when the worker was

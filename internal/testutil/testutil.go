@@ -34,11 +34,25 @@ func (s *SyncBuffer) String() string {
 // key=value: how a test finds the worker of a given RANK among an agent's
 // children.
 func ChildWithEnv(parent int, key, value string) (int, error) {
-	entries, err := os.ReadDir("/proc")
+	pids, err := ChildrenWithEnv(parent, key, value)
 	if err != nil {
 		return 0, err
 	}
+	if len(pids) == 0 {
+		return 0, fmt.Errorf("no child of %d has %s=%s", parent, key, value)
+	}
+	return pids[0], nil
+}
+
+// ChildrenWithEnv returns the PIDs of every child of parent whose
+// environment, as it started (/proc's environ), holds key=value.
+func ChildrenWithEnv(parent int, key, value string) ([]int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, err
+	}
 	want := []byte(key + "=" + value + "\x00")
+	var pids []int
 	for _, e := range entries {
 		if _, err := strconv.Atoi(e.Name()); err != nil {
 			continue
@@ -58,8 +72,8 @@ func ChildWithEnv(parent int, key, value string) (int, error) {
 		}
 		if bytes.HasPrefix(env, want) || bytes.Contains(env, append([]byte{0}, want...)) {
 			pid, _ := strconv.Atoi(e.Name())
-			return pid, nil
+			pids = append(pids, pid)
 		}
 	}
-	return 0, fmt.Errorf("no child of %d has %s=%s", parent, key, value)
+	return pids, nil
 }
