@@ -84,12 +84,12 @@ func testGorunShrinksTorchGloo(t *testing.T, py, script string, after time.Durat
 // the survivors and is grown in, and all four finish at world 4 with the
 // same loss, the survivors in the processes they started in.
 func TestGorunHealsTorchGloo(t *testing.T) {
-	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), false)
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), healCase{})
 }
 
 // TestGorunHealsTorch214Gloo is the same with PyTorch 2.14 (the sid bed).
 func TestGorunHealsTorch214Gloo(t *testing.T) {
-	testGorunHealsTorchGloo(t, sidbed.Require(t).Python(), copyScripts(t), false)
+	testGorunHealsTorchGloo(t, sidbed.Require(t).Python(), copyScripts(t), healCase{})
 }
 
 // TestGorunHealsTorchGlooHungRank is the same with rank 2 stopped
@@ -98,23 +98,51 @@ func TestGorunHealsTorch214Gloo(t *testing.T) {
 // so rank 2 alone is declared hung, shrunk away and healed — not the
 // whole group, whose peers stop stepping with it.
 func TestGorunHealsTorchGlooHungRank(t *testing.T) {
-	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), true)
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), healCase{hang: true})
 }
 
-func testGorunHealsTorchGloo(t *testing.T, py, script string, hang bool) {
+// TestGorunHealsTorchGlooFromAStandby is the same with --respawn-standbys
+// 1: a fifth train_elastic.py starts beside the four, imports torch and
+// parks in gorun_ft.await_assignment; when rank 2 is killed that process
+// takes its slot (its LOCAL_RANK, RANK and GORUN_SHRINK_NEWCOMER on its
+// assignment pipe) and is grown back in.
+func TestGorunHealsTorchGlooFromAStandby(t *testing.T) {
+	testGorunHealsTorchGloo(t, torchtest.Python(t), filepath.Join(thisDir(), "train_elastic.py"), healCase{standby: true})
+}
+
+// healCase is how testGorunHealsTorchGloo loses rank 2: killed (or, with
+// hang, stopped), and respawned cold (or, with standby, from a standby).
+type healCase struct{ hang, standby bool }
+
+func testGorunHealsTorchGloo(t *testing.T, py, script string, c healCase) {
+	hang := c.hang
 	gorun := testutil.BuildGorun(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	const steps = 2000 // 30 s at 15 ms: the newcomer's start-up fits, loaded
+	steps := 2000 // 30 s at 15 ms: the newcomer's start-up fits, loaded
+	if c.standby {
+		steps = 700 // the standby's start-up is over before the kill
+	}
 	args := []string{"--standalone", "--nproc-per-node", "4", "--on-failure", "shrink", "--respawn-backoff", "0.1",
 		"--log-dir", t.TempDir()}
 	if hang {
 		args = append(args, "--heartbeat-timeout", "2")
 	}
+	if c.standby {
+		args = append(args, "--respawn-standbys", "1")
+	}
 	g := testutil.StartGorun(t, gorun, []string{"PYTHON_EXEC=" + py},
 		append(args, script, "--steps", strconv.Itoa(steps), "--step-ms", "15")...)
 	g.AwaitLines(ctx, t, ": training, world 4", 4)
 	time.Sleep(300 * time.Millisecond)
+	var standby []int
+	if c.standby {
+		var err error
+		if standby, err = testutil.ChildrenWithEnv(g.Cmd.Process.Pid, "GORUN_ASSIGNMENT_FD", "3"); err != nil || len(standby) != 1 {
+			t.Fatalf("standbys %v (%v), want one\n%s", standby, err, g.Output())
+		}
+	}
+	killed := time.Now()
 	survivors := map[string]bool{}
 	for _, r := range []int{0, 1, 3} {
 		pid, err := testutil.ChildWithEnv(g.Cmd.Process.Pid, "RANK", strconv.Itoa(r))
@@ -136,8 +164,12 @@ func testGorunHealsTorchGloo(t *testing.T, py, script string, hang bool) {
 		g.KillRank(t, 2)
 	}
 	g.AwaitLines(ctx, t, "grow epoch=2 world=4 added=[2]", 4)
+	t.Logf("rank 2 lost → grown back: %v", time.Since(killed).Round(time.Millisecond))
 	g.Wait(ctx, t)
 	out := expectTrained(t, g, 4, steps)
+	if c.standby && !strings.Contains(g.Stderr.String(), `"rank": 2, "pid": `+strconv.Itoa(standby[0])) {
+		t.Errorf("rank 2 was not respawned from the standby %d:\n%s", standby[0], g.Stderr.String())
+	}
 	if n, errs := strings.Count(g.Stderr.String(), "worker hung; killing it"), g.Stderr.String(); hang && (n != 1 || !strings.Contains(errs, `"rank": 2, "why": "no heartbeat for`)) {
 		t.Errorf("%d ranks declared hung, want rank 2 alone:\n%s", n, errs)
 	}
