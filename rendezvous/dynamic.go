@@ -339,6 +339,13 @@ type dynState struct {
 	// while a round runs are in the wait list, and admitted with the next
 	// round. torchrun waits the whole last call after every restart.
 	Rejoin []rejoiner `json:"rejoin,omitempty"`
+	// Gone lists the participants of the complete round that are no
+	// longer in it (dropped, or left), in the order they went, until the
+	// next round. The marker carries it: a node's Status learns whom its
+	// round lost from O(lost) bytes, not the state's O(N) and the member
+	// list's (at 512 real agents, every survivor read both as one node
+	// was lost).
+	Gone []NodeDesc `json:"gone,omitempty"`
 	// Pub numbers the writes that changed the header, which queue mode
 	// publishes as the marker (dynamic_share.go).
 	Pub uint64 `json:"pub,omitzero"`
@@ -395,6 +402,7 @@ func (s *dynState) clone() *dynState {
 	c := *s
 	c.Nodes = slices.Clone(s.Nodes)
 	c.Rejoin = slices.Clone(s.Rejoin)
+	c.Gone = slices.Clone(s.Gone)
 	return &c
 }
 
@@ -709,6 +717,9 @@ func (s *dynState) apply(a action, me NodeDesc, data []byte, now time.Time, cfg 
 		}
 		s.Nodes = slices.Delete(s.Nodes, i, i+1)
 		s.forgetRejoin(me)
+		if s.Complete {
+			s.Gone = append(s.Gone, me)
+		}
 		if a == actRemoveToRejoin && s.Complete {
 			j, _ := s.findRejoin(me)
 			s.Rejoin = slices.Insert(s.Rejoin, j, rejoiner{NodeDesc: me, Left: now})
@@ -747,7 +758,7 @@ func (s *dynState) apply(a action, me NodeDesc, data []byte, now time.Time, cfg 
 func (s *dynState) markComplete() {
 	s.Complete = true
 	s.Deadline = time.Time{}
-	s.Rejoin = nil
+	s.Rejoin, s.Gone = nil, nil
 	rank := 0
 	for i := range s.Nodes {
 		if !s.Nodes[i].Waiting {
@@ -774,6 +785,7 @@ func (s *dynState) removeEpilogue(now time.Time, cfg DynamicConfig) {
 	case s.Complete && n == 0:
 		s.Complete = false
 		s.Size = 0
+		s.Gone = nil
 		s.Round++
 		s.admitWaiting(now, cfg)
 	case !s.Complete && n < cfg.MinNodes:
@@ -915,6 +927,9 @@ func (s *dynState) sanitizeAt(now, judged time.Time, cfg DynamicConfig) bool {
 		}
 		dropped = true
 		participant = participant || !e.Waiting
+		if s.Complete && !e.Waiting {
+			s.Gone = append(s.Gone, e.NodeDesc)
+		}
 		return true
 	})
 	// A rejoiner is dead when it is out of both lists, whether it never

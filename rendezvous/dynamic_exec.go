@@ -344,7 +344,19 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	}
 	now := d.now()
 	st := snap.st.clone()
-	if d.sanitize(st, now, d.judgedAt(st, now), "status") {
+	judged := d.judgedAt(st, now)
+	lapsed := snap.st.clone().sanitizeAt(now, judged, d.cfg)
+	if lapsed {
+		// Not while beats wait in the queue: the folds apply them before
+		// they judge (apply), and a Status that judged first dropped the
+		// nodes whose beats were there.
+		if queued, err := d.requestsQueued(ctx); err != nil {
+			return Status{}, d.fail("status", err)
+		} else if queued {
+			lapsed = false
+		}
+	}
+	if lapsed && d.sanitize(st, now, judged, "status") {
 		if _, err := d.commit(ctx, snap, st, time.Time{}); err != nil {
 			return Status{}, d.fail("status", err)
 		}
@@ -376,12 +388,26 @@ func (d *Dynamic) Status(ctx context.Context) (Status, error) {
 	return status, nil
 }
 
+// requestsQueued reports whether requests wait in the run's queue (false
+// where the store has none, or this run does not queue).
+func (d *Dynamic) requestsQueued(ctx context.Context) (bool, error) {
+	if d.noQueue.Load() {
+		return false, nil
+	}
+	n, err := d.store.QueueLen(ctx, d.key+queueSuffix)
+	if errors.Is(err, ErrNotSupported) {
+		return false, nil
+	}
+	return n > 0, err
+}
+
 // quickStatus answers Status from the marker alone, in queue mode, when
-// it shows this node's last round complete and whole, as it was at the
-// last look (no member gone, none admitted, nobody waiting, not closed,
-// no heartbeat expired that no fold has judged since):
-// what Status finds on almost every poll, for O(1) bytes instead of the
-// state's O(N). It reports false when the state must be read.
+// it shows this node's last round complete, as it was at the last look
+// but for the members it names gone (none admitted, nobody waiting, not
+// closed, no heartbeat expired that no fold has judged since): what
+// Status finds on almost every poll, and on the polls after a member is
+// lost, for O(1) bytes (O(lost)) instead of the state's O(N). It reports
+// false when the state must be read.
 func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	d.mu.Lock()
 	last, lateSeen := d.last, d.lateSeen
@@ -395,7 +421,7 @@ func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	}
 	var m marker
 	if json.Unmarshal(b, &m) != nil || m.Pub == 0 || m.Round != last.Number || !m.Complete || m.Closed ||
-		m.Participants != last.Size || m.Waiting != 0 || m.Late != lateSeen {
+		m.Participants+len(m.Gone) != last.Size || m.Waiting != 0 || m.Late != lateSeen || len(m.Gone) > 0 && m.Late > 0 {
 		return Status{}, false, nil
 	}
 	if now := d.now(); now.After(m.Expires) && !now.Before(m.Expires.Add(d.cfg.HeartbeatInterval())) {
@@ -414,7 +440,9 @@ func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 			return Status{}, false, err
 		}
 	}
-	return Status{Round: m.Round, Complete: true, Participants: m.Participants}, true, nil
+	// A member gone is named by the marker (unless someone was admitted
+	// into the round: then the state says who holds which rank).
+	return Status{Round: m.Round, Complete: true, Participants: m.Participants, Lost: m.Gone}, true, nil
 }
 
 // errNoRound: an operation on the round Next returned, before it did.

@@ -417,7 +417,7 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot, look *lockLook) (boo
 			return applied, err
 		}
 		if len(reqs) > 0 {
-			if err := d.apply(ctx, snap, reqs); err != nil {
+			if err := d.apply(ctx, snap, reqs, !more); err != nil {
 				return applied, err
 			}
 			applied = true
@@ -708,11 +708,17 @@ func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, boo
 }
 
 // apply writes reqs into the state: one compare-set, repeated on the
-// state that won when another writer was first.
+// state that won when another writer was first. With drained (the pop
+// found the queue empty after reqs) it judges the heartbeats too; a batch
+// that leaves requests in the queue drops nobody, as their beats may be
+// among those left: at 512 real agents, with the folds behind, batches
+// cut short by their time dropped live nodes a few at a time whose beats
+// were still queued. A dead node is dropped by the first batch that
+// empties the queue: as much later as the folds lag.
 //
 // The folder works on the state: a node's view (dynamic_share.go) is
 // replaced by it first.
-func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) error {
+func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request, drained bool) error {
 	if snap.st.view {
 		fresh, err := d.read(ctx)
 		if err != nil {
@@ -736,7 +742,9 @@ func (d *Dynamic) apply(ctx context.Context, snap *snapshot, reqs []request) err
 				changed = true
 			}
 		}
-		changed = d.sanitize(st, now, judged, "fold") || changed
+		if drained {
+			changed = d.sanitize(st, now, judged, "fold") || changed
+		}
 		var idle []NodeDesc // joins that change nothing
 		for _, r := range reqs {
 			switch {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -292,6 +293,41 @@ func TestBubbleQueuedHeartbeats(t *testing.T) {
 	})
 }
 
+// joinAll runs every node's Next at once and fails the test unless all
+// return a round.
+func joinAll(t *testing.T, ds []*Dynamic) {
+	t.Helper()
+	start := time.Now()
+	chs := make([]<-chan bubbleResult, len(ds))
+	for i := range ds {
+		chs[i] = goNext(ds[i], start)
+	}
+	for i, ch := range chs {
+		if x := <-ch; x.err != nil {
+			t.Fatalf("node %d: %+v", i, x)
+		}
+	}
+}
+
+// quietTrio starts three queued nodes' first round on m, complete, and
+// stops their keep-alives: the test beats for them.
+func quietTrio(t *testing.T, m *memStore) []*Dynamic {
+	t.Helper()
+	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1})
+	start := time.Now()
+	for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
+		if x := <-ch; x.err != nil {
+			t.Fatalf("node %d: %+v", i, x)
+		}
+	}
+	for _, d := range ds {
+		if err := d.stopKeepAlive(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	return ds
+}
+
 // TestBubbleQueuedBeatsBeforeJudging: a batch's heartbeats count before
 // the folder judges the state. Node 1's beats did not get through for 32 s
 // (twice the drop timeout) and then one lands: the fold that carries it
@@ -301,18 +337,7 @@ func TestBubbleQueuedHeartbeats(t *testing.T) {
 func TestBubbleQueuedBeatsBeforeJudging(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
-		ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1})
-		start := time.Now()
-		for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
-			if x := <-ch; x.err != nil {
-				t.Fatalf("node %d: %+v", i, x)
-			}
-		}
-		for _, d := range ds {
-			if err := d.stopKeepAlive(); err != nil {
-				t.Fatal(err)
-			}
-		}
+		ds := quietTrio(t, m)
 		ctx := context.Background()
 		fold := func(nodes ...int) {
 			t.Helper()
@@ -324,7 +349,7 @@ func TestBubbleQueuedBeatsBeforeJudging(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := ds[0].apply(ctx, snap, reqs); err != nil {
+			if err := ds[0].apply(ctx, snap, reqs, true); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -386,16 +411,7 @@ func TestBubbleQueuedStatusLeavesTheDropToTheFolds(t *testing.T) {
 		ops := make(chan string, 64)
 		cfg := DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, QueueMinNodes: 1, OnDrop: func(d Drop) { ops <- d.Op }}
 		ds := bubbleNodes(t, m, n, cfg)
-		start := time.Now()
-		chs := make([]<-chan bubbleResult, n)
-		for i := range ds {
-			chs[i] = goNext(ds[i], start)
-		}
-		for i, ch := range chs {
-			if x := <-ch; x.err != nil {
-				t.Fatalf("node %d: %+v", i, x)
-			}
-		}
+		joinAll(t, ds)
 		time.Sleep(10 * time.Second)
 		if err := ds[n-1].stopKeepAlive(); err != nil {
 			t.Fatal(err)
@@ -424,6 +440,214 @@ func TestBubbleQueuedStatusLeavesTheDropToTheFolds(t *testing.T) {
 		}
 		if !slices.Contains(by, "fold") || slices.Contains(by, "status") {
 			t.Errorf("dropped by %v; want by a fold, never by a Status", by)
+		}
+	})
+}
+
+// TestNoDropWhileBeatsWaitInTheQueue: nobody drops a node while requests
+// wait in the queue, as its beat may be among them. A fold whose batch
+// leaves requests queued applies their beats but judges nobody; the first
+// that empties the queue drops a node that is silent. A Status that finds
+// a heartbeat lapsed while requests are queued reports no loss and writes
+// nothing; once the folds have applied the queued beat, the node is alive.
+// (At 512 real agents, folds cut short by their time and Status readers
+// dropped live nodes whose beats were still in the queue.)
+func TestNoDropWhileBeatsWaitInTheQueue(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		ds := quietTrio(t, m)
+		ctx := context.Background()
+		beat := func(i int) request {
+			return request{Node: nd(i), KeepAlive: true, Deadline: time.Now().Add(ds[0].cfg.KeepAliveTimeout)}
+		}
+		fold := func(drained bool, nodes ...int) {
+			t.Helper()
+			var reqs []request
+			for _, i := range nodes {
+				reqs = append(reqs, beat(i))
+			}
+			snap, err := ds[0].read(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := ds[0].apply(ctx, snap, reqs, drained); err != nil {
+				t.Fatal(err)
+			}
+		}
+		in := func(i int) bool {
+			t.Helper()
+			snap, err := ds[0].read(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, ok := snap.st.find(nd(i))
+			return ok
+		}
+		drop := ds[0].cfg.DropTimeout()
+		// Nodes 0 and 1 beat; node 2 is silent for two drop timeouts,
+		// while every batch leaves requests in the queue.
+		for range 2 * int(drop/(5*time.Second)) {
+			time.Sleep(5 * time.Second)
+			fold(false, 0, 1)
+		}
+		if !in(2) {
+			t.Fatal("a batch that left requests queued dropped node 2")
+		}
+		fold(true, 0, 1)
+		if in(2) {
+			t.Fatalf("node 2, silent %v, is still in the state after a batch that emptied the queue", 2*drop)
+		}
+
+		// Node 1 is silent past the drop timeout, its beat queued and not
+		// yet folded: Status leaves it be.
+		time.Sleep(drop + time.Second)
+		fold(true, 0)
+		b, err := json.Marshal(beat(1))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := m.QueuePush(ctx, ds[0].key+queueSuffix, b); err != nil {
+			t.Fatal(err)
+		}
+		for range 3 { // past any marker's grace: the state is read
+			time.Sleep(ds[0].cfg.HeartbeatInterval())
+			fold(false, 0)
+		}
+		st, err := ds[0].Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.Contains(st.Lost, nd(1)) || !in(1) {
+			t.Fatalf("Status found %v lost (node 1 in the state: %v) while node 1's beat waited in the queue", st.Lost, in(1))
+		}
+		snap, err := ds[0].read(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ds[0].fold(ctx, snap, nil); err != nil {
+			t.Fatal(err)
+		}
+		snap, err = ds[0].read(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i, ok := snap.st.find(nd(1)); !ok || time.Since(snap.st.Nodes[i].Heartbeat) > time.Second {
+			t.Errorf("node 1 gone or its beat old after the fold (in the state: %v); want its queued beat applied", ok)
+		}
+	})
+}
+
+// bigReads counts one node's reads of the run's O(N) keys, the state and
+// the member list, through Get, MultiGet and CompareSet (the state's read).
+type bigReads struct {
+	Store
+	keys []string
+	n    atomic.Int64
+}
+
+func (s *bigReads) count(keys ...string) {
+	for _, k := range keys {
+		if slices.Contains(s.keys, k) {
+			s.n.Add(1)
+		}
+	}
+}
+
+func (s *bigReads) Get(ctx context.Context, k string) ([]byte, error) {
+	s.count(k)
+	return s.Store.Get(ctx, k)
+}
+
+func (s *bigReads) MultiGet(ctx context.Context, keys ...string) ([][]byte, error) {
+	s.count(keys...)
+	return s.Store.MultiGet(ctx, keys...)
+}
+
+func (s *bigReads) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	s.count(k)
+	return s.Store.CompareSet(ctx, k, expected, desired)
+}
+
+// TestStatusNamesTheLostFromTheMarker: when a member of a complete round
+// is lost, the others' Status polls name it from the marker (O(lost)
+// bytes), reading neither the state nor the member list (O(N) each); only
+// the folds read the state. At 512 real agents every survivor read both
+// as the loss became known, all at once, on the store's host.
+func TestStatusNamesTheLostFromTheMarker(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		const n = 8
+		cfg := DynamicConfig{RunID: "job", MinNodes: n - 1, MaxNodes: n, QueueMinNodes: 1, ShareOnly: true}
+		var stores []Store
+		var counted []*bigReads
+		for range n {
+			b := &bigReads{Store: m, keys: []string{"gorun.rendezvous.job", "gorun.rendezvous.job" + membersSuffix}}
+			stores, counted = append(stores, b), append(counted, b)
+		}
+		ds := nodesOn(t, cfg, stores...)
+		joinAll(t, ds)
+		ds[n-1].Close()
+		// Node 0 alone folds: the others' beats are pushed for them (as
+		// their keep-alives would, without the keep-alives' lazy folds,
+		// which read the state), and they only poll.
+		for _, d := range ds[1 : n-1] {
+			if err := d.stopKeepAlive(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		ctx := context.Background()
+		beats := time.Now()
+		beat := func() {
+			t.Helper()
+			if time.Since(beats) < ds[0].cfg.HeartbeatInterval() {
+				return
+			}
+			beats = time.Now()
+			for i := 1; i < n-1; i++ {
+				b, err := json.Marshal(request{Node: nd(i), KeepAlive: true, Call: 1, Deadline: time.Now().Add(5 * time.Second)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := m.QueuePush(ctx, ds[0].key+queueSuffix, b); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		deadline := time.Now().Add(time.Minute)
+		for {
+			time.Sleep(time.Second)
+			beat()
+			st, err := ds[0].Status(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(st.Lost) > 0 {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatal("node 0 never saw node 7 lost")
+			}
+		}
+		for _, c := range counted[1 : n-1] {
+			c.n.Store(0)
+		}
+		for range 3 {
+			for i, d := range ds[1 : n-1] {
+				st, err := d.Status(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if !slices.Equal(st.Lost, []NodeDesc{nd(n - 1)}) || st.Participants != n-1 {
+					t.Fatalf("node %d: Status %+v, want node %d lost and %d participants", i+1, st, n-1, n-1)
+				}
+			}
+			time.Sleep(time.Second)
+			beat()
+		}
+		for i, c := range counted[1 : n-1] {
+			if got := c.n.Load(); got > 0 {
+				t.Errorf("node %d read the state or the member list %d times to learn of the loss; want none (the marker names it)", i+1, got)
+			}
 		}
 	})
 }

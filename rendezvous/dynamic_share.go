@@ -86,6 +86,8 @@ type marker struct {
 	// state itself only if none has started an interval after
 	// (quickStatus).
 	Expires time.Time `json:"expires,omitzero"`
+	// Gone is the state's: whom the complete round lost (dynState.Gone).
+	Gone []NodeDesc `json:"gone,omitempty"`
 }
 
 // shareEntry is a node's entry in its bucket: its nodeState without the
@@ -171,7 +173,7 @@ func bucketOf(n NodeDesc, nb int) int {
 // marker returns s's header.
 func (s *dynState) marker(cfg DynamicConfig) marker {
 	m := marker{Pub: s.Pub, Round: s.Round, Complete: s.Complete, Closed: s.Closed, Deadline: s.Deadline,
-		Size: s.Size, Wake: s.Wake, Batch: s.Batch}
+		Size: s.Size, Wake: s.Wake, Batch: s.Batch, Gone: slices.Clone(s.Gone)}
 	drop := cfg.DropTimeout()
 	for _, e := range s.Nodes {
 		if exp := e.Heartbeat.Add(drop); m.Expires.IsZero() || exp.Before(m.Expires) {
@@ -190,12 +192,20 @@ func (s *dynState) marker(cfg DynamicConfig) marker {
 	return m
 }
 
-// sameMarker: a and b differ at most by their publication numbers.
+// sameMarker: a and b differ at most by their publication numbers. (A
+// field added to marker must be added here.)
 func sameMarker(a, b marker) bool {
-	a.Pub, b.Pub = 0, 0
-	ad, bd, ae, be := a.Deadline, b.Deadline, a.Expires, b.Expires
-	a.Deadline, b.Deadline, a.Expires, b.Expires = time.Time{}, time.Time{}, time.Time{}, time.Time{}
-	return a == b && ad.Equal(bd) && ae.Equal(be)
+	type counts struct {
+		round                    int
+		complete, closed         bool
+		size                     int
+		wake, batch              uint64
+		participants, wait, late int
+	}
+	key := func(m marker) counts {
+		return counts{m.Round, m.Complete, m.Closed, m.Size, m.Wake, m.Batch, m.Participants, m.Waiting, m.Late}
+	}
+	return key(a) == key(b) && a.Deadline.Equal(b.Deadline) && a.Expires.Equal(b.Expires) && slices.Equal(a.Gone, b.Gone)
 }
 
 // numberPublication gives after the next publication number when its
