@@ -813,6 +813,13 @@ func (d *Dynamic) run(ctx context.Context, snap *snapshot, name string, deadline
 			if i, ok := st.find(d.me); ok && q.beat.After(st.Nodes[i].Heartbeat) {
 				st.Nodes[i].Heartbeat = q.beat
 			}
+		} else if queueMode() {
+			// Decided on, not written: the request goes to a fold, which
+			// judges the state as it is then (apply), and says whom it
+			// drops. (Told from here too, a queued Next that read the
+			// state during a crowd's rendezvous at 512 agents "dropped"
+			// 199 live nodes that nobody dropped.)
+			dropped = st.sanitizeAt(now, d.judgedAt(st, now), d.cfg)
 		} else {
 			dropped = d.sanitize(st, now, d.judgedAt(st, now), name)
 		}

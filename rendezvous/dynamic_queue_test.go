@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"slices"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"testing/synctest"
@@ -311,9 +312,9 @@ func joinAll(t *testing.T, ds []*Dynamic) {
 
 // quietTrio starts three queued nodes' first round on m, complete, and
 // stops their keep-alives: the test beats for them.
-func quietTrio(t *testing.T, m *memStore) []*Dynamic {
+func quietTrio(t *testing.T, m *memStore, onDrop func(Drop)) []*Dynamic {
 	t.Helper()
-	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1})
+	ds := bubbleNodes(t, m, 3, DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1, OnDrop: onDrop})
 	start := time.Now()
 	for i, ch := range []<-chan bubbleResult{goNext(ds[0], start), goNext(ds[1], start), goNext(ds[2], start)} {
 		if x := <-ch; x.err != nil {
@@ -337,7 +338,7 @@ func quietTrio(t *testing.T, m *memStore) []*Dynamic {
 func TestBubbleQueuedBeatsBeforeJudging(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
-		ds := quietTrio(t, m)
+		ds := quietTrio(t, m, nil)
 		ctx := context.Background()
 		fold := func(nodes ...int) {
 			t.Helper()
@@ -455,7 +456,7 @@ func TestBubbleQueuedStatusLeavesTheDropToTheFolds(t *testing.T) {
 func TestNoDropWhileBeatsWaitInTheQueue(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
-		ds := quietTrio(t, m)
+		ds := quietTrio(t, m, nil)
 		ctx := context.Background()
 		beat := func(i int) request {
 			return request{Node: nd(i), KeepAlive: true, Deadline: time.Now().Add(ds[0].cfg.KeepAliveTimeout)}
@@ -648,6 +649,56 @@ func TestStatusNamesTheLostFromTheMarker(t *testing.T) {
 			if got := c.n.Load(); got > 0 {
 				t.Errorf("node %d read the state or the member list %d times to learn of the loss; want none (the marker names it)", i+1, got)
 			}
+		}
+	})
+}
+
+// TestQueuedNextDropsNobody: a queued Next that decides on the state (its
+// view stale, say) judges it for its own decision only: what it pushes
+// goes to a fold, which judges the state as it is then and says whom it
+// drops. It does not say it drops anyone itself (at 512 agents such a
+// Next "dropped" 199 live nodes that nobody dropped).
+func TestQueuedNextDropsNobody(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var mu sync.Mutex
+		var ops []string
+		ds := quietTrio(t, newQueueMemStore(), func(d Drop) {
+			mu.Lock()
+			defer mu.Unlock()
+			ops = append(ops, d.Op)
+		})
+		// Nodes 0 and 2 beat (their folds judging nobody); node 1 is
+		// silent past the drop timeout.
+		ctx := context.Background()
+		var snap *snapshot
+		for range 4 {
+			time.Sleep(5 * time.Second)
+			var err error
+			if snap, err = ds[0].read(ctx); err != nil {
+				t.Fatal(err)
+			}
+			beats := []request{{Node: nd(0), KeepAlive: true, Deadline: time.Now().Add(5 * time.Second)},
+				{Node: nd(2), KeepAlive: true, Deadline: time.Now().Add(5 * time.Second)}}
+			if err := ds[0].apply(ctx, snap, beats, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		snap, err := ds[0].read(ctx) // the state, not a view
+		if err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(time.Minute)
+		call := ds[0].calls.Add(1)
+		q := &queued{req: request{Node: nd(0), Call: call, Deadline: deadline.UTC()}}
+		join := func(s *dynState, now time.Time) action { return nextJoinAction(s, nd(0), now, deadline, ds[0].cfg) }
+		exit := func(s *dynState, now time.Time) action { return nextExitAction(s, nd(0), now, deadline) }
+		rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		ds[0].run(rctx, snap, "next", deadline, []decider{exit, join}, nil, q, call)
+		mu.Lock()
+		defer mu.Unlock()
+		if slices.Contains(ops, "next") || !slices.Contains(ops, "fold") {
+			t.Errorf("drops told by %v; want node 1's by the fold of the Next's request, none by the Next", ops)
 		}
 	})
 }
