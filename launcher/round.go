@@ -91,13 +91,12 @@ type roundWatch struct {
 	g    *group
 	sigs <-chan os.Signal
 	// poll ticks when the job is to be asked for changes (multi-node
-	// jobs only; nil otherwise), every pollEvery, or every monitor
-	// interval while heal waits to admit a node (pollSoon).
+	// jobs only; nil otherwise), every pollEvery, or faster (pace).
 	poll      <-chan time.Time
 	stopPoll  func()
 	ticker    *time.Ticker
 	pollEvery time.Duration
-	soon      bool
+	paced     time.Duration // the ticker's period now (pace)
 	// epochs, agreementFailed and grown are shrink mode's (nil otherwise).
 	epochs          <-chan shrink.Epoch
 	agreementFailed <-chan error
@@ -116,7 +115,7 @@ func (a *agent) watchRound(p *plan, g *group, spec spawnSpec, sigs <-chan os.Sig
 	w := &roundWatch{a: a, p: p, g: g, spec: spec, sigs: sigs, stopPoll: func() {}}
 	if a.multiNode {
 		w.pollEvery = a.m.watchEvery(a.cfg.MonitorInterval)
-		w.ticker = time.NewTicker(w.pollEvery)
+		w.ticker, w.paced = time.NewTicker(w.pollEvery), w.pollEvery
 		w.poll, w.stopPoll = w.ticker.C, w.ticker.Stop
 	}
 	if sv != nil {
@@ -130,19 +129,31 @@ func (a *agent) watchRound(p *plan, g *group, spec spawnSpec, sigs <-chan os.Sig
 	return w
 }
 
-// pollSoon asks the job for changes every monitor interval while on (a
-// place is vacant and a spare or replacement may come at any moment: the
-// rendezvous's own pace, a fifth of its keep-alive, would add up to a
-// second to heal), and at the usual pace otherwise.
-func (w *roundWatch) pollSoon(on bool) {
-	if w.ticker == nil || on == w.soon {
+// pace sets how often the job is asked for changes: every monitor
+// interval while soon (a place is vacant and a spare or replacement may
+// come at any moment: the rendezvous's own pace, a fifth of its
+// keep-alive, would add up to a second to heal); four times the usual
+// pace, but no faster than the monitor interval, on the node that leads
+// the survivors' agreement (it files a lost node's ranks for everyone:
+// at 512 agents its next poll, up to a second after the loss, was half of
+// what the survivors' next epoch took); the usual pace otherwise. A
+// faster pace on one node, reading the marker, costs the store nothing
+// that grows with the job.
+func (w *roundWatch) pace(soon, leading bool) {
+	if w.ticker == nil {
 		return
 	}
-	w.soon = on
 	d := w.pollEvery
-	if on {
-		d = min(d, w.a.cfg.MonitorInterval)
+	switch monitor := w.a.cfg.MonitorInterval; {
+	case soon:
+		d = min(d, monitor)
+	case leading:
+		d = min(d, max(monitor, d/4))
 	}
+	if d == w.paced {
+		return
+	}
+	w.paced = d
 	w.ticker.Reset(d)
 }
 

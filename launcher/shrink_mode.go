@@ -37,6 +37,9 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 		return out
 	}
 	for w.g.running > 0 || !sv.settled() || w.respawns.pending() {
+		// The pace of the job's polls follows this node's part: faster
+		// while it leads, faster still while heal has a place to fill.
+		w.pace(a.cfg.Regrow && sv.leading && len(sv.vacant()) > 0, sv.leading)
 		ev := w.next(ctx)
 		switch ev.kind {
 		case evStopped:
@@ -76,7 +79,6 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 			for _, wk := range w.g.workers {
 				a.respawnLater(w, sv, wk)
 			}
-			w.pollSoon(a.cfg.Regrow && sv.leading && len(sv.vacant()) > 0)
 		case evRespawnDue:
 			a.respawn(ctx, w, sv, ev.slot)
 		case evGrown:
@@ -130,7 +132,6 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 				if ev.change.waiting > 0 {
 					a.admitWaiting(ctx, w, sv)
 				}
-				w.pollSoon(a.cfg.Regrow && sv.leading && len(sv.vacant()) > 0)
 				continue
 			}
 			a.log.Warn("stopping workers: the job changed", zap.Stringer("change", ev.change))
