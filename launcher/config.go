@@ -416,7 +416,8 @@ type Config struct {
 	// variables, GORUN_SHRINK_NEWCOMER among them) on its assignment
 	// pipe, so it cannot pick its GPU before then. Its output is held
 	// until it takes a slot, then goes where the slot's does. A standby
-	// that exits while parked is not replaced until the next respawn.
+	// that exits while parked is not replaced until the next grow
+	// completes.
 	// Default 0: none. Shrink mode with Regrow only; not with
 	// NUMABinding (a standby's CPUs depend on the slot it takes).
 	// --respawn-standbys.

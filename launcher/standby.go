@@ -24,8 +24,6 @@ type standbys struct {
 	// its exit to its group's channel instead (exitRoute). Buffered for
 	// every standby parked at once, so that a send never waits.
 	exits chan workerExit
-	// lost counts the standbys that exited while parked, this round.
-	lost int
 }
 
 // newStandbys returns the round's standbys, none started yet; nil (no
@@ -79,11 +77,11 @@ func (s *standbys) take() *worker {
 
 // exited forgets the standby of x, which exited while parked, and logs it
 // with the end of what it wrote: a standby that cannot start is the first
-// sign that respawns will not either. It is not replaced until the next
-// respawn, so that one that always fails does not start again and again.
+// sign that respawns will not either. It is not replaced until a grow
+// completes (the next respawn, cold, grown in), so that one that always
+// fails does not start again and again.
 func (s *standbys) exited(x workerExit, contain *containment, log *zap.Logger) {
 	s.forget(x, contain)
-	s.lost++
 	stderr, _ := x.w.out.heldTail(1, 2<<10)
 	log.Warn("a standby exited while parked; the next respawn starts cold",
 		zap.Int("pid", x.w.proc.Pid), zap.Stringer("exit", x.e), zap.Duration("after", time.Since(x.w.started).Round(time.Millisecond)),

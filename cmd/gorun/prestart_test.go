@@ -138,7 +138,7 @@ func TestRespawnStandbyExits(t *testing.T) {
 		t.Errorf("the log does not carry the standby's stderr, or the standby had a slot's variables:\n%s", log)
 	}
 	if n := strings.Count(log, "started a standby"); n != 1 {
-		t.Errorf("%d standbys started, want 1 (one that exits is not replaced until a respawn):\n%s", n, log)
+		t.Errorf("%d standbys started, want 1 (one that exits is not replaced until a grow completes):\n%s", n, log)
 	}
 	waitGone(t, pids, 5*time.Second)
 }
