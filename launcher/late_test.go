@@ -77,8 +77,15 @@ func TestLateReadThroughACut(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer c.Close()
-				if err := rendezvous.NewPrefixStore(shrink.DefaultPrefix, c).Set(context.Background(), "floor", []byte("{not json")); err != nil {
+				ps := rendezvous.NewPrefixStore(shrink.DefaultPrefix, c)
+				if err := ps.Set(context.Background(), "floor", []byte("{not json")); err != nil {
 					t.Fatal(err)
+				}
+				// A SET has no reply (c10d's protocol): a read on the same
+				// connection is what says the server holds the key before
+				// the node's own connection looks for it.
+				if ok, err := ps.Check(context.Background(), "floor"); err != nil || !ok {
+					t.Fatalf("the bad floor is not in the store: %v, %v", ok, err)
 				}
 			}
 			// The link stands for the node's to the worker store's
