@@ -113,6 +113,8 @@ type presence struct {
 	// it was of: its deletion (lost) or its put (back). News of an older
 	// one, come late, changes whether it is alive no more.
 	keyRev int64
+	// lostKeyRev is the greatest keyRev of the news of its departures.
+	lostKeyRev int64
 }
 
 // StartLiveness takes a lease for cfg.Name, puts its key and starts
@@ -325,13 +327,19 @@ func (l *Liveness) keepAliveLoop() {
 		for l.ctx.Err() == nil {
 			ctx, cancel := context.WithTimeout(l.ctx, ttl)
 			rev, err := l.register(ctx)
+			cancel()
 			if err == nil {
 				// Its successor announces the departure too, unless it is
 				// alone or its successor is gone as well; then its return.
-				l.announce(ctx, newsLost, l.cfg.Name, rev-1)
-				l.announce(ctx, newsBack, l.cfg.Name, rev)
+				// Beside this loop, which must renew the new lease while
+				// a slow etcd takes the news.
+				l.wg.Add(1)
+				go func() {
+					defer l.wg.Done()
+					l.announce(l.ctx, newsLost, l.cfg.Name, rev-1)
+					l.announce(l.ctx, newsBack, l.cfg.Name, rev)
+				}()
 			}
-			cancel()
 			if err == nil {
 				lastOK = time.Now()
 				break
@@ -352,13 +360,49 @@ const (
 
 // announce puts "WORD NAME KEYREV" on the news key, for every node's
 // view: keyRev is the revision of name's key that the news is of (its
-// deletion, or its put when it came back).
+// deletion, or its put when it came back). It tries until the put lands
+// or ctx ends: the other views learn of the departure from this node
+// alone, and one put lost to a slow etcd (a TTL without an answer under
+// load) left a lost node unreported for the rest of the job. Between two
+// tries it waits, and stops if its own view has heard the news meanwhile:
+// a put that timed out may have landed.
 func (l *Liveness) announce(ctx context.Context, word, name string, keyRev int64) {
-	ctx, cancel := context.WithTimeout(ctx, l.TTL())
-	defer cancel()
-	if _, err := l.cli.Put(ctx, l.news, word+" "+name+" "+strconv.FormatInt(keyRev, 10)); err != nil && ctx.Err() == nil {
-		l.cfg.Logger.Warn("etcd liveness: cannot announce a node's "+word, zap.String("node", name), zap.Error(err))
+	news := word + " " + name + " " + strconv.FormatInt(keyRev, 10)
+	pause := announceRetry
+	for try := 1; ; try++ {
+		pctx, cancel := context.WithTimeout(ctx, l.TTL())
+		_, err := l.cli.Put(pctx, l.news, news)
+		cancel()
+		if err == nil || ctx.Err() != nil {
+			return
+		}
+		l.cfg.Logger.Warn("etcd liveness: cannot announce a node's "+word+"; trying again",
+			zap.String("node", name), zap.Int("try", try), zap.Duration("in", pause), zap.Error(err))
+		if !sleepCtx(ctx, pause) || l.heard(word, name, keyRev) {
+			return
+		}
+		pause = min(2*pause, l.TTL())
 	}
+}
+
+// announceRetry is announce's first pause between two tries; it doubles
+// up to the lease's TTL.
+const announceRetry = 250 * time.Millisecond
+
+// heard reports whether the view has heard news of name's key at
+// revision keyRev or later, or that it is lost (word newsLost) from a
+// later news.
+func (l *Liveness) heard(word, name string, keyRev int64) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	p, ok := l.nodes[name]
+	if !ok {
+		return false
+	}
+	if word == newsLost {
+		return p.lostKeyRev >= keyRev
+	}
+	return p.keyRev >= keyRev
 }
 
 // newsLoop follows the news key from rev on until Close. A broken watch
@@ -382,7 +426,7 @@ func (l *Liveness) newsLoop(rev int64) {
 			}
 			l.events.Add(int64(len(resp.Events)))
 			for _, ev := range resp.Events {
-				l.heard(ev)
+				l.hear(ev)
 				rev = ev.Kv.ModRevision + 1
 			}
 		}
@@ -393,8 +437,8 @@ func (l *Liveness) newsLoop(rev int64) {
 	}
 }
 
-// heard brings the view up to one event of the news key.
-func (l *Liveness) heard(ev *clientv3.Event) {
+// hear brings the view up to one event of the news key.
+func (l *Liveness) hear(ev *clientv3.Event) {
 	if ev.Type != mvccpb.PUT {
 		return
 	}
@@ -414,13 +458,21 @@ func (l *Liveness) heard(ev *clientv3.Event) {
 		p = &presence{alive: true}
 		l.nodes[f[1]] = p
 	}
+	l.rev = max(l.rev, rev)
 	if f[0] == newsLost {
+		if keyRev == p.lostKeyRev {
+			// The same departure told again (announce tried again
+			// after a put that timed out but had landed): the first
+			// is the one that counts, or a node back since would be
+			// lost a second time.
+			return
+		}
 		p.deleted = rev
+		p.lostKeyRev = max(p.lostKeyRev, keyRev)
 	}
 	if keyRev > p.keyRev {
 		p.alive, p.keyRev = f[0] == newsBack, keyRev
 	}
-	l.rev = max(l.rev, rev)
 }
 
 // ringLoop watches this node's ring until Close: its predecessor's key

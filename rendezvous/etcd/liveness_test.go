@@ -5,11 +5,17 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/rendezvous/etcd"
@@ -287,4 +293,104 @@ func TestLivenessQuiet(t *testing.T) {
 		t.Fatal("c never told of b's departure")
 	}
 	waitLost(t, c, "b", since, 5*time.Second)
+}
+
+// TestLivenessAnnounceRetried: the successor's first announcement of a
+// departure fails (etcd too slow to answer within the TTL, under load):
+// it tries again, and every view reports the node lost. (One failed put
+// left the node unreported for the rest of the job: the launcher's
+// TestEtcdWatchAfterLeaseLapse failed so under CI's load.) Where the
+// failed put had landed (only its reply lost), the view counts the
+// departure once.
+func TestLivenessAnnounceRetried(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		landed bool // the first put reaches etcd; its reply is lost
+	}{
+		{"put lost", false},
+		{"reply lost", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+			dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+			news := strings.TrimSuffix(dir, "/") + ".news"
+			var puts, failed atomic.Int32
+			cli := interceptedClient(t, cluster, func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+				put, ok := req.(*etcdserverpb.PutRequest)
+				if !ok || string(put.Key) != news {
+					return invoker(ctx, method, req, reply, cc, opts...)
+				}
+				if puts.Add(1) > 1 {
+					return invoker(ctx, method, req, reply, cc, opts...)
+				}
+				failed.Add(1)
+				if tc.landed {
+					if err := invoker(ctx, method, req, reply, cc, opts...); err != nil {
+						return err
+					}
+				}
+				return status.Error(codes.DeadlineExceeded, "the first announcement fails (the test)")
+			})
+			a, _ := startLiveness(t, cluster, dir, "a", time.Second)
+			ctx := testCtx(t, 20*time.Second)
+			b, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: "b", TTL: time.Second}) // a's successor
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { b.Close(context.Background()) })
+			c, _ := startLiveness(t, cluster, dir, "c", time.Second)
+			since := c.Rev()
+			if err := a.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			waitLost(t, c, "a", since, 5*time.Second)
+			waitLost(t, b, "a", since, 5*time.Second)
+			if failed.Load() != 1 {
+				t.Fatalf("%d announcements failed, want the first one", failed.Load())
+			}
+			if !tc.landed && puts.Load() < 2 {
+				t.Fatalf("a put lost, and %d announcements: not tried again", puts.Load())
+			}
+		})
+	}
+}
+
+// TestLivenessNewsTwice: the same departure told twice (an announcement
+// tried again whose first put had landed) counts once: a node that came
+// back in between is not lost a second time.
+func TestLivenessNewsTwice(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	news := strings.TrimSuffix(dir, "/") + ".news"
+	a, cli := startLiveness(t, cluster, dir, "a", time.Second)
+	ctx := testCtx(t, 20*time.Second)
+	put := func(v string) int64 {
+		t.Helper()
+		resp, err := cli.Put(ctx, news, v)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rev := resp.Header.Revision
+		for deadline := time.Now().Add(5 * time.Second); a.Rev() < rev; time.Sleep(5 * time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("the view never heard %q", v)
+			}
+		}
+		return rev
+	}
+	before := a.Rev()
+	put("lost z 5")
+	put("back z 7")
+	mark := a.Rev()
+	if lost := a.Lost([]string{"z"}, before, mark); len(lost) != 0 {
+		t.Fatalf("z lost and back before the mark: lost %v", lost)
+	}
+	put("lost z 5") // the first departure again
+	if lost := a.Lost([]string{"z"}, mark, mark); len(lost) != 0 {
+		t.Fatalf("a departure told twice lost z again after its return: %v", lost)
+	}
+	put("lost z 9") // a new one
+	if lost := a.Lost([]string{"z"}, mark, mark); len(lost) != 1 {
+		t.Fatalf("z's second departure not reported: %v", lost)
+	}
 }
