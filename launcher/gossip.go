@@ -126,13 +126,7 @@ const gossipSeeds = 3
 // a loaded host, and until it completes a lost node is still found by the
 // others' gossip or the rendezvous keep-alive.
 func (g *gossip) join(ctx context.Context, peers []gossipPeer) {
-	var names []string
-	for _, p := range peers {
-		if p.Name != "" {
-			names = append(names, p.Name)
-		}
-	}
-	g.nodes.Expect(names)
+	g.expect(peers)
 	seeds := seedsAfter(g.nodes.Name(), peers, gossipSeeds)
 	jctx, cancel := context.WithTimeout(g.ctx, gossipJoinTimeout)
 	stop := context.AfterFunc(ctx, cancel)
@@ -145,6 +139,25 @@ func (g *gossip) join(ctx context.Context, peers []gossipPeer) {
 			g.log.Warn("node liveness: cannot reach the round's other agents; lost nodes are found by the rendezvous keep-alive only", zap.Error(err))
 		}
 	}()
+}
+
+// expect makes peers the agents whose loss this member reports: the
+// round's, and again when a node is admitted into the running round in a
+// lost node's place (heal), which joins the gossip itself. Without it the
+// member went on expecting the lost node's name, and a replacement lost
+// in its turn was found only by the rendezvous keep-alive, its whole
+// window (15 s) later.
+func (g *gossip) expect(peers []gossipPeer) {
+	if g == nil {
+		return
+	}
+	var names []string
+	for _, p := range peers {
+		if p.Name != "" {
+			names = append(names, p.Name)
+		}
+	}
+	g.nodes.Expect(names)
 }
 
 // seedsAfter is the gossip addresses of up to k of peers that follow self

@@ -124,6 +124,9 @@ func (a *agent) superviseShrink(ctx context.Context, w *roundWatch, sv *survivor
 					w.p.replace(ad)
 					sv.replaced(ad.groupRank, ad.id)
 				}
+				if len(ev.change.admitted) > 0 {
+					a.gossip.expect(w.p.gossip)
+				}
 				n, err := sv.nodesLost(ctx, ev.change.lost, "its rendezvous keep-alive lapsed", true)
 				a.endpoint.FailureReported(ReportNode, n)
 				if err != nil {

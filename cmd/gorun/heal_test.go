@@ -59,6 +59,47 @@ func testMultiNodeHeal(t *testing.T, at placement) {
 	}
 }
 
+// TestMultiNodeHealReplacementLost: a replacement admitted in a lost
+// node's place is watched as the node it replaced was: SIGKILLed in its
+// turn, it is found lost by node liveness (in about a second), not by the
+// rendezvous keep-alive's window (15 s), and a second replacement takes
+// its place. (The survivor's gossip went on expecting the first lost
+// node's name only: in the chaos harness's runs an agent killed after a
+// heal cost the job 11–15 s.)
+func TestMultiNodeHealReplacementLost(t *testing.T) {
+	const nodes, nproc, steps = 2, 2, 6000 // 30 s of steps
+	j := startShrinkJobAt(t, loopback(t), nodes, nproc, steps, "--regrow", "on", "--respawn-backoff", "0.1")
+	j.agents[1].cmd.Process.Signal(syscall.SIGKILL)
+	j.agents[1].exitCode(t, 10*time.Second)
+	j.await(t, "]:shrink epoch=1 world=2 excluded=[2 3]", 2, 30*time.Second)
+	first := j.start(t, 1)
+	j.await(t, "]:grow epoch=2 world=4 added=[2 3]", 4, 30*time.Second)
+
+	lost := time.Now()
+	first.cmd.Process.Signal(syscall.SIGKILL)
+	first.exitCode(t, 10*time.Second)
+	j.await(t, "]:shrink epoch=3 world=2 excluded=[2 3]", 2, 30*time.Second)
+	took := time.Since(lost)
+	t.Logf("the replacement lost → the survivors shrunk: %v", took.Round(time.Millisecond))
+	byLiveness := false
+	for _, l := range strings.Split(j.agents[0].stderr.String(), "\n") {
+		if strings.Contains(l, "nodes lost; reporting their ranks") && strings.Contains(l, "_"+strconv.Itoa(first.cmd.Process.Pid)+"_") {
+			byLiveness = byLiveness || strings.Contains(l, `"why": "node liveness`)
+		}
+	}
+	if !byLiveness || took > 8*time.Second {
+		t.Errorf("the replacement's loss found after %v, by node liveness %v (the keep-alive's window is 15 s)\n%s", took, byLiveness, j.report())
+	}
+	second := j.start(t, 1)
+	j.await(t, "]:grow epoch=4 world=4 added=[2 3]", 4, 30*time.Second)
+	j.expectExit0(t, []*agentProc{j.agents[0], second})
+	for _, m := range doneRE.FindAllStringSubmatch(j.output(), -1) {
+		if m[2] != "4" || m[3] != strconv.Itoa(steps) || m[4] != "10" {
+			t.Errorf("%s: want world=4 steps=%d sum=10", m[0], steps)
+		}
+	}
+}
+
 // await waits until the job's output holds n lines containing s.
 func (j *shrinkJob) await(t *testing.T, s string, n int, within time.Duration) {
 	t.Helper()
