@@ -1,6 +1,7 @@
 package rendezvous
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"testing"
@@ -88,5 +89,51 @@ func TestReadOutcomeUnknown(t *testing.T) {
 				t.Fatalf("Next: %+v, %v (answers lost %d); want a round of one after one lost answer", r, err, m.lost)
 			}
 		})
+	}
+}
+
+// TestLockOutcomeUnknown: a compare-set of the folder lock whose outcome
+// the store cannot tell is settled by reading the lock back: held when
+// it holds this node's value; otherwise a take goes on as after any look
+// that found the lock free (and takes it), and a renewal is not held. It
+// used to fail the node's
+// Next: at 512 agents on etcd one agent exited on "folder lock: …
+// whether the write was applied is unknown", and the job never started
+// its worker.
+func TestLockOutcomeUnknown(t *testing.T) {
+	for _, renew := range []bool{false, true} {
+		for _, apply := range []bool{true, false} {
+			t.Run(fmt.Sprintf("renew=%v/applied=%v", renew, apply), func(t *testing.T) {
+				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+				defer cancel()
+				m := &lostAnswerStore{memStore: newMemStore(), creates: !renew, apply: apply}
+				d, err := NewDynamic(m, nd(0), nil, DynamicConfig{RunID: "job", MinNodes: 1, MaxNodes: 64})
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer d.Close()
+				var mine []byte
+				if renew {
+					if mine, _, err = d.lock(ctx, nil, nil); err != nil || mine == nil {
+						t.Fatalf("taking the lock: %q, %v", mine, err)
+					}
+				}
+				m.key = d.key + lockSuffix
+				got, held, err := d.lock(ctx, mine, nil)
+				if want := apply || !renew; err != nil || held != want || m.lost != 1 {
+					t.Fatalf("lock: held %v, %v (answers lost %d); want held %v, no error", held, err, m.lost, want)
+				}
+				cur, err := d.readLock(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if held != bytes.Equal(cur, got) {
+					t.Fatalf("the lock holds %q; the node says it holds it (%v) with %q", cur, held, got)
+				}
+				if !held && !bytes.Equal(cur, mine) {
+					t.Fatalf("a renewal not applied: the lock holds %q, want the old value %q", cur, mine)
+				}
+			})
+		}
 	}
 }

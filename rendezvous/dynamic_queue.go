@@ -582,7 +582,7 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte, look *lockLook) ([]byte
 		expected = cur // nil: absent, which a compare-set expecting nothing creates
 	default:
 		// A compare-set expecting nothing creates the key, or reads it.
-		cur, err := d.store.CompareSet(ctx, key, nil, want.bytes())
+		cur, err := d.compareSetLock(ctx, key, nil, want.bytes())
 		if err != nil {
 			return nil, false, fmt.Errorf("folder lock: %w", err)
 		}
@@ -596,12 +596,29 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte, look *lockLook) ([]byte
 	}
 	b := want.bytes()
 	start := d.now()
-	cur, err := d.store.CompareSet(ctx, key, expected, b)
+	cur, err := d.compareSetLock(ctx, key, expected, b)
 	if err != nil {
 		return nil, false, fmt.Errorf("folder lock: %w", err)
 	}
 	d.observe(start)
 	return b, bytes.Equal(cur, b), nil
+}
+
+// compareSetLock is the folder lock's compare-set. Where the store cannot
+// tell whether it applied it (ErrOutcomeUnknown: its answer lost, and the
+// lease of the token that would tell gone with it, on a busy etcd), the
+// lock is read back: the value is this node's own, to the nanosecond, so
+// the lock holding it says the write applied, and anything else that it
+// did not (or was taken over since); either way the caller compares what
+// it returns with its own value. The error ended the node's rendezvous:
+// at 512 agents on etcd one agent exited so at its first fold, and the
+// job waited for its worker to the end.
+func (d *Dynamic) compareSetLock(ctx context.Context, key string, expected, want []byte) ([]byte, error) {
+	cur, err := d.store.CompareSet(ctx, key, expected, want)
+	if !errors.Is(err, ErrOutcomeUnknown) {
+		return cur, err
+	}
+	return d.peek(ctx, key, lockValue{holder: lockFree}.bytes())
 }
 
 // gatherFor is how long a pass may gather a crowd's joins before it
