@@ -211,8 +211,9 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		// The rendezvous state, its request queue and folder lock are
 		// only read, compare-set, pushed and popped, by every node at
 		// every join and heartbeat: no node's watch need carry them to
-		// every other.
-		Unwatched: rendezvous.DynamicUnwatched(e.job.runID),
+		// every other. Nor the exit barrier's counters (exitTree), which
+		// every node adds to once and nobody waits on.
+		Unwatched: append(rendezvous.DynamicUnwatched(e.job.runID), exitTreeRun(e.job.runID)+"*"),
 		Lease:     e.live.Lease,
 	})
 	if err != nil {

@@ -629,22 +629,38 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 }
 
 // exitBarrier waits for the round's nodes (p.barrierGroup) at the exit
-// barrier. Without a job secret it is the store's barrier, a counter, as
-// torchrun's. With one, a forged increment must not end it early: that
+// barrier. Without a job secret it is a tree of counters (exitTree), not
+// the one counter every node adds to of torchrun's. With one, a forged
+// increment must not end it early: that
 // would close the job as a success while other nodes' workers still run.
 // So each node's arrival is a sealed record of its own, exit_barrier/<g>,
 // and the counter beside it only says when to look: the node whose count
 // reaches the nodes expected reads every arrival and, when all are there
 // and genuine, seals the barrier's end, which the others wait for (a
 // forged end is waited past by the sealed read). A node's cost stays a few
-// requests; the one that counts last reads the arrivals once.
+// requests; the one that counts last reads the arrivals once. Either way
+// a node with no place in the group only waits for the end.
 func (j *jobNode) exitBarrier(ctx context.Context, p *plan) error {
 	rs := j.round.Store(j.store, j.runID)
 	group := p.barrierGroup()
-	if j.sealed == nil || len(p.assignments) == 0 {
-		return rs.Barrier(ctx, "exit_barrier", int64(len(group)))
+	const end = exitBarrierEnd
+	at := -1
+	if len(p.assignments) > 0 {
+		at = slices.Index(group, p.assignments[0].GroupRank)
 	}
-	const end = "exit_barrier/end"
+	switch {
+	case at < 0:
+		if err := rs.Wait(ctx, end); err != nil {
+			return err
+		}
+		_, err := rs.Get(ctx, end) // sealed: a forged end is not the end
+		return err
+	case j.sealed == nil:
+		if err := exitTree(ctx, j.store, rs, exitTreePrefix(j.runID, j.round.Number), at, len(group)); err != nil {
+			return err
+		}
+		return rs.Wait(ctx, end)
+	}
 	me := p.assignments[0].GroupRank
 	if err := rs.Set(ctx, "exit_barrier/"+strconv.Itoa(me), []byte("arrived")); err != nil {
 		return err
@@ -671,6 +687,53 @@ func (j *jobNode) exitBarrier(ctx context.Context, p *plan) error {
 	}
 	_, err = rs.Get(ctx, end)
 	return err
+}
+
+// exitBarrierEnd is the exit barrier's end, in the round's store: every
+// node waits for it.
+const exitBarrierEnd = "exit_barrier/end"
+
+// exitFanIn is how many nodes (or groups of the level below) share one
+// counter of the exit barrier's tree.
+const exitFanIn = 8
+
+// exitTreePrefix is where the exit barrier's counters of run runID's
+// round lie in the job's store: outside the round's own prefix, so that
+// an etcd Storage can keep them out of every agent's watch (etcd.go's
+// Unwatched: nobody waits on them).
+func exitTreePrefix(runID string, round int) string {
+	return exitTreeRun(runID) + strconv.Itoa(round) + "/"
+}
+
+// exitTreeRun is the prefix of run runID's exit barrier counters.
+func exitTreeRun(runID string) string { return "gorun.exit_barrier." + runID + "." }
+
+// exitTree is one node's arrival at the exit barrier, the node at
+// position at of a group of n: it adds to the counter of its group of
+// exitFanIn; the node whose add completes the group carries it to the
+// level above, and the one that completes the root writes the end
+// (exitBarrierEnd) in the round's store rs. One counter that every node
+// adds to is what torchrun's barrier is, and on etcd an add is a
+// compare-set: 512 agents adding to one key at once cost hundreds of
+// failed attempts a success, each a Raft proposal; the counter rose at
+// 3.7 a second and a 512-agent job took 2.5 minutes to end
+// (BENCHMARKS.md, issue 19). Here a counter has at most exitFanIn
+// contenders and the end is written once. Only the add that makes a
+// counter exactly full carries on, so a group is carried once.
+func exitTree(ctx context.Context, counters, rs rendezvous.Store, prefix string, at, n int) error {
+	for level := 0; n > 1; level++ {
+		group := at / exitFanIn
+		members := min(exitFanIn, n-group*exitFanIn)
+		c, err := counters.Add(ctx, prefix+strconv.Itoa(level)+"/"+strconv.Itoa(group), 1)
+		if err != nil {
+			return fmt.Errorf("exit barrier: %w", err)
+		}
+		if c != int64(members) {
+			return nil
+		}
+		at, n = group, (n+exitFanIn-1)/exitFanIn
+	}
+	return rs.Set(ctx, exitBarrierEnd, []byte("every node arrived"))
 }
 
 // seenClosed tells the store's host that this node has seen the job
