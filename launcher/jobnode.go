@@ -144,7 +144,7 @@ func (j *jobNode) start(ctx context.Context) error {
 	// a round completes one read gets it (with rank 0's worker store, for
 	// c10d: fillPlan): the round trips after completion are what a large
 	// job waits for, every node asking the one store at once.
-	if _, err := j.store.CompareSet(ctx, j.restartsKey(), nil, []byte("0")); err != nil {
+	if err := createOnce(ctx, j.store, j.restartsKey(), []byte("0")); err != nil {
 		if errors.Is(err, rendezvous.ErrSealedRecord) {
 			return errNoSecret() // the restart count is sealed too
 		}
@@ -686,6 +686,20 @@ func (j *jobNode) exitBarrier(ctx context.Context, p *plan) error {
 		return err
 	}
 	_, err = rs.Get(ctx, end)
+	return err
+}
+
+// createOnce creates key with value v unless it exists: a create-only
+// compare-set of a constant, safe to send again, so a store that lost its
+// answer and cannot tell whether it applied it (ErrOutcomeUnknown: etcd,
+// a token's lease gone under a busy member) is asked once more. At 512
+// agents on etcd that error ended three agents at the job's restart
+// counter, and the round of 512 never completed.
+func createOnce(ctx context.Context, s rendezvous.Store, key string, v []byte) error {
+	_, err := s.CompareSet(ctx, key, nil, v)
+	if errors.Is(err, rendezvous.ErrOutcomeUnknown) {
+		_, err = s.CompareSet(ctx, key, nil, v)
+	}
 	return err
 }
 
