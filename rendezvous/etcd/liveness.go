@@ -90,6 +90,9 @@ type Liveness struct {
 	closeOnce sync.Once
 	mu        sync.Mutex
 	lease     clientv3.LeaseID
+	// granted is when the lease was asked for: its TTL runs from then at
+	// the earliest, not from when the grant and the key's put answered.
+	granted time.Time
 	// nodes are the nodes the news named, by name.
 	nodes  map[string]*presence
 	rev    int64 // the news's revision the view reflects
@@ -154,6 +157,7 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 // register grants a lease and puts this node's key on it, returning the
 // put's revision.
 func (l *Liveness) register(ctx context.Context) (int64, error) {
+	asked := time.Now() // the lease's TTL runs from no earlier than this
 	g, err := l.cli.Grant(ctx, l.ttl)
 	if err != nil {
 		return 0, fmt.Errorf("%w: etcd lease for %s: %w", rendezvous.ErrUnavailable, l.key, err)
@@ -166,7 +170,7 @@ func (l *Liveness) register(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("%w: etcd presence key %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
 	l.mu.Lock()
-	l.lease = g.ID
+	l.lease, l.granted = g.ID, asked
 	if g.TTL > 0 {
 		l.ttl = g.TTL // etcd may raise it to its minimum
 	}
@@ -190,6 +194,13 @@ func (l *Liveness) Lease(ctx context.Context) (clientv3.LeaseID, error) {
 		return clientv3.NoLease, fmt.Errorf("%w: the etcd liveness of %s is closed", rendezvous.ErrClosed, l.key)
 	}
 	return l.lease, nil
+}
+
+// grantedAt is when the current lease was asked for.
+func (l *Liveness) grantedAt() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.granted
 }
 
 // TTL returns the lease's time to live as etcd granted it.
@@ -295,12 +306,16 @@ func (l *Liveness) revoke(ctx context.Context) error {
 // unused, and it cannot tell an expired lease from a slow stream.
 func (l *Liveness) keepAliveLoop() {
 	defer l.wg.Done()
-	lastOK := time.Now()
+	// The first renewal is due a third of the TTL after the grant was
+	// asked for, not after the loop starts: on a busy etcd the grant and
+	// the put took seconds, and leases expired before their first
+	// renewal (45 of 512 agents in one start).
+	lastOK := l.grantedAt()
 	for {
 		ttl := l.TTL()
-		wait := ttl / 3
-		if time.Since(lastOK) > ttl/3 {
-			wait = min(wait, 100*time.Millisecond) // failing: try again soon
+		wait := time.Until(lastOK.Add(ttl / 3))
+		if wait <= 0 {
+			wait = min(ttl/3, 100*time.Millisecond) // failing, or due already: soon
 		}
 		select {
 		case <-l.ctx.Done():
@@ -341,7 +356,7 @@ func (l *Liveness) keepAliveLoop() {
 				}()
 			}
 			if err == nil {
-				lastOK = time.Now()
+				lastOK = l.grantedAt()
 				break
 			}
 			select {

@@ -394,3 +394,36 @@ func TestLivenessNewsTwice(t *testing.T) {
 		t.Fatalf("z's second departure not reported: %v", lost)
 	}
 }
+
+// TestLivenessFirstRenewalFromTheGrant: a registration whose put of the
+// presence key answers late (a busy etcd) has spent part of its lease's
+// TTL by then; the first renewal is due a third of the TTL after the
+// grant was asked for, not after the registration returned, and the lease
+// lives on. (Renewing a third of the TTL after the return let 45 of 512
+// agents' leases expire before their first renewal.)
+func TestLivenessFirstRenewalFromTheGrant(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	const ttl = 4 * time.Second
+	var delayed atomic.Bool
+	cli := interceptedClient(t, cluster, func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if put, ok := req.(*etcdserverpb.PutRequest); ok && put.Lease != 0 && delayed.CompareAndSwap(false, true) {
+			time.Sleep(ttl * 8 / 10) // the presence key's first put answers late
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	})
+	ctx := testCtx(t, 20*time.Second)
+	l, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: "a", TTL: ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close(context.Background()) })
+	if l.TTL() != ttl {
+		t.Skipf("etcd granted a TTL of %v, not %v", l.TTL(), ttl)
+	}
+	first := l.LeaseID()
+	time.Sleep(ttl + ttl/2)
+	if got := l.LeaseID(); got != first {
+		t.Fatalf("the lease %x expired before its first renewal (now %x)", first, got)
+	}
+}
