@@ -629,10 +629,10 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 }
 
 // exitBarrier waits for the round's nodes (p.barrierGroup) at the exit
-// barrier. Without a job secret it is a tree of counters (exitTree), not
-// the one counter every node adds to of torchrun's. With one, a forged
-// increment must not end it early: that
-// would close the job as a success while other nodes' workers still run.
+// barrier. Without a job secret it is a tree of counters (exitTree);
+// torchrun's is one counter that every node adds to. With a secret, a
+// forged increment must not end it early: that would close the job as a
+// success while other nodes' workers still run.
 // So each node's arrival is a sealed record of its own, exit_barrier/<g>,
 // and the counter beside it only says when to look: the node whose count
 // reaches the nodes expected reads every arrival and, when all are there
