@@ -404,9 +404,9 @@ func (l *Liveness) announce(ctx context.Context, word, name string, keyRev int64
 // up to the lease's TTL.
 const announceRetry = 250 * time.Millisecond
 
-// heard reports whether the view has heard news of name's key at
-// revision keyRev or later, or that it is lost (word newsLost) from a
-// later news.
+// heard reports whether the view holds news of word (lost or back) about
+// name's key at revision keyRev or later: announce's own news, landed
+// although its put timed out, or a later one.
 func (l *Liveness) heard(word, name string, keyRev int64) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
