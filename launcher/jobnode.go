@@ -597,96 +597,108 @@ func countRestart(ctx context.Context, s rendezvous.Store, key string, round int
 // finish ends the job with this node's outcome: after a success it waits
 // for the other nodes at the exit barrier (torchrun's: a node that
 // finishes first must not look lost to the others), then it records the
-// outcome and closes the rendezvous so that no node starts another round.
+// outcome and closes the rendezvous so that no node starts another round
+// (closeJob). The node that ends the barrier closes the job before it
+// does, so that the others find the run closed in one read.
 func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
+	outcome := outcomeFailed
+	if ok {
+		outcome = outcomeSucceeded
+	}
 	if ok {
 		bctx, cancel := context.WithTimeout(ctx, j.cfg.ExitBarrierTimeout)
 		deadline, _ := bctx.Deadline()
 		stop := announceWait(j.log, "the other nodes at the exit barrier", deadline, zap.Int("nodes", p.atBarrier()))
-		err := j.exitBarrier(bctx, p)
+		err := j.exitBarrier(bctx, p, func(ctx context.Context) { j.closeJob(ctx, outcome) })
 		stop()
 		cancel()
 		if err != nil {
 			j.log.Warn("exit barrier: not every node finished in time", zap.Error(err))
 		}
 	}
-	outcome := outcomeFailed
-	if ok {
-		outcome = outcomeSucceeded
-	}
-	// The others learn the end from these writes, even when a stop signal
-	// ended the barrier: they are made whatever ctx says, within a bound.
+	j.closeJob(ctx, outcome)
+	j.seenClosed(ctx)
+}
+
+// closeJob records the job's outcome (the first one stays; later ones
+// agree or come too late) and closes the rendezvous. The others learn the
+// end from these writes, so they are made whatever ctx says (a stop signal
+// that ended the barrier), within closeWritesTimeout.
+func (j *jobNode) closeJob(ctx context.Context, outcome string) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeWritesTimeout)
 	defer cancel()
-	// The first outcome stays; later ones agree or come too late.
 	if _, err := j.store.CompareSet(ctx, j.outcomeKey(), nil, []byte(outcome)); err != nil {
 		j.log.Debug("recording the job's outcome", zap.Error(err))
 	}
 	if err := j.dyn.SetClosed(ctx); err != nil {
 		j.log.Debug("closing the rendezvous", zap.Error(err))
 	}
-	j.seenClosed(ctx)
 }
 
 // exitBarrier waits for the round's nodes (p.barrierGroup) at the exit
-// barrier. Without a job secret it is a tree of counters (exitTree);
-// torchrun's is one counter that every node adds to. With a secret, a
-// forged increment must not end it early: that would close the job as a
-// success while other nodes' workers still run.
-// So each node's arrival is a sealed record of its own, exit_barrier/<g>,
-// and the counter beside it only says when to look: the node whose count
-// reaches the nodes expected reads every arrival and, when all are there
-// and genuine, seals the barrier's end, which the others wait for (a
-// forged end is waited past by the sealed read). A node's cost stays a few
-// requests; the one that counts last reads the arrivals once. Either way
-// a node with no place in the group only waits for the end.
-func (j *jobNode) exitBarrier(ctx context.Context, p *plan) error {
+// barrier: a tree of counters (exitTree), where torchrun's is one counter
+// that every node adds to. The node whose arrival completes it calls
+// ending, then writes the end (exitBarrierEnd), which every node waits
+// for; a node with no place in the group only waits for the end.
+//
+// With a job secret, a forged count or end must not end it early: that
+// would close the job as a success while other nodes' workers still run.
+// So each node's arrival is also a sealed record of its own,
+// exit_barrier/<g>, and the counters only say when to look: a node that
+// completes the tree reads every arrival and ends the barrier only when
+// all are there and genuine (a forged count can bring a node there early;
+// the last genuine arrival still completes the tree after it), and the end
+// is sealed (a forged end is waited past by the sealed read). A node's
+// cost stays a few requests; the one that completes the tree reads the
+// arrivals once.
+func (j *jobNode) exitBarrier(ctx context.Context, p *plan, ending func(context.Context)) error {
 	rs := j.round.Store(j.store, j.runID)
 	group := p.barrierGroup()
-	const end = exitBarrierEnd
 	at := -1
 	if len(p.assignments) > 0 {
 		at = slices.Index(group, p.assignments[0].GroupRank)
 	}
-	switch {
-	case at < 0:
-		if err := rs.Wait(ctx, end); err != nil {
+	if at >= 0 {
+		if err := j.arriveAtExit(ctx, rs, group, at, ending); err != nil {
 			return err
 		}
-		_, err := rs.Get(ctx, end) // sealed: a forged end is not the end
+	}
+	if err := rs.Wait(ctx, exitBarrierEnd); err != nil {
 		return err
-	case j.sealed == nil:
-		if err := exitTree(ctx, j.store, rs, exitTreePrefix(j.runID, j.round.Number), at, len(group)); err != nil {
+	}
+	if j.sealed == nil {
+		return nil
+	}
+	_, err := rs.Get(ctx, exitBarrierEnd) // sealed: a forged end is not the end
+	return err
+}
+
+// arriveAtExit is this node's arrival at the exit barrier, at position at
+// of group, and its end if this arrival completes it (see exitBarrier).
+func (j *jobNode) arriveAtExit(ctx context.Context, rs rendezvous.Store, group []int, at int, ending func(context.Context)) error {
+	arrival := func(g int) string { return "exit_barrier/" + strconv.Itoa(g) }
+	if j.sealed != nil {
+		if err := rs.Set(ctx, arrival(group[at]), []byte("arrived")); err != nil {
 			return err
 		}
-		return rs.Wait(ctx, end)
 	}
-	me := p.assignments[0].GroupRank
-	if err := rs.Set(ctx, "exit_barrier/"+strconv.Itoa(me), []byte("arrived")); err != nil {
+	last, err := exitTree(ctx, j.store, exitTreePrefix(j.runID, j.round.Number), at, len(group))
+	if err != nil || !last {
 		return err
 	}
-	n, err := rs.Add(ctx, "exit_barrier", 1)
-	if err != nil {
-		return err
-	}
-	if n >= int64(len(group)) {
+	if j.sealed != nil {
 		keys := make([]string, len(group))
 		for i, g := range group {
-			keys[i] = "exit_barrier/" + strconv.Itoa(g)
+			keys[i] = arrival(g)
 		}
-		all, err := rs.Check(ctx, keys...)
-		if err != nil {
-			return err
-		}
-		if all {
-			return rs.Set(ctx, end, []byte("every node arrived"))
+		if all, err := rs.Check(ctx, keys...); err != nil || !all {
+			return err // a forged count brought this node here early
 		}
 	}
-	if err := rs.Wait(ctx, end); err != nil {
-		return err
+	if ending != nil {
+		ending(ctx)
 	}
-	_, err = rs.Get(ctx, end)
-	return err
+	return rs.Set(ctx, exitBarrierEnd, []byte("every node arrived"))
 }
 
 // createOnce creates key with value v unless it exists: a create-only
@@ -722,32 +734,34 @@ func exitTreePrefix(runID string, round int) string {
 // exitTreeRun is the prefix of run runID's exit barrier counters.
 func exitTreeRun(runID string) string { return "gorun.exit_barrier." + runID + "." }
 
-// exitTree is one node's arrival at the exit barrier, the node at
-// position at of a group of n: it adds to the counter of its group of
-// exitFanIn; the node whose add completes the group carries it to the
-// level above, and the one that completes the root writes the end
-// (exitBarrierEnd) in the round's store rs. One counter that every node
-// adds to is what torchrun's barrier is, and on etcd an add is a
+// exitTree counts one node's arrival at the exit barrier, the node at
+// position at of a group of n, and reports whether the arrival completed
+// the tree. The node adds to the counter of its group of exitFanIn; the
+// node whose add completes the group carries it to the level above, and
+// the one that completes the root's is told so. One counter that every
+// node adds to is what torchrun's barrier is, and on etcd an add is a
 // compare-set: 512 agents adding to one key at once cost hundreds of
 // failed attempts a success, each a Raft proposal; the counter rose at
 // 3.7 a second and a 512-agent job took 2.5 minutes to end
 // (BENCHMARKS.md, issue 19). Here a counter has at most exitFanIn
-// contenders and the end is written once. Only the add that makes a
-// counter exactly full carries on, so a group is carried once.
-func exitTree(ctx context.Context, counters, rs rendezvous.Store, prefix string, at, n int) error {
+// contenders. An add that finds its counter full carries on, so the last
+// add to every counter does, whatever extra adds a forger made: the last
+// arrival always completes the tree (and without a forger exactly one
+// add to each counter carries).
+func exitTree(ctx context.Context, counters rendezvous.Store, prefix string, at, n int) (bool, error) {
 	for level := 0; n > 1; level++ {
 		group := at / exitFanIn
 		members := min(exitFanIn, n-group*exitFanIn)
 		c, err := counters.Add(ctx, prefix+strconv.Itoa(level)+"/"+strconv.Itoa(group), 1)
 		if err != nil {
-			return fmt.Errorf("exit barrier: %w", err)
+			return false, fmt.Errorf("exit barrier: %w", err)
 		}
-		if c != int64(members) {
-			return nil
+		if c < int64(members) {
+			return false, nil
 		}
 		at, n = group, (n+exitFanIn-1)/exitFanIn
 	}
-	return rs.Set(ctx, exitBarrierEnd, []byte("every node arrived"))
+	return true, nil
 }
 
 // seenClosed tells the store's host that this node has seen the job

@@ -136,7 +136,7 @@ func TestExitBarrierForgedArrival(t *testing.T) {
 				done := make(chan error, 1)
 				j := node()
 				p := &plan{assignments: []Assignment{{GroupRank: g, GroupWorldSize: 3}}}
-				go func() { done <- j.exitBarrier(ctx, p) }()
+				go func() { done <- j.exitBarrier(ctx, p, nil) }()
 				return done
 			}
 			first, second := arrive(0), arrive(1)
@@ -146,16 +146,7 @@ func TestExitBarrierForgedArrival(t *testing.T) {
 			if err := round.Store(dial(), "job").Set(ctx, exitBarrierEnd, []byte("every node arrived")); err != nil {
 				t.Fatal(err)
 			}
-			early := false
-			select {
-			case err := <-first:
-				if err != nil {
-					t.Fatal(err)
-				}
-				early = true
-			case <-time.After(500 * time.Millisecond):
-			}
-			if early != (secret == nil) {
+			if early := leftWithin(t, first, 500*time.Millisecond); early != (secret == nil) {
 				t.Fatalf("the forged increment ended the barrier early: %v; want %v", early, secret == nil)
 			}
 			if secret == nil {
@@ -164,16 +155,7 @@ func TestExitBarrierForgedArrival(t *testing.T) {
 			if err := <-arrive(2); err != nil {
 				t.Fatal(err)
 			}
-			for i, c := range []<-chan error{first, second} {
-				select {
-				case err := <-c:
-					if err != nil {
-						t.Fatalf("node %d: %v", i, err)
-					}
-				case <-ctx.Done():
-					t.Fatalf("node %d still waits after every node arrived", i)
-				}
-			}
+			allLeave(ctx, t, first, second)
 		})
 	}
 }

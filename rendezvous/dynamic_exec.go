@@ -496,7 +496,11 @@ func (d *Dynamic) Admit(ctx context.Context, ranks ...int) ([]NodeDesc, error) {
 
 // SetClosed marks the run closed: the job is done, and every node's Next
 // fails with ErrRendezvousClosed from now on, the waiting ones at once.
-// It gives up after CloseTimeout.
+// It gives up after CloseTimeout. In queue mode a run the marker already
+// shows closed is left as it is, for one read of the marker: at a job's
+// end every node closes the run, and 512 of them each reading the whole
+// state (on etcd a Raft proposal with an O(N) answer) held etcd long
+// enough to let hundreds of their leases lapse.
 func (d *Dynamic) SetClosed(ctx context.Context) error {
 	d.op.Lock()
 	defer d.op.Unlock()
@@ -505,12 +509,31 @@ func (d *Dynamic) SetClosed(ctx context.Context) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.CloseTimeout)
 	defer cancel()
 	deadline := d.now().Add(d.cfg.CloseTimeout)
+	if closed, err := d.markedClosed(ctx); err != nil || closed {
+		return d.fail("set closed", err)
+	}
 	snap, err := d.read(ctx)
 	if err == nil {
 		closeOp := func(s *dynState, now time.Time) action { return nextCloseAction(s, now, deadline) }
 		_, err = d.run(ctx, snap, "close", deadline, []decider{closeOp}, nil, nil, 0)
 	}
 	return d.fail("set closed", err)
+}
+
+// markedClosed reports whether the marker shows the run closed, in queue
+// mode. The marker is published after the state is written, so a marker
+// that says closed is never ahead of the state; one that does not may be
+// behind it, and then the state is read.
+func (d *Dynamic) markedClosed(ctx context.Context) (bool, error) {
+	if d.noQueue.Load() {
+		return false, nil
+	}
+	b, err := d.peek(ctx, d.key+markerSuffix, emptyMarker)
+	if err != nil {
+		return false, err
+	}
+	var m marker
+	return json.Unmarshal(b, &m) == nil && m.Pub > 0 && m.Closed, nil
 }
 
 // Leave takes this node out of the run (out of its round, or out of the

@@ -3,6 +3,7 @@ package rendezvous
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"slices"
 	"strings"
 	"sync"
@@ -106,6 +107,33 @@ func (p *peekMemStore) casOf(k string) int {
 	return p.cas[k]
 }
 
+// bubbleRound joins n nodes to run "job" in p at once, min = max = n,
+// each given only its share of the round, and returns their handles once
+// every node has its rank (node i rank i) within two minutes.
+func bubbleRound(t *testing.T, p *peekMemStore, n int) []*Dynamic {
+	t.Helper()
+	ds := make([]*Dynamic, n)
+	for i := range ds {
+		d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { d.Close() })
+		ds[i] = d
+	}
+	start := time.Now()
+	chs := make([]<-chan bubbleResult, n)
+	for i, d := range ds {
+		chs[i] = goNext(d, start)
+	}
+	for i, ch := range chs {
+		if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > 2*time.Minute {
+			t.Fatalf("node %d: %+v (%v)", i, x, x.err)
+		}
+	}
+	return ds
+}
+
 // TestBubblePeeks: on a store that peeks, a crowd's nodes read their
 // views and the folder lock without a compare-set (on etcd one is a Raft
 // proposal even when it fails): only the publishers compare-set the
@@ -130,25 +158,7 @@ func TestBubblePeeks(t *testing.T) {
 				if tc.slow > 0 {
 					p.slowKey, p.slow = key, tc.slow
 				}
-				ds := make([]*Dynamic, n)
-				for i := range ds {
-					d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
-					if err != nil {
-						t.Fatal(err)
-					}
-					t.Cleanup(func() { d.Close() })
-					ds[i] = d
-				}
-				start := time.Now()
-				chs := make([]<-chan bubbleResult, n)
-				for i, d := range ds {
-					chs[i] = goNext(d, start)
-				}
-				for i, ch := range chs {
-					if x := <-ch; x.err != nil || x.r.Rank != i || x.r.Size != n || x.at > 2*time.Minute {
-						t.Fatalf("node %d: %+v (%v)", i, x, x.err)
-					}
-				}
+				ds := bubbleRound(t, p, n)
 				p.mu.Lock()
 				writes := p.writes[key]
 				p.mu.Unlock()
@@ -543,4 +553,41 @@ func TestBubblePushPeeksLock(t *testing.T) {
 			})
 		})
 	}
+}
+
+// TestBubbleCloseReadsTheMarker: at a job's end every node closes the
+// run. Once one has, the others find it closed in the marker and leave
+// the state alone: 512 agents each reading the whole state (on etcd a
+// compare-set, a Raft proposal with an O(N) answer) at the job's end let
+// hundreds of their leases lapse. The run is closed for all of them all
+// the same.
+func TestBubbleCloseReadsTheMarker(t *testing.T) {
+	const n = 40
+	synctest.Test(t, func(t *testing.T) {
+		p := newPeekMemStore()
+		key := "gorun.rendezvous.job"
+		ds := bubbleRound(t, p, n)
+		ctx := t.Context()
+		before := p.casOf(key)
+		if err := ds[0].SetClosed(ctx); err != nil {
+			t.Fatal(err)
+		}
+		first := p.casOf(key) - before
+		if first == 0 {
+			t.Fatal("the first close did not write the state")
+		}
+		for i, d := range ds[1:] {
+			if err := d.SetClosed(ctx); err != nil {
+				t.Fatalf("node %d: %v", i+1, err)
+			}
+		}
+		if c := p.casOf(key) - before - first; c != 0 {
+			t.Errorf("%d compare-sets of the state by %d nodes closing a closed run", c, n-1)
+		}
+		for i, d := range ds {
+			if _, err := d.Next(ctx); !errors.Is(err, ErrRendezvousClosed) {
+				t.Fatalf("node %d: Next after the close: %v", i, err)
+			}
+		}
+	})
 }
