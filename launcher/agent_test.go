@@ -89,6 +89,55 @@ func TestAgentWorkerStoreIsLive(t *testing.T) {
 	}
 }
 
+// TestOneNodeWorkerStore: a one-node job serves its workers' store where
+// a TCP store's endpoint says (c10d: torchrun's one node hosts its store
+// there), and on loopback at a free port where the endpoint is not a TCP
+// store's: etcd's (the job bound etcd's own address and failed: "worker
+// store on 127.0.0.1:2379: address already in use") or a file store's
+// path.
+func TestOneNodeWorkerStore(t *testing.T) {
+	held, err := net.Listen("tcp", "127.0.0.1:0") // etcd's port, say
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer held.Close()
+	heldPort := held.Addr().(*net.TCPAddr).Port
+	free, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	freePort := free.Addr().(*net.TCPAddr).Port
+	free.Close()
+	for _, tc := range []struct {
+		name, backend, endpoint string
+		conf                    map[string]string
+		port                    int // the store's, or 0: any but heldPort
+	}{
+		{"etcd", "etcd", held.Addr().String(), nil, 0},
+		{"etcd-v2", "etcd-v2", held.Addr().String(), nil, 0},
+		{"c10d file store", "c10d", filepath.Join(t.TempDir(), "store"), map[string]string{"store_type": "file"}, 0},
+		{"c10d", "c10d", fmt.Sprintf("127.0.0.1:%d", freePort), nil, freePort},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := shConfig(t, 1, `echo "$MASTER_ADDR $MASTER_PORT"`)
+			cfg.Rendezvous = RendezvousConfig{Backend: tc.backend, Endpoint: tc.endpoint, RunID: "one", Conf: tc.conf}
+			cfg.MinNodes, cfg.MaxNodes = 1, 1
+			err, out, errs := runAgent(t, cfg, 30*time.Second)
+			if err != nil {
+				t.Fatalf("run: %v\n%s", err, errs)
+			}
+			var addr string
+			var port int
+			if _, err := fmt.Sscanf(strings.TrimPrefix(strings.TrimSpace(out), "[default0]:"), "%s %d", &addr, &port); err != nil {
+				t.Fatalf("stdout %q: %v", out, err)
+			}
+			if addr != "127.0.0.1" || port == heldPort || tc.port != 0 && port != tc.port {
+				t.Errorf("the workers' store at %s:%d (the held port %d, want %d)", addr, port, heldPort, tc.port)
+			}
+		})
+	}
+}
+
 // TestAgentRestartsThenSucceeds: a worker fails on attempt 0; with one
 // restart allowed the job succeeds, and workers see the restart count.
 func TestAgentRestartsThenSucceeds(t *testing.T) {

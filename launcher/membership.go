@@ -230,18 +230,16 @@ func (s *singleNode) next(context.Context) (*plan, error) {
 // attempt, so that every restart begins in a clean namespace whatever
 // PyTorch the workers run (1.13 prefixes keys per attempt; newer versions
 // do not).
+//
+// Where a TCP store's address was given (static: --rdzv-endpoint HOST:PORT
+// or --master-addr and --master-port; c10d: --rdzv-endpoint), the store is
+// served there, as torchrun's one node hosts its rendezvous store. An etcd
+// endpoint is etcd's, and a file store's a path: then the workers, all of
+// them local, find the store on loopback at a free port.
 func (s *singleNode) startStore() (*tcpstore.Server, WorkerEnv, error) {
 	listen, advertise := "127.0.0.1:0", "127.0.0.1"
-	if r := s.cfg.Rendezvous; !r.Standalone {
-		// Static: the user chose the address and port workers use,
-		// --rdzv-endpoint HOST:PORT or --master-addr and --master-port.
-		host, port := r.MasterAddr, r.MasterPort
-		if r.Endpoint != "" {
-			var err error
-			if host, port, err = splitEndpoint(r.Endpoint, -1); err != nil {
-				return nil, WorkerEnv{}, invalidf("--rdzv-endpoint: %w", err)
-			}
-		}
+	if r, rs := s.cfg.Rendezvous, s.cfg.rdzv; !r.Standalone && !IsEtcdBackend(r.Backend) && !rs.fileStore {
+		host, port := rs.host, rs.port
 		listen, advertise = net.JoinHostPort("", strconv.Itoa(port)), host
 		if ip := net.ParseIP(host); ip != nil {
 			// Where the workers are told to reach it, and only there.
