@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -200,6 +201,7 @@ func TestSlowStore(t *testing.T) {
 		{"refused", live, fmt.Errorf("%w: reconnect: connection refused", ErrUnavailable), false},
 		{"reconnecting refused till the deadline", live, fmt.Errorf("%w: reconnect: timeout after 60s (%w): %w", ErrUnavailable, context.DeadlineExceeded, syscall.ECONNREFUSED), false},
 		{"reconnecting timed out (a swamped host's handshake)", live, fmt.Errorf("%w: reconnect: %w: PING timeout after 1s (%w)", ErrUnavailable, ErrTimeout, context.DeadlineExceeded), true},
+		{"reconnecting hung up on till the deadline (a proxy whose server died)", live, fmt.Errorf("%w: reconnect: %w after 100ms (%w): handshake: the server hung up: %w", ErrUnavailable, ErrTimeout, context.DeadlineExceeded, io.EOF), false},
 		{"reset", live, fmt.Errorf("%w: connection closed by the server (%w)", ErrUnavailable, syscall.ECONNRESET), false},
 		{"closed", live, fmt.Errorf("%w (%w)", ErrClosed, ErrTimeout), false},
 		{"caller's context ended", ended, fmt.Errorf("%w: timeout after 2s", ErrTimeout), false},

@@ -10,6 +10,7 @@ package rendezvous
 import (
 	"context"
 	"errors"
+	"io"
 	"syscall"
 	"time"
 )
@@ -55,16 +56,18 @@ var (
 
 // SlowStore reports whether err, which ended a Store operation (or one of
 // the dynamic rendezvous), says the store is slow rather than gone: it
-// ran out of time, on its connection or reconnecting, and nothing refused
-// or reset the connection. A swamped host, or one that hangs, times out;
-// one whose process died refuses (a TCPStore client's reconnecting keeps
-// the refusal in its error). A closed store or handle is not slow. What
+// ran out of time, on its connection or reconnecting, and nothing refused,
+// reset or hung up the connection. A swamped host, or one that hangs,
+// times out; one whose process died refuses, or, behind a proxy that still
+// accepts, hangs up (a TCPStore client's reconnecting keeps the last
+// attempt's failure in its error). A closed store or handle is not slow. What
 // waits out a slow store (the rendezvous, the survivors' agreement) asks
 // this, so that all of it tells the two apart alike.
 func SlowStore(err error) bool {
 	switch {
 	case errors.Is(err, ErrClosed), errors.Is(err, ErrRendezvousClosed), errors.Is(err, errHandleClosed),
-		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+		errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return false
 	}
 	return errors.Is(err, ErrTimeout) || errors.Is(err, context.DeadlineExceeded)
