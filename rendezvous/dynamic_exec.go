@@ -403,11 +403,13 @@ func (d *Dynamic) requestsQueued(ctx context.Context) (bool, error) {
 
 // quickStatus answers Status from the marker alone, in queue mode, when
 // it shows this node's last round complete, as it was at the last look
-// but for the members it names gone (none admitted, nobody waiting, not
-// closed, no heartbeat expired that no fold has judged since): what
-// Status finds on almost every poll, and on the polls after a member is
-// lost, for O(1) bytes (O(lost)) instead of the state's O(N). It reports
-// false when the state must be read.
+// but for the members it names gone or counts rejoining (none admitted,
+// not closed, no heartbeat expired that no fold has judged since, and
+// nobody waiting unless a member is gone: the round is broken then, and
+// the waiting are the next round's, among them every member counted as
+// rejoining, after a restart): what Status finds on almost every poll, and on the
+// polls after a member is lost, for O(1) bytes (O(lost)) instead of the
+// state's O(N). It reports false when the state must be read.
 func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	d.mu.Lock()
 	last, lateSeen := d.last, d.lateSeen
@@ -421,7 +423,8 @@ func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	}
 	var m marker
 	if json.Unmarshal(b, &m) != nil || m.Pub == 0 || m.Round != last.Number || !m.Complete || m.Closed ||
-		m.Participants+len(m.Gone) != last.Size || m.Waiting != 0 || m.Late != lateSeen || len(m.Gone) > 0 && m.Late > 0 {
+		m.Participants+len(m.Gone)+m.Rejoining != last.Size || m.Rejoining > m.Waiting || m.Waiting != 0 && len(m.Gone) == 0 ||
+		m.Late != lateSeen || len(m.Gone) > 0 && m.Late > 0 {
 		return Status{}, false, nil
 	}
 	if now := d.now(); now.After(m.Expires) && !now.Before(m.Expires.Add(d.cfg.HeartbeatInterval())) {
@@ -442,7 +445,7 @@ func (d *Dynamic) quickStatus(ctx context.Context) (Status, bool, error) {
 	}
 	// A member gone is named by the marker (unless someone was admitted
 	// into the round: then the state says who holds which rank).
-	return Status{Round: m.Round, Complete: true, Participants: m.Participants, Lost: m.Gone}, true, nil
+	return Status{Round: m.Round, Complete: true, Participants: m.Participants, Waiting: m.Waiting, Lost: m.Gone}, true, nil
 }
 
 // errNoRound: an operation on the round Next returned, before it did.

@@ -348,11 +348,10 @@ func (d *Dynamic) keepAliveQueued(ctx context.Context) (time.Time, error) {
 	if done, err := d.foldedSince(ctx, now); err != nil || done {
 		return next, err
 	}
-	snap, err := d.read(ctx)
-	if err != nil {
-		return next, err
-	}
-	_, err = d.fold(ctx, snap, nil)
+	// The state is read once the lock is won (fold), not before: at 512
+	// agents restarting, every one whose beat found no fold since read
+	// the whole state, and all but one of them then lost the lock.
+	_, err = d.fold(ctx, nil, nil)
 	return next, err
 }
 
@@ -401,7 +400,8 @@ func (d *Dynamic) mustPush(ctx context.Context, snap *snapshot, q *queued, now t
 // whether it applied any request (snap then holds the state as it last
 // read or wrote it). A look that is not nil is the lock as this node's
 // push found it (push), after which it need not look again before taking
-// it, nor take it if the push did (lock).
+// it, nor take it if the push did (lock). A nil snap is read once the
+// lock is taken, so that the nodes that do not get it read nothing.
 func (d *Dynamic) fold(ctx context.Context, snap *snapshot, look *lockLook) (bool, error) {
 	mine, ok, err := d.lock(ctx, nil, look)
 	if err != nil || !ok {
@@ -409,6 +409,11 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot, look *lockLook) (boo
 	}
 	k := d.keepLock(ctx, mine)
 	defer func() { k.halt(ctx) }()
+	if snap == nil {
+		if snap, err = d.read(ctx); err != nil {
+			return false, err
+		}
+	}
 	applied := false
 	start := d.now()
 	for {

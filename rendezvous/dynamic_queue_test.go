@@ -573,7 +573,8 @@ func (s *bigReads) CompareSet(ctx context.Context, k string, expected, desired [
 // is lost, the others' Status polls name it from the marker (O(lost)
 // bytes), reading neither the state nor the member list (O(N) each); only
 // the folds read the state. At 512 real agents every survivor read both
-// as the loss became known, all at once, on the store's host.
+// as the loss became known, all at once, on the store's host; and again,
+// in restart mode, once the first of them had left the round to rejoin.
 func TestStatusNamesTheLostFromTheMarker(t *testing.T) {
 	synctest.Test(t, func(t *testing.T) {
 		m := newQueueMemStore()
@@ -650,6 +651,57 @@ func TestStatusNamesTheLostFromTheMarker(t *testing.T) {
 				t.Errorf("node %d read the state or the member list %d times to learn of the loss; want none (the marker names it)", i+1, got)
 			}
 		}
+
+		// Nodes 1 and 2 restart, as survivors in restart mode do: each
+		// leaves the round to rejoin and waits in the wait list. The
+		// others' polls still learn of the loss from the marker, which
+		// counts the rejoiners without naming them (at 512 agents it
+		// named every one, and Status, finding nodes waiting, read the
+		// state and the member list instead).
+		rctx, stop := context.WithCancel(ctx)
+		var rejoins sync.WaitGroup
+		for _, d := range ds[1:3] {
+			rejoins.Go(func() { d.Next(rctx) })
+		}
+		defer func() { stop(); rejoins.Wait() }()
+		for {
+			time.Sleep(time.Second)
+			beat()
+			vs, err := m.MultiGet(ctx, ds[0].key+markerSuffix)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var mk marker
+			if err := json.Unmarshal(vs[0], &mk); err != nil {
+				t.Fatal(err)
+			}
+			if mk.Rejoining == 2 {
+				if !slices.Equal(mk.Gone, []NodeDesc{nd(n - 1)}) || mk.Waiting != 2 {
+					t.Fatalf("marker %+v: want node %d gone and the 2 rejoiners waiting", mk, n-1)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the marker never counted nodes 1 and 2 rejoining: %+v", mk)
+			}
+		}
+		for _, c := range counted[3 : n-1] {
+			c.n.Store(0)
+		}
+		for i, d := range ds[3 : n-1] {
+			st, err := d.Status(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Equal(st.Lost, []NodeDesc{nd(n - 1)}) || st.Waiting != 2 || st.Participants != n-3 {
+				t.Fatalf("node %d, while 2 rejoin: Status %+v, want node %d lost, 2 waiting, %d participants", i+3, st, n-1, n-3)
+			}
+		}
+		for i, c := range counted[3 : n-1] {
+			if got := c.n.Load(); got > 0 {
+				t.Errorf("node %d read the state or the member list %d times while others rejoined; want none", i+3, got)
+			}
+		}
 	})
 }
 
@@ -699,6 +751,49 @@ func TestQueuedNextDropsNobody(t *testing.T) {
 		defer mu.Unlock()
 		if slices.Contains(ops, "next") || !slices.Contains(ops, "fold") {
 			t.Errorf("drops told by %v; want node 1's by the fold of the Next's request, none by the Next", ops)
+		}
+	})
+}
+
+// TestKeepAliveReadsTheStateOnlyWithTheLock: a keep-alive whose beat no
+// fold has taken up folds it itself, and reads the state (O(N)) only once
+// it holds the folder lock. While a folder elsewhere holds the lock, no
+// node's keep-alive reads the state: at 512 agents restarting, each one
+// whose beat found no fold read the whole state first, and all but one
+// then lost the lock.
+func TestKeepAliveReadsTheStateOnlyWithTheLock(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		m := newQueueMemStore()
+		const n = 6
+		cfg := DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, QueueMinNodes: 1}
+		var stores []Store
+		var counted []*bigReads
+		for range n {
+			b := &bigReads{Store: m, keys: []string{"gorun.rendezvous.job"}}
+			stores, counted = append(stores, b), append(counted, b)
+		}
+		ds := nodesOn(t, cfg, stores...)
+		joinAll(t, ds)
+		for _, c := range counted {
+			c.n.Store(0)
+		}
+		// A folder elsewhere takes the lock and keeps it, folding nothing,
+		// for three heartbeat intervals.
+		ctx := context.Background()
+		lockKey, start := ds[0].key+lockSuffix, time.Now()
+		held := 3 * ds[0].cfg.HeartbeatInterval()
+		for time.Since(start) < held {
+			v := lockValue{holder: "elsewhere 1", expiry: time.Now().Add(5 * time.Second), start: start}
+			m.Set(ctx, lockKey, v.bytes())
+			time.Sleep(time.Second)
+		}
+		if n, err := m.QueueLen(ctx, ds[0].key+queueSuffix); err != nil || n < int64(2*len(ds)) {
+			t.Fatalf("%d beats queued (%v), want every node's, twice at least: the keep-alives did not run", n, err)
+		}
+		for i, c := range counted {
+			if got := c.n.Load(); got > 0 {
+				t.Errorf("node %d's keep-alive read the state %d times while another held the folder lock; want none", i, got)
+			}
 		}
 	})
 }

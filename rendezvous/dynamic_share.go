@@ -86,8 +86,16 @@ type marker struct {
 	// state itself only if none has started an interval after
 	// (quickStatus).
 	Expires time.Time `json:"expires,omitzero"`
-	// Gone is the state's: whom the complete round lost (dynState.Gone).
+	// Gone is whom the complete round lost: the state's Gone less the
+	// members that left it to rejoin (dynState.Rejoin), who are counted
+	// in Rejoining instead. A restart after a loss sends every survivor
+	// through the wait list; named here, the marker grew with each (O(N)
+	// at the end), and Status, finding nodes waiting, read the whole
+	// state and the member list (511 survivors at once at 512 agents).
 	Gone []NodeDesc `json:"gone,omitempty"`
+	// Rejoining counts the complete round's members that left it to join
+	// the next (the state's Gone and Rejoin both hold them).
+	Rejoining int `json:"rejoining,omitzero"`
 }
 
 // shareEntry is a node's entry in its bucket: its nodeState without the
@@ -173,7 +181,14 @@ func bucketOf(n NodeDesc, nb int) int {
 // marker returns s's header.
 func (s *dynState) marker(cfg DynamicConfig) marker {
 	m := marker{Pub: s.Pub, Round: s.Round, Complete: s.Complete, Closed: s.Closed, Deadline: s.Deadline,
-		Size: s.Size, Wake: s.Wake, Batch: s.Batch, Gone: slices.Clone(s.Gone)}
+		Size: s.Size, Wake: s.Wake, Batch: s.Batch}
+	for _, n := range s.Gone {
+		if s.rejoining(n) {
+			m.Rejoining++
+		} else {
+			m.Gone = append(m.Gone, n)
+		}
+	}
 	drop := cfg.DropTimeout()
 	for _, e := range s.Nodes {
 		if exp := e.Heartbeat.Add(drop); m.Expires.IsZero() || exp.Before(m.Expires) {
@@ -201,9 +216,10 @@ func sameMarker(a, b marker) bool {
 		size                     int
 		wake, batch              uint64
 		participants, wait, late int
+		rejoining                int
 	}
 	key := func(m marker) counts {
-		return counts{m.Round, m.Complete, m.Closed, m.Size, m.Wake, m.Batch, m.Participants, m.Waiting, m.Late}
+		return counts{m.Round, m.Complete, m.Closed, m.Size, m.Wake, m.Batch, m.Participants, m.Waiting, m.Late, m.Rejoining}
 	}
 	return key(a) == key(b) && a.Deadline.Equal(b.Deadline) && a.Expires.Equal(b.Expires) && slices.Equal(a.Gone, b.Gone)
 }

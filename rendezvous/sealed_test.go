@@ -483,7 +483,7 @@ func TestSealDetector(t *testing.T) {
 	if v, err := d.Get(ctx, "plain"); err != nil || string(v) != "p" {
 		t.Fatalf("plain: %q, %v", v, err)
 	}
-	if err := a.Set(ctx, "sealed", []byte("s")); err != nil {
+	if err := setSync(ctx, a, "sealed", "s"); err != nil { // else d's compare-set may overtake it and create the key
 		t.Fatal(err)
 	}
 	for name, op := range map[string]func() error{
