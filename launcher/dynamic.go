@@ -135,7 +135,12 @@ func logProgress(log *zap.Logger, minNodes, maxNodes int, p rendezvous.Progress)
 		fields = append(fields, zap.Time("last_call_ends", p.LastCall))
 	}
 	msg := "rendezvous in progress"
-	if p.Complete {
+	switch {
+	case p.Complete && p.InWaitList:
+		// Not this node's round: it waits for the next one (a restart
+		// whose last members have yet to leave this one, a scale-up).
+		msg = "rendezvous complete without this node; waiting for the next round"
+	case p.Complete:
 		msg = "rendezvous complete"
 	}
 	log.Info(msg, fields...)

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
 
 	"github.com/gorunhq/gorun/rendezvous"
@@ -72,5 +73,28 @@ func TestSlowStoreLogger(t *testing.T) {
 	}
 	if want := []string{"next 1", "keep-alive 3"}; !slices.Equal(got, want) {
 		t.Errorf("logged %q, want %q", got, want)
+	}
+}
+
+// TestLogProgress: a node waiting in the wait list while a round is
+// complete without it says so, rather than "rendezvous complete" alone
+// (at 512 agents restarting, every survivor that left the round early
+// logged that while it waited for the next).
+func TestLogProgress(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		p    rendezvous.Progress
+		want string
+	}{
+		{"gathering", rendezvous.Progress{Round: 1, NumParticipants: 3}, "rendezvous in progress"},
+		{"this node's round complete", rendezvous.Progress{Round: 1, Complete: true, NumParticipants: 4}, "rendezvous complete"},
+		{"complete without this node", rendezvous.Progress{Round: 1, Complete: true, NumParticipants: 4, NumWaiting: 1, InWaitList: true},
+			"rendezvous complete without this node; waiting for the next round"},
+	} {
+		core, logs := observer.New(zapcore.InfoLevel)
+		logProgress(zap.New(core), 2, 4, tc.p)
+		if got := logs.All(); len(got) != 1 || got[0].Message != tc.want {
+			t.Errorf("%s: logged %v, want one line %q", tc.name, got, tc.want)
+		}
 	}
 }

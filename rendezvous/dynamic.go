@@ -196,10 +196,14 @@ type Progress struct {
 	// LastCall is when the round completes unless more nodes join; zero
 	// until MinNodes nodes have joined.
 	LastCall time.Time
+	// InWaitList: this node waits in the wait list for the round after
+	// Round, which is complete without it (others restarting still leave
+	// it so until the last of them has).
+	InWaitList bool
 }
 
 func (p Progress) equal(q Progress) bool {
-	return p.Round == q.Round && p.Complete == q.Complete && p.LastCall.Equal(q.LastCall) &&
+	return p.Round == q.Round && p.Complete == q.Complete && p.InWaitList == q.InWaitList && p.LastCall.Equal(q.LastCall) &&
 		p.NumParticipants == q.NumParticipants && p.NumWaiting == q.NumWaiting &&
 		slices.Equal(p.Participants, q.Participants) && slices.Equal(p.Waiting, q.Waiting)
 }
@@ -1009,9 +1013,12 @@ func (s *dynState) round(me NodeDesc) (Round, bool) {
 	return r, r.Rank >= 0
 }
 
-// progress is the state as OnProgress reports it.
-func (s *dynState) progress() Progress {
+// progress is the state as OnProgress reports it to node me.
+func (s *dynState) progress(me NodeDesc) Progress {
 	p := Progress{Round: s.Round, Complete: s.Complete, LastCall: s.Deadline, NumParticipants: s.participants()}
+	if i, ok := s.find(me); ok {
+		p.InWaitList = s.Nodes[i].Waiting
+	}
 	if s.view {
 		p.NumWaiting = s.waiting // the marker's count: Nodes is one bucket
 		return p

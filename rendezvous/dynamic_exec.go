@@ -270,7 +270,7 @@ func (d *Dynamic) Next(ctx context.Context) (Round, error) {
 	if d.cfg.OnProgress != nil {
 		var last *Progress
 		report = func(s *dynState) {
-			if p := s.progress(); last == nil || !p.equal(*last) {
+			if p := s.progress(d.me); last == nil || !p.equal(*last) {
 				last = &p
 				d.cfg.OnProgress(p)
 			}

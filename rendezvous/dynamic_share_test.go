@@ -67,7 +67,7 @@ func TestViewDecidesAsTheState(t *testing.T) {
 				if vok != sok || vok && (vr.Number != sr.Number || vr.Rank != sr.Rank || vr.Size != sr.Size || vr.Members != nil) {
 					t.Fatalf("%v: view's round %+v %v, state's %+v %v", e.NodeDesc, vr, vok, sr, sok)
 				}
-				if p := v.progress(); p.NumParticipants != tc.n || p.NumWaiting != tc.waiting || p.Participants != nil {
+				if p := v.progress(e.NodeDesc); p.NumParticipants != tc.n || p.NumWaiting != tc.waiting || p.Participants != nil || p.InWaitList != e.Waiting {
 					t.Fatalf("%v: view's progress %+v", e.NodeDesc, p)
 				}
 			}

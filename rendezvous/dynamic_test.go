@@ -752,9 +752,14 @@ func TestStatusAndProgress(t *testing.T) {
 	if st := s.status(nil); st.Lost != nil {
 		t.Errorf("no last round, lost %v", st.Lost)
 	}
-	p := s.progress()
-	if p.Round != 3 || !slices.Equal(p.Participants, []NodeDesc{nd(0)}) || !slices.Equal(p.Waiting, []NodeDesc{nd(5), nd(6)}) {
-		t.Errorf("progress %+v", p)
+	p := s.progress(nd(0))
+	if p.Round != 3 || !slices.Equal(p.Participants, []NodeDesc{nd(0)}) || !slices.Equal(p.Waiting, []NodeDesc{nd(5), nd(6)}) || p.InWaitList {
+		t.Errorf("progress to a member %+v", p)
+	}
+	// A waiting node is told the complete round is not its own (its agent
+	// logged "rendezvous complete" while it waited for the next).
+	if p := s.progress(nd(5)); !p.Complete || !p.InWaitList {
+		t.Errorf("progress to a waiting node %+v, want the round complete and the node in the wait list", p)
 	}
 }
 

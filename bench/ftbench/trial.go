@@ -494,7 +494,7 @@ func (j *job) read(i int, pr io.Reader, out io.Writer, label string) {
 		fmt.Fprintln(out, label+line)
 		if s, ok := parseStamp(i, line); ok {
 			j.stamps <- s
-		} else if strings.Contains(line, "\trendezvous complete\t") {
+		} else if strings.Contains(line, "\trendezvous complete\t") || strings.Contains(line, "\trendezvous complete without this node") {
 			j.stamps <- stamp{agent: i, kind: stampRendezvous}
 		}
 	}
