@@ -147,10 +147,16 @@ func (e *etcdNode) checkAccess(ctx context.Context, timeout time.Duration) error
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	key := e.base + "access/" + e.job.me.String()
-	_, err := e.cli.Put(ctx, key, "")
-	if err == nil {
-		_, err = e.cli.Delete(ctx, key)
-	}
+	// Waited out while etcd is only slow (at 1,024 agents starting, 22
+	// ended on this put's "request timed out"); a put and a delete of the
+	// node's own key are safe to send again.
+	err := etcd.Patiently(ctx, func(ctx context.Context) error {
+		_, err := e.cli.Put(ctx, key, "")
+		if err == nil {
+			_, err = e.cli.Delete(ctx, key)
+		}
+		return err
+	}, nil)
 	switch {
 	case errors.Is(err, rpctypes.ErrPermissionDenied):
 		return invalidf("etcd: user %q may not write the job's keys under %s (grant its role readwrite on that prefix): %w",
@@ -186,9 +192,14 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return err
 	}
 
-	// The lease first: the rendezvous store puts its tokens under it.
+	// The lease first: the rendezvous store puts its tokens under it. An
+	// etcd that answers late is waited out for read_timeout, as every
+	// other store operation is.
 	me := e.job.me.String()
-	e.live, err = etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{
+	readTimeout := e.job.cfg.rdzv.readTimeout
+	lctx, cancel := context.WithTimeout(ctx, readTimeout)
+	defer cancel()
+	e.live, err = etcd.StartLiveness(lctx, cli, etcd.LivenessConfig{
 		Dir: e.base + "alive/", Name: me, Value: []byte(e.job.addr),
 		TTL: e.settings.LeaseTTL, Logger: e.job.log.Named("liveness"),
 		OnLapse: func(name string) {
@@ -205,7 +216,6 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return err
 	}
 
-	readTimeout := e.job.cfg.rdzv.readTimeout
 	st, err := etcd.NewStorage(ctx, cli, etcd.StorageConfig{
 		Prefix: e.base + "rdzv/", OpTimeout: readTimeout, Logger: e.job.log.Named("rdzv"),
 		// The rendezvous state, its request queue and folder lock are

@@ -13,6 +13,7 @@ import (
 
 	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -433,5 +434,63 @@ func TestLivenessFirstRenewalFromTheGrant(t *testing.T) {
 	time.Sleep(ttl + ttl/2)
 	if got := l.LeaseID(); got != first {
 		t.Fatalf("the lease %x expired before its first renewal (now %x)", first, got)
+	}
+}
+
+// TestLivenessRegistersThroughASlowEtcd: a node whose registration etcd
+// cannot settle (here, a member without a quorum: its requests time out,
+// as a member swamped by 1,024 starting agents timed out 28 of their
+// presence keys, each of which then ended its agent) registers once etcd
+// answers again, within its context; one whose context ends first fails.
+func TestLivenessRegistersThroughASlowEtcd(t *testing.T) {
+	cluster := etcdtest.Start(t, 3, etcdtest.Options{})
+	m := cluster.Members[0]
+	cli, err := clientv3.New(clientv3.Config{Endpoints: []string{m.ClientURL}, DialTimeout: 5 * time.Second, Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cli.Close()
+	ctx := testCtx(t, 60*time.Second)
+	for _, o := range cluster.Members[1:] {
+		o.Stop()
+	}
+	// A short context: the quorum is not back before it ends.
+	sctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	_, err = etcd.StartLiveness(sctx, cli, etcd.LivenessConfig{Dir: "/slow/", Name: "early", TTL: 2 * time.Second})
+	cancel()
+	if err == nil {
+		t.Fatal("registered without a quorum")
+	}
+	type result struct {
+		l   *etcd.Liveness
+		err error
+	}
+	done := make(chan result, 1)
+	start := time.Now()
+	go func() {
+		l, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: "/slow/", Name: "a", TTL: 2 * time.Second})
+		done <- result{l, err}
+	}()
+	// Past the member's own request timeout (5 s and two elections: 6 s
+	// on this cluster), so that it answers "request timed out".
+	time.Sleep(8 * time.Second)
+	select {
+	case r := <-done:
+		t.Fatalf("StartLiveness returned without a quorum: %v", r.err)
+	default:
+	}
+	for _, o := range cluster.Members[1:] {
+		if err := o.Restart(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatalf("StartLiveness after %v, the quorum back: %v", time.Since(start).Round(time.Millisecond), r.err)
+	}
+	defer r.l.Close(ctx)
+	resp, err := cli.Get(ctx, "/slow/a")
+	if err != nil || len(resp.Kvs) != 1 || resp.Kvs[0].Lease == 0 {
+		t.Fatalf("the presence key after the registration: %+v, %v", resp, err)
 	}
 }

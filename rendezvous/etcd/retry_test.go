@@ -110,3 +110,46 @@ func TestRetryOutwaitsAStuckRequest(t *testing.T) {
 		}
 	})
 }
+
+// TestPatiently: what an agent's start-up waits out on a slow etcd (its
+// presence key, its access check). A request the member timed out, by
+// either of its words for it, is sent again until it succeeds; a refusal
+// ends at once; and so does the caller's context, with the last failure.
+func TestPatiently(t *testing.T) {
+	timedOut := rpctypes.Error(rpctypes.ErrGRPCTimeout)                                           // "etcdserver: request timed out", a put's
+	deadline := fmt.Errorf("lease: %w", status.Error(codes.Unknown, "context deadline exceeded")) // a grant's, etcd 3.4
+	for _, tc := range []struct {
+		name      string
+		errs      []error // op's answers, in order; then success
+		wantCalls int
+		wantErr   error
+	}{
+		{"answered at once", nil, 1, nil},
+		{"timed out twice, then answered", []error{timedOut, deadline}, 3, nil},
+		{"refused", []error{rpctypes.ErrPermissionDenied}, 1, rpctypes.ErrPermissionDenied},
+		{"timed out, then refused", []error{timedOut, rpctypes.ErrNoSpace}, 2, rpctypes.ErrNoSpace},
+	} {
+		synctest.Test(t, func(t *testing.T) {
+			calls, retries := 0, 0
+			err := Patiently(context.Background(), func(context.Context) error {
+				calls++
+				if calls <= len(tc.errs) {
+					return tc.errs[calls-1]
+				}
+				return nil
+			}, func(error) { retries++ })
+			if !errors.Is(err, tc.wantErr) || calls != tc.wantCalls || retries != calls-1 {
+				t.Errorf("%s: %v after %d calls (%d retries); want %v after %d", tc.name, err, calls, retries, tc.wantErr, tc.wantCalls)
+			}
+		})
+	}
+	synctest.Test(t, func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		calls := 0
+		err := Patiently(ctx, func(context.Context) error { calls++; return timedOut }, nil)
+		if !errors.Is(err, rpctypes.ErrTimeout) || calls < 5 {
+			t.Errorf("a member that never answers: %v after %d calls; want its timeout, after several", err, calls)
+		}
+	})
+}
