@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math"
-	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -16,8 +15,6 @@ import (
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
 	"go.uber.org/zap"
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 
 	"github.com/gorunhq/gorun/rendezvous"
 )
@@ -178,49 +175,6 @@ func (l *Liveness) registerPatiently(ctx context.Context) (int64, error) {
 		}
 	})
 	return rev, err
-}
-
-// Patiently runs op until it succeeds, fails in a way that a retry cannot
-// mend, or ctx ends, and returns op's last error. A failure is retried
-// when etcd timed the request out, lost its leader or shed load
-// (transient, serverDeadline): an etcd swamped by a crowd of starting
-// agents, which is slow, not gone. Before each retry it calls onRetry (if
-// not nil) with the failure, then pauses: jittered, doubling from 0.1 s up
-// to 2 s, so that a crowd that failed together does not come back
-// together. op must be safe to run again after a failure whose outcome is
-// unknown.
-func Patiently(ctx context.Context, op func(context.Context) error, onRetry func(error)) error {
-	pause := 100 * time.Millisecond
-	for {
-		err := op(ctx)
-		if err == nil || !transient(ctx, err) && !serverDeadline(ctx, err) {
-			return err
-		}
-		if onRetry != nil {
-			onRetry(err)
-		}
-		t := time.NewTimer(pause/2 + rand.N(pause))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return err
-		case <-t.C:
-		}
-		pause = min(2*pause, 2*time.Second)
-	}
-}
-
-// serverDeadline reports whether err is a member's own deadline for a
-// request, with ctx still live: a grant that the member could not settle
-// in its request timeout comes back as code Unknown, "context deadline
-// exceeded" (etcd 3.4, no quorum), where a put says "request timed out".
-func serverDeadline(ctx context.Context, err error) bool {
-	var g interface{ GRPCStatus() *status.Status }
-	if ctx.Err() != nil || !errors.As(err, &g) {
-		return false
-	}
-	s := g.GRPCStatus() // not status.FromError, whose message is all of err's
-	return s.Code() == codes.Unknown && s.Message() == context.DeadlineExceeded.Error()
 }
 
 // register grants a lease and puts this node's key on it, returning the

@@ -13,10 +13,11 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// TestTransient: what a Storage retries. etcd's "too many requests" (it
-// sheds load while its applied index lags) is retried, as a lost leader
-// is; a full database or a refused request is not.
-func TestTransient(t *testing.T) {
+// TestRetriable: what a retry policy sends again. etcd's "too many
+// requests" (it sheds load while its applied index lags) is retried, as a
+// lost leader and a member's own deadline are; a full database or a
+// refused request is not, and nothing is once the caller's context ended.
+func TestRetriable(t *testing.T) {
 	live := context.Background()
 	ended, cancel := context.WithCancel(live)
 	cancel()
@@ -35,9 +36,13 @@ func TestTransient(t *testing.T) {
 		{"request too large", live, rpctypes.ErrRequestTooLarge, false},
 		{"plain error", live, errors.New("no"), false},
 		{"too many requests, context ended", ended, rpctypes.ErrTooManyRequests, false},
+		{"request timed out (a put's)", live, rpctypes.Error(rpctypes.ErrGRPCTimeout), true},
+		{"member's deadline (a grant's, etcd 3.4)", live, fmt.Errorf("lease: %w", status.Error(codes.Unknown, "context deadline exceeded")), true},
+		{"member's deadline, context ended", ended, status.Error(codes.Unknown, "context deadline exceeded"), false},
+		{"unknown, another message", live, status.Error(codes.Unknown, "context deadline exceeded: no"), false},
 	} {
-		if got := transient(tc.ctx, tc.err); got != tc.want {
-			t.Errorf("%s: transient = %v, want %v", tc.name, got, tc.want)
+		if got := retriable(tc.ctx, tc.err); got != tc.want {
+			t.Errorf("%s: retriable = %v, want %v", tc.name, got, tc.want)
 		}
 	}
 }

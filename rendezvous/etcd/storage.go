@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"hash/maphash"
-	mrand "math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -842,69 +841,13 @@ func (s *Storage) stripe(k string) (*stripe, string) {
 	return &s.stripes[i], s.prefix + tokenDir + s.id + "/" + strconv.FormatUint(i, 10)
 }
 
-// transient reports whether err may go away when retried: etcd lost its
-// leader, the member went away, or it sheds load ("too many requests":
-// its applied index lags what it committed by thousands, as when 10,000
-// agents push their joins at once), and ctx still has time.
-func transient(ctx context.Context, err error) bool {
-	if ctx.Err() != nil {
-		return false
-	}
-	if errors.Is(err, rpctypes.ErrTooManyRequests) {
-		return true
-	}
-	var ee rpctypes.EtcdError
-	if errors.As(err, &ee) {
-		return ee.Code() == codes.Unavailable
-	}
-	switch status.Code(err) {
-	case codes.Unavailable, codes.DeadlineExceeded, codes.Canceled:
-		return true
-	}
-	return false
-}
-
-// retry runs fn until it succeeds, fails for good, or ctx ends. Each
-// attempt has a deadline of its own (AttemptTimeout, doubled after each
-// attempt that ran out of it): a request lost with a dead leader is sent
-// again once the new one is elected, not when the member gives up on it.
-// Between failed attempts it pauses: doubling pauses with a jitter (a
-// crowd of clients that failed together does not retry together), up to
-// 0.5 s, or 2 s while etcd sheds load (a refused request costs it little,
-// but a crowd retrying at once keeps it behind).
+// retry runs fn under the Storage's retry policy (storageRetry).
 func (s *Storage) retry(ctx context.Context, fn func(context.Context) error) error {
-	pause, patience := 20*time.Millisecond, s.attempt
-	if patience <= 0 {
-		patience = DefaultAttemptTimeout
+	attempt := s.attempt
+	if attempt <= 0 {
+		attempt = DefaultAttemptTimeout
 	}
-	for {
-		actx, cancel := context.WithTimeout(ctx, patience)
-		err := fn(actx)
-		outwaited := actx.Err() != nil && ctx.Err() == nil
-		cancel()
-		if err == nil {
-			return nil
-		}
-		if outwaited {
-			// No pause: the request has waited long enough.
-			patience *= 2
-			continue
-		}
-		if !transient(ctx, err) {
-			return err
-		}
-		limit := 500 * time.Millisecond
-		if errors.Is(err, rpctypes.ErrTooManyRequests) {
-			limit = 2 * time.Second
-			pause = max(pause, 100*time.Millisecond)
-		}
-		select {
-		case <-ctx.Done():
-			return err
-		case <-time.After(pause/2 + mrand.N(pause)):
-		}
-		pause = min(2*pause, limit)
-	}
+	return storageRetry(attempt).do(ctx, fn)
 }
 
 func (st *stripe) remember(k string, v known) {
