@@ -138,33 +138,17 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 	return e, nil
 }
 
-// checkAccess makes sure the user may read and write the job's keys: on
-// an etcd with authentication, a role that does not reach them (another
-// job's, a typo in --rdzv-id or prefix) is one clear usage error at start,
-// not a store that fails mid-rendezvous. It writes and deletes one key of
-// this node's under the job's directory.
-func (e *etcdNode) checkAccess(ctx context.Context, timeout time.Duration) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	key := e.base + "access/" + e.job.me.String()
-	// Waited out while etcd is only slow (at 1,024 agents starting, 22
-	// ended on this put's "request timed out"); a put and a delete of the
-	// node's own key are safe to send again.
-	err := etcd.Patiently(ctx, func(ctx context.Context) error {
-		_, err := e.cli.Put(ctx, key, "")
-		if err == nil {
-			_, err = e.cli.Delete(ctx, key)
-		}
-		return err
-	}, nil)
-	switch {
-	case errors.Is(err, rpctypes.ErrPermissionDenied):
-		return invalidf("etcd: user %q may not write the job's keys under %s (grant its role readwrite on that prefix): %w",
-			e.settings.Client.Username, e.base, err)
-	case err != nil:
-		return fmt.Errorf("etcd: %w", err)
-	}
-	return nil
+// accessRefused is the usage error for err, the registration of this
+// node's presence key refused: on an etcd with authentication, a role that
+// does not reach the job's keys (another job's, a typo in --rdzv-id or
+// prefix) is one clear error at start, not a store that fails
+// mid-rendezvous. The presence key is the first key the node writes under
+// the job's directory, so its put is the access check: a separate put and
+// delete were two more requests, each a raft proposal, per node at the
+// crowd's start.
+func (e *etcdNode) accessRefused(err error) error {
+	return invalidf("etcd: user %q may not write the job's keys under %s (grant its role readwrite on that prefix): %w",
+		e.settings.Client.Username, e.base, err)
 }
 
 // connect reaches etcd (retrying until join_timeout), takes this node's
@@ -188,13 +172,11 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		return fmt.Errorf("etcd: %w", err)
 	}
 	e.cli = cli
-	if err := e.checkAccess(ctx, e.job.cfg.rdzv.readTimeout); err != nil {
-		return err
-	}
 
-	// The lease first: the rendezvous store puts its tokens under it. An
-	// etcd that answers late is waited out for read_timeout, as every
-	// other store operation is.
+	// The lease first: the rendezvous store puts its tokens under it, and
+	// the presence key's put is the access check (accessRefused). An etcd
+	// that answers late is waited out for read_timeout, as every other
+	// store operation is.
 	me := e.job.me.String()
 	readTimeout := e.job.cfg.rdzv.readTimeout
 	lctx, cancel := context.WithTimeout(ctx, readTimeout)
@@ -212,7 +194,10 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 			}
 		},
 	})
-	if err != nil {
+	switch {
+	case errors.Is(err, rpctypes.ErrPermissionDenied):
+		return e.accessRefused(err)
+	case err != nil:
 		return err
 	}
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/testutil"
@@ -435,6 +436,22 @@ func TestEtcdJobRole(t *testing.T) {
 	code := other.exitCode(t, 30*time.Second)
 	if code != 2 || !strings.Contains(other.stderr.String(), `user "gorun-job" may not write the job's keys under /gorun/another-job/`) {
 		t.Errorf("another job's agent: exit %d; want 2 and a refusal naming the user and the prefix:\n%s", code, other.stderr)
+	}
+	// The refusal is its presence key's put: the lease granted for it is
+	// revoked, and nothing of the refused job stays in etcd.
+	ctx, cancel = context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	root, err := clientv3.New(clientv3.Config{Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second,
+		Username: "root", Password: "rootpw", Logger: zap.NewNop()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer root.Close()
+	if r, err := root.Get(ctx, "/gorun/another-job/", clientv3.WithPrefix(), clientv3.WithCountOnly()); err != nil || r.Count != 0 {
+		t.Errorf("the refused job's keys: %v, %v; want none", r, err)
+	}
+	if r, err := root.Leases(ctx); err != nil || len(r.Leases) != 0 {
+		t.Errorf("leases once every agent exited: %v, %v; want none", r, err)
 	}
 }
 
