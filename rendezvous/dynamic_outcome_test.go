@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -158,5 +160,66 @@ func TestLockOutcomeUnknown(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// lostPopStore is a memStore with queues whose first pop of a request
+// loses its answer: applied or not (apply), it fails wrapping
+// ErrOutcomeUnknown, and an applied one's request is gone with it.
+type lostPopStore struct {
+	*memStore
+	apply bool
+	lost  atomic.Int32 // pops that lost their answer
+}
+
+func (s *lostPopStore) QueuePop(ctx context.Context, k string, block bool) ([]byte, error) {
+	if n, _ := s.memStore.QueueLen(ctx, k); n == 0 || !s.lost.CompareAndSwap(0, 1) {
+		return s.memStore.QueuePop(ctx, k, block)
+	}
+	if s.apply {
+		s.memStore.QueuePop(ctx, k, block)
+	}
+	return nil, fmt.Errorf("%w: test: %w", ErrUnavailable, ErrOutcomeUnknown)
+}
+
+// TestPopOutcomeUnknown: a folder's pop whose outcome the store cannot
+// tell does not end its Next; the round completes, a request the pop took
+// with it once its node pushes it again (at settle, KeepAliveTimeout
+// after the push). It used to fail Next: at 512 agents on etcd, a folder
+// whose lease lapsed exited so, and the job waited for its worker.
+func TestPopOutcomeUnknown(t *testing.T) {
+	for _, apply := range []bool{true, false} {
+		t.Run(fmt.Sprintf("applied=%v", apply), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				m := &lostPopStore{memStore: newQueueMemStore(), apply: apply}
+				cfg := DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1}
+				ds := make([]*Dynamic, 3)
+				for i := range ds {
+					d, err := NewDynamic(m, nd(i), nil, cfg)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer d.Close()
+					ds[i] = d
+				}
+				start := time.Now()
+				var chs []<-chan bubbleResult
+				for _, d := range ds {
+					chs = append(chs, goNext(d, start))
+				}
+				for i, ch := range chs {
+					x := <-ch
+					if x.err != nil || len(x.r.Members) != 3 || x.r.Rank != i {
+						t.Fatalf("node %d: %+v (%v)", i, x.r, x.err)
+					}
+					if x.at > cfg.withDefaults().KeepAliveTimeout+time.Second {
+						t.Errorf("node %d: round complete at %v; want within settle (%v) and a fold", i, x.at, cfg.withDefaults().KeepAliveTimeout)
+					}
+				}
+				if m.lost.Load() != 1 {
+					t.Errorf("%d pops lost their answer; want the test's one", m.lost.Load())
+				}
+			})
+		})
 	}
 }

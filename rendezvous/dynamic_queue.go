@@ -663,6 +663,16 @@ func (d *Dynamic) gatherQuiet() time.Duration { return d.lazyDelay() / 2 }
 //
 // It pops in batches where the store can (BatchPopper: etcd, where a pop
 // is two round trips), one by one elsewhere.
+//
+// popLost: a pop whose outcome the store cannot tell (ErrOutcomeUnknown:
+// etcd lost its answer, and the lease of the token that would tell ended
+// meanwhile) may have taken requests that nobody will see. It ends the
+// pop as one cut short (more: nobody is judged on a queue that may not be
+// drained), without an error: the requests already in hand are written,
+// and a lost one's node pushes it again when it looks at settle, as after
+// a folder that died. Failing instead ended the folder's rendezvous: at
+// 512 agents on etcd, one agent whose lease lapsed exited so, and the
+// job (512:512) waited for it to the end.
 func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, bool, error) {
 	var reqs []request
 	start := d.now()
@@ -696,6 +706,8 @@ func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, boo
 			case errors.Is(err, ErrNotSupported):
 				batch = false
 				continue
+			case errors.Is(err, ErrOutcomeUnknown):
+				return reqs, true, nil // see popLost
 			case err != nil:
 				return reqs, false, fmt.Errorf("pop requests: %w", err)
 			}
@@ -707,6 +719,8 @@ func (d *Dynamic) pop(ctx context.Context, gather time.Duration) ([]request, boo
 			b, err := d.store.QueuePop(ctx, d.key+queueSuffix, false)
 			switch {
 			case errors.Is(err, ErrQueueEmpty):
+			case errors.Is(err, ErrOutcomeUnknown):
+				return reqs, true, nil // see popLost
 			case err != nil:
 				return reqs, false, fmt.Errorf("pop requests: %w", err)
 			default:
