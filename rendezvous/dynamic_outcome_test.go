@@ -223,3 +223,71 @@ func TestPopOutcomeUnknown(t *testing.T) {
 		})
 	}
 }
+
+// lostCASStore is a memStore with queues whose first compare-set that
+// match picks loses its answer: applied or not (apply), it fails wrapping
+// ErrOutcomeUnknown.
+type lostCASStore struct {
+	*memStore
+	match func(k string, expected, desired []byte) bool
+	apply bool
+	lost  atomic.Int32
+}
+
+func (s *lostCASStore) CompareSet(ctx context.Context, k string, expected, desired []byte) ([]byte, error) {
+	if !s.match(k, expected, desired) || !s.lost.CompareAndSwap(0, 1) {
+		return s.memStore.CompareSet(ctx, k, expected, desired)
+	}
+	if s.apply {
+		s.memStore.CompareSet(ctx, k, expected, desired)
+	}
+	return nil, fmt.Errorf("%w: test: %w", ErrUnavailable, ErrOutcomeUnknown)
+}
+
+// TestFoldWritesOutcomeUnknown: the folder's other writes whose outcome
+// the store cannot tell, the lock's release and the marker's publication,
+// are settled by reading the key back, and every node's Next completes;
+// either used to end the folder's Next, as its pop did
+// (TestPopOutcomeUnknown).
+func TestFoldWritesOutcomeUnknown(t *testing.T) {
+	const key = "gorun.rendezvous.job"
+	for _, tc := range []struct {
+		name  string
+		match func(k string, expected, desired []byte) bool
+	}{
+		{"lock release", func(k string, _, desired []byte) bool {
+			return k == key+lockSuffix && parseLock(desired).holder == lockFree
+		}},
+		{"marker", func(k string, expected, _ []byte) bool { return k == key+markerSuffix && len(expected) != 0 }},
+	} {
+		for _, apply := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%s, applied=%v", tc.name, apply), func(t *testing.T) {
+				synctest.Test(t, func(t *testing.T) {
+					m := &lostCASStore{memStore: newQueueMemStore(), match: tc.match, apply: apply}
+					cfg := DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1}
+					start := time.Now()
+					var chs []<-chan bubbleResult
+					for i := range 3 {
+						d, err := NewDynamic(m, nd(i), nil, cfg)
+						if err != nil {
+							t.Fatal(err)
+						}
+						defer d.Close()
+						if d.key != key {
+							t.Fatalf("the rendezvous key is %q, not %q", d.key, key)
+						}
+						chs = append(chs, goNext(d, start))
+					}
+					for i, ch := range chs {
+						if x := <-ch; x.err != nil || len(x.r.Members) != 3 || x.r.Rank != i || x.at > time.Minute {
+							t.Fatalf("node %d: %+v at %v (%v)", i, x.r, x.at, x.err)
+						}
+					}
+					if m.lost.Load() != 1 {
+						t.Errorf("%d compare-sets lost their answer; want the test's one", m.lost.Load())
+					}
+				})
+			})
+		}
+	}
+}

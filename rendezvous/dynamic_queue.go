@@ -537,7 +537,7 @@ func (k *lockKeeper) release(ctx context.Context) (bool, error) {
 		return false, nil
 	}
 	released := freeValue(mine)
-	cur, err := k.d.store.CompareSet(ctx, k.d.key+lockSuffix, mine, released)
+	cur, err := k.d.compareSetLock(ctx, k.d.key+lockSuffix, mine, released)
 	if err != nil {
 		return false, err
 	}

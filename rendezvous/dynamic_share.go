@@ -479,6 +479,11 @@ func (d *Dynamic) publish(ctx context.Context, before, after *dynState) error {
 	}
 	want := mustMarshal(ma)
 	got, err := d.store.CompareSet(ctx, d.key+markerSuffix, mustMarshal(mb), want)
+	if errors.Is(err, ErrOutcomeUnknown) {
+		// Whether it applied, the marker says: this publication's
+		// (applied), or another (not, or a later one's since), as below.
+		got, err = d.peek(ctx, d.key+markerSuffix, nil)
+	}
 	if err != nil {
 		return fmt.Errorf("publish marker: %w", err)
 	}
