@@ -500,3 +500,58 @@ func TestCrowdRule(t *testing.T) {
 		})
 	}
 }
+
+// TestBubbleExpelledWaiterRejoins: a node taken out of a forming round on
+// its behalf (the launcher's expulsion of a node whose etcd lease lapsed,
+// as a starved agent's does) while its own Next still waits there is back
+// in the round within one heartbeat interval, and the round completes
+// with it: without queues the leave's write wakes it at once; through the
+// queue its next look (at its heartbeat, 5 s) finds it out.
+func TestBubbleExpelledWaiterRejoins(t *testing.T) {
+	for _, queues := range []bool{false, true} {
+		t.Run(fmt.Sprintf("queues=%v", queues), func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				m := newMemStore()
+				if queues {
+					m = newQueueMemStore()
+				}
+				cfg := DynamicConfig{RunID: "job", MinNodes: 3, MaxNodes: 3, QueueMinNodes: 1}
+				ds := bubbleNodes(t, m, 3, cfg)
+				start := time.Now()
+				a, b := goNext(ds[0], start), goNext(ds[1], start)
+				time.Sleep(10 * time.Second)
+				h, err := NewDynamic(m, nd(0), nil, cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := h.Leave(context.Background()); err != nil {
+					t.Fatal(err)
+				}
+				h.Close()
+				out := time.Now()
+				if st, err := ds[1].Status(context.Background()); err != nil || st.Participants != 1 {
+					t.Fatalf("after the expulsion: %+v, %v; want 1 participant", st, err)
+				}
+				for {
+					st, err := ds[1].Status(context.Background())
+					if err != nil {
+						t.Fatal(err)
+					}
+					if st.Participants == 2 {
+						break
+					}
+					if since := time.Since(out); since > 5*time.Second {
+						t.Fatalf("the expelled node not back %v after", since)
+					}
+					time.Sleep(100 * time.Millisecond)
+				}
+				c := goNext(ds[2], start)
+				for i, ch := range []<-chan bubbleResult{a, b, c} {
+					if x := <-ch; x.err != nil || len(x.r.Members) != 3 || x.r.Rank != i {
+						t.Fatalf("node %d: %+v (%v)", i, x.r, x.err)
+					}
+				}
+			})
+		})
+	}
+}
