@@ -210,6 +210,11 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		// every node adds to once and nobody waits on.
 		Unwatched: append(rendezvous.DynamicUnwatched(e.job.runID), exitTreeRun(e.job.runID)+"*"),
 		Lease:     e.live.Lease,
+		// The presence key's revision, just written: no read of etcd's
+		// current one on the way to the join. The watch replays what
+		// changed since in the watched keys (wake-ups, counters: a few
+		// bytes), not the state and the queue, which are unwatched.
+		StartRevision: e.live.Rev(),
 	})
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)
