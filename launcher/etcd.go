@@ -209,12 +209,11 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 		// every other. Nor the exit barrier's counters (exitTree), which
 		// every node adds to once and nobody waits on.
 		Unwatched: append(rendezvous.DynamicUnwatched(e.job.runID), exitTreeRun(e.job.runID)+"*"),
-		Lease:     e.live.Lease,
-		// The presence key's revision, just written: no read of etcd's
-		// current one on the way to the join. The watch replays what
-		// changed since in the watched keys (wake-ups, counters: a few
-		// bytes), not the state and the queue, which are unwatched.
-		StartRevision: e.live.Rev(),
+		// Not StartRevision (the presence key's, which would save a
+		// read): a watch that starts in the past is one etcd catches up
+		// on by scanning the revisions since, and at 512 agents it gained
+		// nothing measurable (BENCHMARKS, 2026-12-03 session 2).
+		Lease: e.live.Lease,
 	})
 	if err != nil {
 		return fmt.Errorf("etcd rendezvous store: %w", err)
