@@ -421,14 +421,33 @@ func (d *Dynamic) fold(ctx context.Context, snap *snapshot, look *lockLook) (boo
 		if err != nil {
 			return applied, err
 		}
+		completed := false
 		if len(reqs) > 0 {
+			round, was := snap.st.Round, snap.st.Complete
 			if err := d.apply(ctx, snap, reqs, !more); err != nil {
 				return applied, err
 			}
 			applied = true
+			completed = snap.st.Complete && (!was || snap.st.Round != round)
 		}
 		if !k.held() {
 			return applied, nil // lapsed and taken midway: the taker folds
+		}
+		if completed {
+			// The batch completed the round: this node's Next has its
+			// answer, as has every node the write woke. What the queue
+			// still holds its own nodes fold after their lazy delay:
+			// heartbeats, joins of nodes that will wait for the next
+			// round, and copies of requests already applied (a request
+			// pushed again at its node's look), which reach the state
+			// before any later call of their node (the queue is FIFO)
+			// and so find their call done. Folding on, the folder that
+			// completed a round of 512 agents on etcd logged it 2.6–3.3 s
+			// after the others, and its workers started last, every run.
+			if _, err := k.release(ctx); err != nil {
+				return applied, fmt.Errorf("release folder lock: %w", err)
+			}
+			return applied, nil
 		}
 		// Heartbeats alone do not hold the folder past lazyDelay; joins
 		// do, whose nodes wait for their batch (a crowd's rendezvous).
