@@ -138,17 +138,17 @@ func newEtcdNode(ctx context.Context, cfg *Config, log *zap.Logger, runID string
 	return e, nil
 }
 
-// accessRefused is the usage error for err, the registration of this
-// node's presence key refused: on an etcd with authentication, a role that
+// accessRefused is the usage error for the registration of this node's
+// presence key refused: on an etcd with authentication, a role that
 // does not reach the job's keys (another job's, a typo in --rdzv-id or
 // prefix) is one clear error at start, not a store that fails
 // mid-rendezvous. The presence key is the first key the node writes under
 // the job's directory, so its put is the access check: a separate put and
 // delete were two more requests, each a raft proposal, per node at the
 // crowd's start.
-func (e *etcdNode) accessRefused(err error) error {
+func (e *etcdNode) accessRefused() error {
 	return invalidf("etcd: user %q may not write the job's keys under %s (grant its role readwrite on that prefix): %w",
-		e.settings.Client.Username, e.base, err)
+		e.settings.Client.Username, e.base, rpctypes.ErrPermissionDenied)
 }
 
 // connect reaches etcd (retrying until join_timeout), takes this node's
@@ -196,7 +196,7 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	})
 	switch {
 	case errors.Is(err, rpctypes.ErrPermissionDenied):
-		return e.accessRefused(err)
+		return e.accessRefused()
 	case err != nil:
 		return err
 	}

@@ -628,9 +628,10 @@ func (d *Dynamic) lock(ctx context.Context, mine []byte, look *lockLook) ([]byte
 	return b, bytes.Equal(cur, b), nil
 }
 
-// compareSetLock is the folder lock's compare-set. Where the store cannot
-// tell whether it applied it (ErrOutcomeUnknown: its answer lost, and the
-// lease of the token that would tell gone with it, on a busy etcd), the
+// compareSetLock is the folder lock's compare-set (its taking, renewal
+// and release). Where the store cannot tell whether it applied it
+// (ErrOutcomeUnknown: its answer lost, and the lease of the token that
+// would tell gone with it, on a busy etcd), the
 // lock is read back: the value is this node's own, to the nanosecond, so
 // the lock holding it says the write applied, and anything else that it
 // did not (or was taken over since); either way the caller compares what

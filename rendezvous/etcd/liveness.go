@@ -158,14 +158,14 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 }
 
 // registerPatiently registers, again after each failure that a retry
-// may mend (Patiently), until ctx ends. At 1,024 agents starting on two
+// may mend (patiently), until ctx ends. At 1,024 agents starting on two
 // cores, 6 of them ended on the first "etcdserver: request timed out" of
 // their presence key's put, and the round, waiting for all 1,024, never
 // completed.
 func (l *Liveness) registerPatiently(ctx context.Context) (int64, error) {
 	var rev int64
 	logged := false
-	err := Patiently(ctx, func(ctx context.Context) (err error) {
+	err := patiently(ctx, func(ctx context.Context) (err error) {
 		rev, err = l.register(ctx)
 		return err
 	}, func(err error) {

@@ -13,9 +13,11 @@ import (
 
 // A retryPolicy says how a request to etcd is sent again after a failure
 // that a retry may mend (retriable): etcd lost its leader, timed the
-// request out or shed load. Every request this package sends through
-// etcd goes through one, so that an etcd swamped by a crowd of agents is
-// waited out the same way everywhere.
+// request out or shed load. A Storage's requests go through one
+// (storageRetry), and so does a Liveness's registration (patiently), so
+// that an etcd swamped by a crowd of agents is waited out the same way.
+// (A Liveness's announcements retry on their own terms: they also stop
+// once the news is heard from another node; see announce.)
 type retryPolicy struct {
 	// Attempt bounds each attempt on its own, doubled after each attempt
 	// that ran out of it, so that a request lost with a dead leader is
@@ -92,14 +94,15 @@ func (p retryPolicy) do(ctx context.Context, op func(context.Context) error) err
 	}
 }
 
-// Patiently runs op until it succeeds, fails in a way that a retry cannot
+// patiently runs op until it succeeds, fails in a way that a retry cannot
 // mend, or ctx ends, and returns op's last error: what an agent's
-// start-up (its presence key, its access check) does on an etcd swamped
-// by a crowd of starting agents, which is slow, not gone. Before each
-// retry it calls onRetry (if not nil) with the failure, then pauses:
-// jittered, doubling from 0.1 s up to 2 s. op must be safe to run again
-// after a failure whose outcome is unknown.
-func Patiently(ctx context.Context, op func(context.Context) error, onRetry func(error)) error {
+// start-up (its presence key's registration, whose put is also the
+// launcher's access check) does on an etcd swamped by a crowd of starting
+// agents, which is slow, not gone. Before each retry it calls onRetry (if
+// not nil) with the failure, then pauses: jittered, doubling from 0.1 s up
+// to 2 s. op must be safe to run again after a failure whose outcome is
+// unknown.
+func patiently(ctx context.Context, op func(context.Context) error, onRetry func(error)) error {
 	p := retryPolicy{FirstPause: 100 * time.Millisecond, MaxPause: 2 * time.Second, OnRetry: onRetry}
 	return p.do(ctx, op)
 }

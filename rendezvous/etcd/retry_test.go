@@ -136,7 +136,7 @@ func TestPatiently(t *testing.T) {
 	} {
 		synctest.Test(t, func(t *testing.T) {
 			calls, retries := 0, 0
-			err := Patiently(context.Background(), func(context.Context) error {
+			err := patiently(context.Background(), func(context.Context) error {
 				calls++
 				if calls <= len(tc.errs) {
 					return tc.errs[calls-1]
@@ -152,7 +152,7 @@ func TestPatiently(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		calls := 0
-		err := Patiently(ctx, func(context.Context) error { calls++; return timedOut }, nil)
+		err := patiently(ctx, func(context.Context) error { calls++; return timedOut }, nil)
 		if !errors.Is(err, rpctypes.ErrTimeout) || calls < 5 {
 			t.Errorf("a member that never answers: %v after %d calls; want its timeout, after several", err, calls)
 		}
