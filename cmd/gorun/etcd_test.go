@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"net"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -154,7 +155,7 @@ func TestEtcdTorchGloo(t *testing.T) {
 func TestEtcdUnreachable(t *testing.T) {
 	t.Parallel()
 	bin := testutil.BuildGorun(t)
-	ports := etcdtest.FreePorts(t, 2)
+	ports := closingPorts(t, 2)
 	endpoints := fmt.Sprintf("127.0.0.1:%d,127.0.0.1:%d", ports[0], ports[1])
 	start := time.Now()
 	p := startAgent(t, bin, "--nnodes", "2", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", endpoints,
@@ -176,6 +177,34 @@ func TestEtcdUnreachable(t *testing.T) {
 	if l, ok := <-p.lines; ok {
 		t.Fatalf("a worker ran: %q", l)
 	}
+}
+
+// closingPorts returns n ports on 127.0.0.1 where no etcd answers: each
+// holds a listener, until the test ends, that closes every connection it
+// accepts. A port that was merely free a moment ago (etcdtest.FreePorts)
+// can be taken by a parallel test's etcd: TestEtcdUnreachable's agent then
+// joined that cluster and waited there past its deadline.
+func closingPorts(t *testing.T, n int) []int {
+	t.Helper()
+	ports := make([]int, n)
+	for i := range ports {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { ln.Close() })
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				c.Close()
+			}
+		}()
+		ports[i] = ln.Addr().(*net.TCPAddr).Port
+	}
+	return ports
 }
 
 // TestEtcdLeaderKilledMidRendezvous: a 3-member cluster loses its leader
