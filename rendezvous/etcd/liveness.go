@@ -324,11 +324,11 @@ func (l *Liveness) revoke(ctx context.Context) error {
 // An etcd that is truly gone to this node expires the lease by its own
 // clock, and says so at the first renewal that reaches it.
 //
-// It renews with one request at a time rather than clientv3's KeepAlive,
-// whose sender wakes every 500 ms: with a 1 s TTL that leaves half the TTL
-// unused, and it cannot tell an expired lease from a slow stream.
+// It renews with one request at a time on one stream (leaseRenewer).
 func (l *Liveness) keepAliveLoop() {
 	defer l.wg.Done()
+	renewer := newLeaseRenewer(l.ctx, l.cli)
+	defer renewer.close()
 	// The first renewal is due a third of the TTL after the grant was
 	// asked for, not after the loop starts: on a busy etcd the grant and
 	// the put took seconds, and leases expired before their first
@@ -348,20 +348,18 @@ func (l *Liveness) keepAliveLoop() {
 		l.mu.Lock()
 		id := l.lease
 		l.mu.Unlock()
-		ctx, cancel := context.WithTimeout(l.ctx, ttl/3)
-		resp, err := l.cli.KeepAliveOnce(ctx, id)
-		cancel()
+		left, err := renewer.renew(id, ttl/3)
 		switch {
 		case l.ctx.Err() != nil:
 			return
-		case err == nil && resp.TTL > 0:
+		case err == nil && left > 0:
 			lastOK = time.Now()
 			continue
-		case err != nil && !errors.Is(err, rpctypes.ErrLeaseNotFound):
+		case err != nil:
 			continue // not known lost: the next attempt may get through
 		}
-		l.cfg.Logger.Warn("etcd lease lost; registering again", zap.String("key", l.key),
-			zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)), zap.Error(err))
+		l.cfg.Logger.Warn("etcd lease lost (etcd knows it no more); registering again", zap.String("key", l.key),
+			zap.Int64("lease", int64(id)), zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)))
 		for l.ctx.Err() == nil {
 			ctx, cancel := context.WithTimeout(l.ctx, ttl)
 			rev, err := l.register(ctx)
