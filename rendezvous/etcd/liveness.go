@@ -73,9 +73,9 @@ type LivenessConfig struct {
 //
 // A node whose own lease lapsed (etcd unreachable for longer than the
 // TTL, a long pause) takes a new one and puts its key back, but its
-// successor has seen it deleted, and it announces both itself: every view,
-// its own included, reports it lost (Lost), as any node announced since a
-// mark.
+// successor has seen it deleted, and it announces its return, which
+// tells the departure too: every view, its own included, reports it lost
+// (Lost), as any node announced since a mark.
 type Liveness struct {
 	cli  *clientv3.Client
 	cfg  LivenessConfig
@@ -365,14 +365,16 @@ func (l *Liveness) keepAliveLoop() {
 			rev, err := l.register(ctx)
 			cancel()
 			if err == nil {
-				// Its successor announces the departure too, unless it is
-				// alone or its successor is gone as well; then its return.
-				// Beside this loop, which must renew the new lease while
-				// a slow etcd takes the news.
+				// Its return, which tells its departure as well (hear):
+				// one event to every watcher, not a "lost" and a "back".
+				// Its successor, unless it is alone or its successor is
+				// gone as well, may have told the departure already; it
+				// tells it no more once it has heard the return. Beside
+				// this loop, which must renew the new lease while a slow
+				// etcd takes the news.
 				l.wg.Add(1)
 				go func() {
 					defer l.wg.Done()
-					l.announce(l.ctx, newsLost, l.cfg.Name, rev-1)
 					l.announce(l.ctx, newsBack, l.cfg.Name, rev)
 				}()
 			}
@@ -496,15 +498,23 @@ func (l *Liveness) hear(ev *clientv3.Event) {
 	}
 	l.rev = max(l.rev, rev)
 	if f[0] == newsLost {
-		if keyRev == p.lostKeyRev {
+		if keyRev <= p.lostKeyRev {
 			// The same departure told again (announce tried again
-			// after a put that timed out but had landed): the first
-			// is the one that counts, or a node back since would be
-			// lost a second time.
+			// after a put that timed out but had landed), or one
+			// told by a return already (its successor's news, come
+			// after the node's own): the first is the one that
+			// counts, or a node back since would be lost a second
+			// time.
 			return
 		}
 		p.deleted = rev
 		p.lostKeyRev = max(p.lostKeyRev, keyRev)
+	}
+	if f[0] == newsBack && keyRev > p.keyRev && p.alive {
+		// A return is of a node whose lease was lost: a departure too,
+		// before the put at keyRev, unless the view heard of it already.
+		p.deleted = rev
+		p.lostKeyRev = max(p.lostKeyRev, keyRev-1)
 	}
 	if keyRev > p.keyRev {
 		p.alive, p.keyRev = f[0] == newsBack, keyRev
