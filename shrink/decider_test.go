@@ -348,3 +348,43 @@ func TestDeciderJoinAnsweredAlready(t *testing.T) {
 		})
 	}
 }
+
+// TestDeciderFencesReplacedReporters: a node cut off, excluded, and its
+// slots grown back in for a replacement node is no longer the job's: its
+// report of another node lost, whichever epoch it names, excludes no one
+// (seen with a link cut and healed: the cut-off node still held the
+// leader for lost, and the leader's epoch excluded its own ranks). The
+// replacement's reports, and the node's own once it grew its slots back
+// itself, count.
+func TestDeciderFencesReplacedReporters(t *testing.T) {
+	t0 := time.Unix(0, 0)
+	// Nodes A {0, 1} and B {2, 3}; B is cut off (epoch 1), then R, a
+	// replacement, or B itself, grows slots 2 and 3 back (epoch 2).
+	cut := mustNext(t, Initial(4), 2, 3)
+	for _, tt := range []struct {
+		name     string
+		joinedBy string
+		r        Report
+		want     []int // pending
+	}{
+		{"from the replaced node, knowing the cut", "R", Report{Ranks: []int{0, 1}, From: "B", Holds: []int{2, 3}, Epoch: new(1)}, nil},
+		{"from the replaced node, knowing the grow", "R", Report{Ranks: []int{0, 1}, From: "B", Holds: []int{2, 3}, Epoch: new(2)}, nil},
+		{"from the replacement", "R", Report{Ranks: []int{0, 1}, From: "R", Holds: []int{2, 3}, Epoch: new(2)}, []int{0, 1}},
+		{"from the node that grew back itself", "B", Report{Ranks: []int{0, 1}, From: "B", Holds: []int{2, 3}, Epoch: new(2)}, []int{0, 1}},
+		{"from the other node", "R", Report{Ranks: []int{2}, From: "A", Holds: []int{0, 1}, Epoch: new(2)}, []int{2}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			d := NewDecider("a", Config{SettleWindow: -1}, cut)
+			d.Join(t0, Join{Slots: []int{2, 3}, From: tt.joinedBy})
+			grow, ok, err := d.Decide(t0)
+			if err != nil || !ok || grow.Action != ActionGrow {
+				t.Fatalf("Decide the grow: %v %v %v", grow, ok, err)
+			}
+			d.Adopt(grow)
+			d.Report(t0, tt.r)
+			if got := d.Pending(); !slices.Equal(got, tt.want) {
+				t.Fatalf("pending after %+v: %v, want %v", tt.r, got, tt.want)
+			}
+		})
+	}
+}
