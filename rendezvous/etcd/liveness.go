@@ -2,6 +2,7 @@ package etcd
 
 import (
 	"context"
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"math"
@@ -65,7 +66,9 @@ type LivenessConfig struct {
 //     its own, wrapping to the greatest of all) and itself. It sees its
 //     predecessor deleted, and a node registering in between, which
 //     becomes its predecessor. The node whose predecessor is deleted is
-//     that node's successor: it announces the departure (OnLapse here);
+//     that node's successor: it announces the departure (OnLapse here).
+//     It finds its predecessor in an order index beside Dir (orderKeyOf),
+//     with a read of one key;
 //   - the news: one key, Dir's name with ".news" (outside Dir), on which
 //     a successor announces a departure ("lost NAME") and a node that
 //     registered again after its lease was lost its return ("back NAME").
@@ -81,7 +84,10 @@ type Liveness struct {
 	cfg  LivenessConfig
 	key  string
 	news string
-	ttl  int64 // granted, seconds
+	// order is the order index's directory, orderKey this node's key
+	// in it (orderKeyOf).
+	order, orderKey string
+	ttl             int64 // granted, seconds
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -140,6 +146,8 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 		cfg:       cfg,
 		key:       cfg.Dir + cfg.Name,
 		news:      strings.TrimSuffix(cfg.Dir, "/") + ".news",
+		order:     strings.TrimSuffix(cfg.Dir, "/") + ".order/",
+		orderKey:  strings.TrimSuffix(cfg.Dir, "/") + ".order/" + orderKeyOf(cfg.Name),
 		ttl:       int64(math.Ceil(cfg.TTL.Seconds())),
 		nodes:     make(map[string]*presence),
 		announced: make(map[string]int64),
@@ -185,7 +193,12 @@ func (l *Liveness) register(ctx context.Context) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("%w: etcd lease for %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
-	resp, err := l.cli.Put(ctx, l.key, string(l.cfg.Value), clientv3.WithLease(g.ID))
+	// The presence key and its order index entry, in one write: they
+	// come and go together (the same lease).
+	resp, err := l.cli.Txn(ctx).Then(
+		clientv3.OpPut(l.key, string(l.cfg.Value), clientv3.WithLease(g.ID)),
+		clientv3.OpPut(l.orderKey, "", clientv3.WithLease(g.ID)),
+	).Commit()
 	if err != nil {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
 		l.cli.Revoke(rctx, g.ID)
@@ -553,24 +566,62 @@ func (l *Liveness) ringLoop(from int64) {
 }
 
 // predecessor reads this node's predecessor ("" when no other node is
-// present) and the revision of the read.
+// present) and the revision of the read. It reads the order index (see
+// orderKey): the first key after this node's there, wrapping to the first
+// of all. Both are ranges etcd answers with one key read; a descending
+// read of the directory itself is not (etcd reads every key of a sorted
+// range before it applies the limit: at 1,024 agents, every ring change
+// read half the directory).
 func (l *Liveness) predecessor() (string, int64, error) {
 	ctx, cancel := context.WithTimeout(l.ctx, 10*time.Second)
 	defer cancel()
-	last := clientv3.WithSort(clientv3.SortByKey, clientv3.SortDescend)
-	resp, err := l.cli.Get(ctx, l.cfg.Dir, clientv3.WithRange(l.key), clientv3.WithKeysOnly(), clientv3.WithLimit(1), last)
+	end := clientv3.GetPrefixRangeEnd(l.order)
+	resp, err := l.cli.Get(ctx, l.orderKey+"\x00", clientv3.WithRange(end), clientv3.WithKeysOnly(), clientv3.WithLimit(1))
 	if err != nil {
 		return "", 0, err
 	}
-	if len(resp.Kvs) == 1 {
-		return string(resp.Kvs[0].Key[len(l.cfg.Dir):]), resp.Header.Revision, nil
-	}
 	rev := resp.Header.Revision
-	resp, err = l.cli.Get(ctx, l.key+"\x00", clientv3.WithRange(clientv3.GetPrefixRangeEnd(l.cfg.Dir)), clientv3.WithKeysOnly(), clientv3.WithLimit(1), last)
-	if err != nil || len(resp.Kvs) == 0 {
-		return "", rev, err
+	if len(resp.Kvs) == 0 {
+		resp, err = l.cli.Get(ctx, l.order, clientv3.WithRange(l.orderKey), clientv3.WithKeysOnly(), clientv3.WithLimit(1))
+		if err != nil || len(resp.Kvs) == 0 {
+			return "", rev, err
+		}
 	}
-	return string(resp.Kvs[0].Key[len(l.cfg.Dir):]), rev, nil
+	name, ok := nameOfOrderKey(string(resp.Kvs[0].Key[len(l.order):]))
+	if !ok {
+		return "", 0, fmt.Errorf("etcd liveness: %q in the order index is no node's", resp.Kvs[0].Key)
+	}
+	return name, rev, nil
+}
+
+// orderKeyOf is name's key in the order index, under Dir's name with
+// ".order/": the bytes of name, each complemented and in hex, then "~",
+// so that the index's ascending order is the names' descending order
+// (the "~", above every hex digit, puts a name after the longer names it
+// begins). A node's predecessor is then the next key of the index, which
+// etcd reads as cheaply as any one key.
+func orderKeyOf(name string) string {
+	b := make([]byte, 0, 2*len(name)+1)
+	for i := range len(name) {
+		b = hex.AppendEncode(b, []byte{^name[i]})
+	}
+	return string(append(b, '~'))
+}
+
+// nameOfOrderKey inverts orderKeyOf.
+func nameOfOrderKey(k string) (string, bool) {
+	h, ok := strings.CutSuffix(k, "~")
+	if !ok {
+		return "", false
+	}
+	b, err := hex.DecodeString(h)
+	if err != nil {
+		return "", false
+	}
+	for i := range b {
+		b[i] = ^b[i]
+	}
+	return string(b), true
 }
 
 // ringRanges are the key ranges of the ring from pred to this node: from

@@ -419,8 +419,8 @@ func TestLivenessFirstRenewalFromTheGrant(t *testing.T) {
 	const ttl = 4 * time.Second
 	var delayed atomic.Bool
 	cli := interceptedClient(t, cluster, func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-		if put, ok := req.(*etcdserverpb.PutRequest); ok && put.Lease != 0 && delayed.CompareAndSwap(false, true) {
-			time.Sleep(ttl * 8 / 10) // the presence key's first put answers late
+		if _, ok := req.(*etcdserverpb.TxnRequest); ok && delayed.CompareAndSwap(false, true) {
+			time.Sleep(ttl * 8 / 10) // the presence key's first put (the registration's txn) answers late
 		}
 		return invoker(ctx, method, req, reply, cc, opts...)
 	})
@@ -435,6 +435,9 @@ func TestLivenessFirstRenewalFromTheGrant(t *testing.T) {
 	}
 	first := l.LeaseID()
 	time.Sleep(ttl + ttl/2)
+	if !delayed.Load() {
+		t.Fatal("the registration was not delayed")
+	}
 	if got := l.LeaseID(); got != first {
 		t.Fatalf("the lease %x expired before its first renewal (now %x)", first, got)
 	}
@@ -593,5 +596,66 @@ func TestLivenessReturnTellsDeparture(t *testing.T) {
 	}
 	if lost := b.Lost([]string{"a"}, b.Rev(), b.Rev()); len(lost) != 0 {
 		t.Fatalf("a lost since its return: %v", lost)
+	}
+}
+
+// TestLivenessReadsAreBounded: every range a node's liveness reads is one
+// that etcd answers by reading at most what it returns: no sorted range
+// (etcd reads every key of one before it applies the limit) and none
+// without a limit. Its predecessor read was a descending range of the
+// directory: half of it read at every ring change, by every node. Then
+// the ring it finds is the right one, in name order, wrapping around.
+func TestLivenessReadsAreBounded(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	var mu sync.Mutex
+	var unbounded []string
+	cli := interceptedClient(t, cluster, func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if r, ok := req.(*etcdserverpb.RangeRequest); ok && len(r.RangeEnd) > 0 && (r.SortOrder != etcdserverpb.RangeRequest_NONE || r.Limit == 0) {
+			mu.Lock()
+			unbounded = append(unbounded, fmt.Sprintf("%q..%q sort %v limit %d", r.Key, r.RangeEnd, r.SortOrder, r.Limit))
+			mu.Unlock()
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	})
+	var told sync.Map // the departed → the node told
+	start := func(name string) *etcd.Liveness {
+		ctx := testCtx(t, 10*time.Second)
+		l, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: name, TTL: time.Second,
+			OnLapse: func(gone string) { told.Store(gone, name) }})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close(context.Background()) })
+		return l
+	}
+	// Names one of which begins another: "ab" comes before "abc".
+	views := map[string]*etcd.Liveness{}
+	for _, n := range []string{"abc", "b", "ab", "a"} {
+		views[n] = start(n)
+	}
+	time.Sleep(300 * time.Millisecond) // the rings settle
+	for _, tt := range []struct{ gone, successor string }{{"ab", "abc"}, {"b", "a"}, {"abc", "a"}} {
+		if err := views[tt.gone].Close(testCtx(t, 5*time.Second)); err != nil {
+			t.Fatal(err)
+		}
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			if who, ok := told.Load(tt.gone); ok {
+				if who != tt.successor {
+					t.Fatalf("%s's departure told to %v, want %s", tt.gone, who, tt.successor)
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s's departure told to no one", tt.gone)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(unbounded) > 0 {
+		t.Fatalf("ranges etcd reads whole: %v", unbounded)
 	}
 }
