@@ -701,17 +701,13 @@ func (j *jobNode) arriveAtExit(ctx context.Context, rs rendezvous.Store, group [
 	return rs.Set(ctx, exitBarrierEnd, []byte("every node arrived"))
 }
 
-// createOnce creates key with value v unless it exists: a create-only
-// compare-set of a constant, safe to send again, so a store that lost its
-// answer and cannot tell whether it applied it (ErrOutcomeUnknown: etcd,
-// a token's lease gone under a busy member) is asked once more. At 512
-// agents on etcd that error ended three agents at the job's restart
-// counter, and the round of 512 never completed.
+// createOnce creates key with value v unless it exists (rendezvous.
+// CreateOnce: sent again while the store cannot tell its outcome, as
+// etcd's, a token's lease gone under a busy member). At 512 agents on
+// etcd that error ended three agents at the job's restart counter, and
+// the round of 512 never completed.
 func createOnce(ctx context.Context, s rendezvous.Store, key string, v []byte) error {
-	_, err := s.CompareSet(ctx, key, nil, v)
-	if errors.Is(err, rendezvous.ErrOutcomeUnknown) {
-		_, err = s.CompareSet(ctx, key, nil, v)
-	}
+	_, err := rendezvous.CreateOnce(ctx, s, key, v)
 	return err
 }
 

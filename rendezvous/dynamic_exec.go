@@ -620,16 +620,10 @@ func (d *Dynamic) read(ctx context.Context) (*snapshot, error) {
 	return d.decode(b)
 }
 
-// readState is read's compare-set: create-only, of one constant value,
-// so sending it again is safe whatever became of the first. A store that
-// lost its answer and cannot tell whether it applied it
-// (ErrOutcomeUnknown) is asked once more.
+// readState is read's compare-set: create-only, of one constant value
+// (CreateOnce: sent again while the store cannot tell its outcome).
 func (d *Dynamic) readState(ctx context.Context) ([]byte, error) {
-	b, err := d.store.CompareSet(ctx, d.key, nil, emptyState)
-	if errors.Is(err, ErrOutcomeUnknown) {
-		b, err = d.store.CompareSet(ctx, d.key, nil, emptyState)
-	}
-	return b, err
+	return CreateOnce(ctx, d.store, d.key, emptyState)
 }
 
 // readFor reads this node's view in queue mode (view), the state

@@ -337,13 +337,10 @@ func (d *Dynamic) peekAll(ctx context.Context, keys []string, empties [][]byte) 
 	}
 	out := make([][]byte, len(keys))
 	for i, key := range keys {
-		// Create-only, of a constant: sent again when its outcome is
+		// Create-only, of a constant: sent again while its outcome is
 		// unknown, as readState's (at 1,024 agents on etcd, three Nexts
 		// ended on a marker's read whose token lease had ended).
-		b, err := d.store.CompareSet(ctx, key, nil, empties[i])
-		if errors.Is(err, ErrOutcomeUnknown) {
-			b, err = d.store.CompareSet(ctx, key, nil, empties[i])
-		}
+		b, err := CreateOnce(ctx, d.store, key, empties[i])
 		if err != nil {
 			return nil, fmt.Errorf("read %s: %w", key, err)
 		}

@@ -186,3 +186,26 @@ type PushPeeker interface {
 	// wrapper whose inner Store cannot): nothing was pushed.
 	QueuePushPeek(ctx context.Context, key string, value []byte, look string, create []byte) ([]byte, error)
 }
+
+// CreateOnce creates key with value v unless it exists, and returns what
+// key holds then: a create-only compare-set of a constant, safe to send
+// again whatever became of an earlier sending, so one whose outcome the
+// store cannot tell (ErrOutcomeUnknown) is sent again, a moment later,
+// until it is told or ctx ends. Sending it once more only was not enough:
+// at 512 agents on etcd, three agents whose leases lapsed in the crowd's
+// start lost the answer twice and ended, and the round never completed.
+func CreateOnce(ctx context.Context, s Store, key string, v []byte) ([]byte, error) {
+	pause := 10 * time.Millisecond
+	for {
+		b, err := s.CompareSet(ctx, key, nil, v)
+		if !errors.Is(err, ErrOutcomeUnknown) || ctx.Err() != nil {
+			return b, err
+		}
+		select {
+		case <-ctx.Done():
+			return b, err
+		case <-time.After(pause):
+		}
+		pause = min(2*pause, time.Second)
+	}
+}
