@@ -35,6 +35,11 @@ type retryPolicy struct {
 
 	// OnRetry, if not nil, hears of each failure before it is retried.
 	OnRetry func(error)
+
+	// Mends, if not nil, says which failures other than retriable ones
+	// sending op again mends (op's own doing: a registration that asks
+	// for a new lease).
+	Mends func(error) bool
 }
 
 const (
@@ -72,7 +77,7 @@ func (p retryPolicy) do(ctx context.Context, op func(context.Context) error) err
 			}
 			continue
 		}
-		if !retriable(ctx, err) {
+		if !retriable(ctx, err) && (p.Mends == nil || ctx.Err() != nil || !p.Mends(err)) {
 			return err
 		}
 		if p.OnRetry != nil {
@@ -102,8 +107,13 @@ func (p retryPolicy) do(ctx context.Context, op func(context.Context) error) err
 // not nil) with the failure, then pauses: jittered, doubling from 0.1 s up
 // to 2 s. op must be safe to run again after a failure whose outcome is
 // unknown.
+//
+// A lease that etcd no longer knows is mended too: op grants a new one.
+// At 1,024 agents on two cores a presence key's put came after its new
+// lease had expired ("requested lease not found"), and the agent exited.
 func patiently(ctx context.Context, op func(context.Context) error, onRetry func(error)) error {
-	p := retryPolicy{FirstPause: 100 * time.Millisecond, MaxPause: 2 * time.Second, OnRetry: onRetry}
+	p := retryPolicy{FirstPause: 100 * time.Millisecond, MaxPause: 2 * time.Second, OnRetry: onRetry,
+		Mends: func(err error) bool { return errors.Is(err, rpctypes.ErrLeaseNotFound) }}
 	return p.do(ctx, op)
 }
 

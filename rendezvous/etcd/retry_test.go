@@ -118,8 +118,9 @@ func TestRetryOutwaitsAStuckRequest(t *testing.T) {
 
 // TestPatiently: what an agent's start-up waits out on a slow etcd (its
 // presence key, its access check). A request the member timed out, by
-// either of its words for it, is sent again until it succeeds; a refusal
-// ends at once; and so does the caller's context, with the last failure.
+// either of its words for it, is sent again until it succeeds, and so is
+// one whose new lease expired before it; a refusal ends at once; and so
+// does the caller's context, with the last failure.
 func TestPatiently(t *testing.T) {
 	timedOut := rpctypes.Error(rpctypes.ErrGRPCTimeout)                                           // "etcdserver: request timed out", a put's
 	deadline := fmt.Errorf("lease: %w", status.Error(codes.Unknown, "context deadline exceeded")) // a grant's, etcd 3.4
@@ -133,6 +134,9 @@ func TestPatiently(t *testing.T) {
 		{"timed out twice, then answered", []error{timedOut, deadline}, 3, nil},
 		{"refused", []error{rpctypes.ErrPermissionDenied}, 1, rpctypes.ErrPermissionDenied},
 		{"timed out, then refused", []error{timedOut, rpctypes.ErrNoSpace}, 2, rpctypes.ErrNoSpace},
+		// The lease granted expired before the key's put landed: op
+		// grants another.
+		{"lease gone before the put", []error{fmt.Errorf("presence key: %w", rpctypes.ErrLeaseNotFound)}, 2, nil},
 	} {
 		synctest.Test(t, func(t *testing.T) {
 			calls, retries := 0, 0
