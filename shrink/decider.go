@@ -132,10 +132,6 @@ type Decider struct {
 	// it: what Join.After is weighed against.
 	excludedIn map[int]int
 	addedIn    map[int]int
-	// addedBy names, for each slot grown back, the agent whose Join
-	// brought it ("" when unknown: a decider resumed from the floor): a
-	// node whose every slot went to others is no longer the job's.
-	addedBy map[int]string
 	// due is when the pending reports are to be decided: the earliest
 	// pending report's SeenAt plus the settle window.
 	due time.Time
@@ -166,7 +162,7 @@ type Decider struct {
 // from current.
 func NewDecider(name string, cfg Config, current Epoch) *Decider {
 	d := &Decider{cfg: cfg.withDefaults(), name: name, pending: map[int]string{}, pendingBy: map[int][]Report{}, excludedIn: map[int]int{},
-		addedIn: map[int]int{}, addedBy: map[int]string{}, joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
+		addedIn: map[int]int{}, joins: map[int]string{}, awaiting: map[int]bool{}, lostIn: map[int]int{}}
 	d.Adopt(current)
 	return d
 }
@@ -192,12 +188,8 @@ func (d *Decider) Report(now time.Time, r Report) time.Time {
 
 // stale reports whether r, as news of rank g's failure, is out of date: a
 // later epoch than the one it names excluded g (the life it saw ended), or
-// every rank of the reporter's node was excluded by one (it was cut off:
-// see Report.Holds) or grown back in for another agent (it was cut off
-// and replaced). The last, seen with a link cut and healed: the cut-off
-// node, excluded and its slots refilled by a replacement node, knew the
-// epoch that excluded it, still held the leader for lost, and its report
-// excluded the leader's own ranks.
+// excluded every rank of the reporter's node (it was cut off: see
+// Report.Holds).
 func (d *Decider) stale(r Report, g int) bool {
 	if r.Epoch == nil {
 		return false
@@ -209,8 +201,7 @@ func (d *Decider) stale(r Report, g int) bool {
 		return false
 	}
 	for _, h := range r.Holds {
-		by := d.addedBy[h]
-		if d.excludedIn[h] <= *r.Epoch && (by == "" || by == r.From) {
+		if d.excludedIn[h] <= *r.Epoch {
 			return false
 		}
 	}
@@ -489,9 +480,6 @@ func (d *Decider) Adopt(e Epoch) {
 		if !e.Alive(g) && (d.current.Ranks == nil || d.current.Alive(g)) {
 			d.excludedIn[g] = e.Number
 		}
-	}
-	for _, g := range e.Added {
-		d.addedBy[g] = d.joins[g] // before the pending reports are weighed
 	}
 	d.current = e
 	for g := range d.pending {
