@@ -144,7 +144,10 @@ func (j *jobNode) start(ctx context.Context) error {
 	// a round completes one read gets it (with rank 0's worker store, for
 	// c10d: fillPlan): the round trips after completion are what a large
 	// job waits for, every node asking the one store at once.
-	if err := createOnce(ctx, j.store, j.restartsKey(), []byte("0")); err != nil {
+	// Create-only (rendezvous.CreateOnce): sent again while the store
+	// cannot tell its outcome; at 512 agents on etcd that error ended
+	// three agents here, and the round of 512 never completed.
+	if _, err := rendezvous.CreateOnce(ctx, j.store, j.restartsKey(), []byte("0")); err != nil {
 		if errors.Is(err, rendezvous.ErrSealedRecord) {
 			return errNoSecret() // the restart count is sealed too
 		}
@@ -699,16 +702,6 @@ func (j *jobNode) arriveAtExit(ctx context.Context, rs rendezvous.Store, group [
 		ending(ctx)
 	}
 	return rs.Set(ctx, exitBarrierEnd, []byte("every node arrived"))
-}
-
-// createOnce creates key with value v unless it exists (rendezvous.
-// CreateOnce: sent again while the store cannot tell its outcome, as
-// etcd's, a token's lease gone under a busy member). At 512 agents on
-// etcd that error ended three agents at the job's restart counter, and
-// the round of 512 never completed.
-func createOnce(ctx context.Context, s rendezvous.Store, key string, v []byte) error {
-	_, err := rendezvous.CreateOnce(ctx, s, key, v)
-	return err
 }
 
 // exitBarrierEnd is the exit barrier's end, in the round's store: every

@@ -73,6 +73,32 @@ func TestCommitOutcomeUnknown(t *testing.T) {
 	}
 }
 
+// TestCreateOnceOutcomeUnknown: a create-only compare-set whose outcome
+// the store cannot tell is sent again until it is told (here three
+// answers lost in a row), and the key holds the value, once, whether the
+// first sending applied or not. The job's restart counter is created so
+// (launcher); its error used to end the agent (three of 512 on etcd, and
+// the round never completed; again with one retry, when the answer was
+// lost twice).
+func TestCreateOnceOutcomeUnknown(t *testing.T) {
+	for _, apply := range []bool{true, false} {
+		t.Run(fmt.Sprintf("applied=%v", apply), func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			m := &lostAnswerStore{memStore: newMemStore(), key: "gorun.job.restarts", creates: true, apply: apply, lose: 3}
+			if v, err := CreateOnce(ctx, m, m.key, []byte("0")); err != nil || m.lost != 3 || string(v) != "0" {
+				t.Fatalf("CreateOnce: %q, %v (answers lost %d)", v, err, m.lost)
+			}
+			m.mu.Lock()
+			v := m.kv[m.key]
+			m.mu.Unlock()
+			if string(v) != "0" {
+				t.Fatalf("the key holds %q; want 0", v)
+			}
+		})
+	}
+}
+
 // TestReadOutcomeUnknown: the state's read is a create-only compare-set of
 // the empty state; one whose outcome the store cannot tell is sent again
 // until it is told (three answers lost in a row here), and Next goes on,

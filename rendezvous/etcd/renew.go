@@ -51,8 +51,10 @@ func (r *leaseRenewer) renew(id clientv3.LeaseID, timeout time.Duration) (int64,
 	if err == nil {
 		resp, err = r.stream.Recv()
 	}
-	if !late.Stop() && err == nil {
-		err = context.DeadlineExceeded // answered as the stream was being ended
+	if !late.Stop() {
+		// The stream was ended for want of an answer (Recv's error is
+		// then only "canceled"), or as one came.
+		err = fmt.Errorf("no answer in %v: %w", timeout, context.DeadlineExceeded)
 	}
 	if err == nil && resp.ID != int64(id) {
 		err = fmt.Errorf("etcd lease keep-alive: asked for lease %x, answered for %x", int64(id), resp.ID)
