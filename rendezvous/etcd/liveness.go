@@ -337,7 +337,8 @@ func (l *Liveness) revoke(ctx context.Context) error {
 // An etcd that is truly gone to this node expires the lease by its own
 // clock, and says so at the first renewal that reaches it.
 //
-// It renews with one request at a time on one stream (leaseRenewer).
+// It renews with one request at a time on one stream, kept through late
+// answers (leaseRenewer).
 func (l *Liveness) keepAliveLoop() {
 	defer l.wg.Done()
 	renewer := newLeaseRenewer(l.ctx, l.cli)
@@ -361,12 +362,12 @@ func (l *Liveness) keepAliveLoop() {
 		l.mu.Lock()
 		id := l.lease
 		l.mu.Unlock()
-		left, err := renewer.renew(id, ttl/3)
+		left, sent, err := renewer.renew(id, ttl, ttl/3)
 		switch {
 		case l.ctx.Err() != nil:
 			return
 		case err == nil && left > 0:
-			lastOK = time.Now()
+			lastOK = sent
 			continue
 		case err != nil:
 			continue // not known lost: the next attempt may get through

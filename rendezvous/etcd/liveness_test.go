@@ -528,6 +528,73 @@ func TestLivenessRenewsOnOneStream(t *testing.T) {
 	}
 }
 
+// TestLivenessKeepsTheStreamThroughLateAnswers: renewals whose answers
+// come later than a renewal waits (a swamped etcd) keep their stream, and
+// the late answers renew the lease: a renewer that gave up the stream at
+// each late answer opened 62,503 streams in a 1,024-agent start.
+func TestLivenessKeepsTheStreamThroughLateAnswers(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	const ttl = time.Second
+	var late atomic.Int32 // answers delayed so far
+	cli, err := clientv3.New(clientv3.Config{
+		Endpoints: cluster.Endpoints(), DialTimeout: 5 * time.Second, Logger: zap.NewNop(),
+		DialOptions: []grpc.DialOption{grpc.WithChainStreamInterceptor(
+			func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+				s, err := streamer(ctx, desc, cc, method, opts...)
+				if err != nil || !strings.HasSuffix(method, "/LeaseKeepAlive") {
+					return s, err
+				}
+				return &lateAnswers{ClientStream: s, late: &late, by: ttl / 2, first: 6}, nil
+			})},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cli.Close() })
+	ctx := testCtx(t, 20*time.Second)
+	before := keepAliveStreams(t, cluster)
+	a, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: "a", TTL: ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close(context.Background()) })
+	if a.TTL() != ttl {
+		t.Skipf("etcd granted a TTL of %v, not %v", a.TTL(), ttl)
+	}
+	first := a.LeaseID()
+	for late.Load() < 6 { // half a TTL each, more than the third a renewal waits
+		if ctx.Err() != nil {
+			t.Fatalf("%d answers delayed", late.Load())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(ttl)
+	if opened := keepAliveStreams(t, cluster) - before; opened != 1 {
+		t.Fatalf("%d LeaseKeepAlive streams opened through 6 late answers, want 1", opened)
+	}
+	if got := a.LeaseID(); got != first {
+		t.Fatalf("the lease %x was taken for lost through late answers (now %x)", first, got)
+	}
+}
+
+// lateAnswers delays the first answers of a stream.
+type lateAnswers struct {
+	grpc.ClientStream
+	late  *atomic.Int32
+	by    time.Duration
+	first int32
+}
+
+func (s *lateAnswers) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	if err == nil && s.late.Load() < s.first {
+		time.Sleep(s.by)
+		s.late.Add(1)
+	}
+	return err
+}
+
 // keepAliveStreams is how many LeaseKeepAlive streams etcd has opened
 // (its own metric, grpc_server_started_total).
 func keepAliveStreams(t *testing.T, cluster *etcdtest.Cluster) int {
