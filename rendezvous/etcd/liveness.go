@@ -341,8 +341,8 @@ func (l *Liveness) revoke(ctx context.Context) error {
 // answers (leaseRenewer).
 func (l *Liveness) keepAliveLoop() {
 	defer l.wg.Done()
-	renewer := newLeaseRenewer(l.ctx, l.cli)
-	defer renewer.close()
+	renewer := newLeaseRenewer(l.ctx, l.cli, l.cfg.Logger)
+	defer renewer.close("", nil)
 	// The first renewal is due a third of the TTL after the grant was
 	// asked for, not after the loop starts: on a busy etcd the grant and
 	// the put took seconds, and leases expired before their first

@@ -9,6 +9,7 @@ import (
 	pb "go.etcd.io/etcd/api/v3/etcdserverpb"
 	"go.etcd.io/etcd/api/v3/v3rpc/rpctypes"
 	clientv3 "go.etcd.io/etcd/client/v3"
+	"go.uber.org/zap"
 )
 
 // leaseRenewer renews a lease one request at a time on one LeaseKeepAlive
@@ -31,6 +32,7 @@ import (
 type leaseRenewer struct {
 	ctx    context.Context // bounds the stream: the node's liveness
 	leases pb.LeaseClient
+	log    *zap.Logger
 
 	stream  pb.Lease_LeaseKeepAliveClient
 	cancel  context.CancelFunc // ends stream and its receiver
@@ -45,8 +47,8 @@ type renewAnswer struct {
 	err  error
 }
 
-func newLeaseRenewer(ctx context.Context, cli *clientv3.Client) *leaseRenewer {
-	return &leaseRenewer{ctx: ctx, leases: pb.NewLeaseClient(cli.ActiveConnection())}
+func newLeaseRenewer(ctx context.Context, cli *clientv3.Client, log *zap.Logger) *leaseRenewer {
+	return &leaseRenewer{ctx: ctx, leases: pb.NewLeaseClient(cli.ActiveConnection()), log: log}
 }
 
 // errNoAnswer is renew's error when etcd has not answered within the
@@ -63,7 +65,7 @@ func (r *leaseRenewer) renew(id clientv3.LeaseID, ttl, timeout time.Duration) (i
 		// Outstanding for another lease (the node registered again), or
 		// for as long as a lease lives: whatever comes on this stream is
 		// of no use now.
-		r.close()
+		r.close("its request is stale", nil)
 	}
 	if r.stream == nil {
 		if err := r.open(timeout); err != nil {
@@ -72,7 +74,7 @@ func (r *leaseRenewer) renew(id clientv3.LeaseID, ttl, timeout time.Duration) (i
 	}
 	if r.sent.IsZero() {
 		if err := r.stream.Send(&pb.LeaseKeepAliveRequest{ID: int64(id)}); err != nil {
-			r.close()
+			r.close("the request was not sent", err)
 			return 0, time.Time{}, fmt.Errorf("etcd lease keep-alive of %x: %w", int64(id), rpctypes.Error(err))
 		}
 		r.sent, r.sentID = time.Now(), id
@@ -88,7 +90,7 @@ func (r *leaseRenewer) renew(id clientv3.LeaseID, ttl, timeout time.Duration) (i
 			err = fmt.Errorf("asked for lease %x, answered for %x", int64(id), a.resp.ID)
 		}
 		if err != nil {
-			r.close()
+			r.close("it failed", err)
 			return 0, time.Time{}, fmt.Errorf("etcd lease keep-alive of %x: %w", int64(id), rpctypes.Error(err))
 		}
 		return a.resp.TTL, sent, nil
@@ -109,6 +111,7 @@ func (r *leaseRenewer) open(timeout time.Duration) error {
 	}
 	if err != nil {
 		cancel()
+		r.log.Debug("etcd lease keep-alive stream not opened", zap.Error(err))
 		return fmt.Errorf("etcd lease keep-alive stream: %w", rpctypes.Error(err))
 	}
 	answers := make(chan renewAnswer)
@@ -129,9 +132,13 @@ func (r *leaseRenewer) open(timeout time.Duration) error {
 	return nil
 }
 
-// close ends the stream and its receiver, if a stream is open.
-func (r *leaseRenewer) close() {
+// close ends the stream and its receiver, if a stream is open, and says
+// why (a stream given up under load is work for etcd: see leaseRenewer).
+func (r *leaseRenewer) close(why string, err error) {
 	if r.stream != nil {
+		if err != nil || why != "" {
+			r.log.Debug("etcd lease keep-alive stream given up: "+why, zap.Error(err))
+		}
 		r.cancel()
 		r.stream, r.cancel, r.answers, r.sent = nil, nil, nil, time.Time{}
 	}
