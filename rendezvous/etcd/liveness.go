@@ -373,7 +373,8 @@ func (l *Liveness) keepAliveLoop() {
 			continue // not known lost: the next attempt may get through
 		}
 		l.cfg.Logger.Warn("etcd lease lost (etcd knows it no more); registering again", zap.String("key", l.key),
-			zap.Int64("lease", int64(id)), zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)))
+			zap.Int64("lease", int64(id)), zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)),
+			zap.String("hint", lapseHint))
 		for l.ctx.Err() == nil {
 			ctx, cancel := context.WithTimeout(l.ctx, ttl)
 			rev, err := l.register(ctx)
@@ -403,6 +404,14 @@ func (l *Liveness) keepAliveLoop() {
 		}
 	}
 }
+
+// lapseHint goes with a lapse's warning. etcd (3.4 and 3.5) renews no
+// lease while its apply runs more than a second behind its log, as it did
+// for 20 s and more while 1,024 agents started beside it on two cores:
+// with 5-s leases hundreds lapsed, each lapse news to every agent, and
+// no worker started; with 20-s leases all 1,024 did in two runs of four
+// (BENCHMARKS.md, issue 19, session 4).
+const lapseHint = "renewals unanswered for longer than the TTL: an etcd too busy to renew leases (a big job's start) expires them; a longer --rdzv-conf lease_ttl rides that out"
 
 // The news's two words.
 const (
