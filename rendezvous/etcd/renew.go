@@ -23,10 +23,13 @@ import (
 // A request whose answer is late stays outstanding: the renewal after it
 // sends nothing and waits for that answer, which renews the lease as well
 // as a new request would. A renewer that gave up the stream instead (as
-// the first one did) opened a stream per renewal on a swamped etcd, 62,503
-// streams in a 1,024-agent start, each of them more work for the etcd that
-// was too slow already. The stream is given up only when it fails, or
+// the first one did) opened a stream per late answer, more work for an
+// etcd too slow already. The stream is given up only when it fails, or
 // when its request has had no answer for as long as the lease lives.
+// etcd itself ends it while its apply lags: a renewal waits for the apply
+// to catch up, and fails after a second ("waiting for the applied index
+// took too long"), which made 57,513 of the 57,639 streams given up in a
+// 1,024-agent start (BENCHMARKS.md, issue 19, session 4).
 //
 // A renewer is used by one goroutine.
 type leaseRenewer struct {
