@@ -1064,8 +1064,9 @@ func (s *Storage) QueuePopBatch(key []byte, max int) ([][]byte, error) {
 // popHead removes up to max elements from the head of a queue and returns
 // them with the queue's length before. The pop takes effect at the read's
 // revision: the elements are still there, so nobody popped them in
-// between (pushes go behind them). With the answer lost, the token says
-// whether this pop took them.
+// between (a push since goes behind them, or, from a host whose clock is
+// behind, ahead of them: a push at once with this pop, in either order).
+// With the answer lost, the token says whether this pop took them.
 func (s *Storage) popHead(key []byte, max int) ([][]byte, int64, error) {
 	dir := s.qdir(key)
 	st, tok := s.stripe(dir)
