@@ -99,6 +99,60 @@ func TestCreateOnceOutcomeUnknown(t *testing.T) {
 	}
 }
 
+// TestCreateOnceReadsWhatExists: where the store peeks, CreateOnce reads
+// a key that exists and compare-sets only an absent one (or where the peek
+// fails): on etcd each compare-set is a Raft proposal whatever its
+// outcome, and every agent of a crowd sent one for the restart counter the
+// first agent had created.
+func TestCreateOnceReadsWhatExists(t *testing.T) {
+	const key = "gorun.job.restarts"
+	for _, tc := range []struct {
+		name     string
+		preset   []byte // nil: absent
+		peekFail bool
+		want     string
+		wantCAS  int
+	}{
+		{name: "absent", want: "0", wantCAS: 1},
+		{name: "present", preset: []byte("3"), want: "3", wantCAS: 0},
+		{name: "present, the peek fails", preset: []byte("3"), peekFail: true, want: "3", wantCAS: 1},
+		{name: "absent, the peek fails", peekFail: true, want: "0", wantCAS: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			p := newPeekMemStore()
+			if tc.preset != nil {
+				if err := p.Set(ctx, key, tc.preset); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var s Store = p
+			if tc.peekFail {
+				s = failingPeek{p}
+			}
+			v, err := CreateOnce(ctx, s, key, []byte("0"))
+			if err != nil || string(v) != tc.want {
+				t.Fatalf("CreateOnce: %q, %v; want %q", v, err, tc.want)
+			}
+			p.cmu.Lock()
+			n := p.cas[key]
+			p.cmu.Unlock()
+			if n != tc.wantCAS {
+				t.Errorf("%d compare-sets of the key; want %d", n, tc.wantCAS)
+			}
+		})
+	}
+}
+
+// failingPeek is a peekMemStore whose Peek fails, as a wrapper's whose
+// inner store cannot peek does.
+type failingPeek struct{ *peekMemStore }
+
+func (failingPeek) Peek(context.Context, ...string) ([][]byte, error) {
+	return nil, fmt.Errorf("peek: %w", ErrNotSupported)
+}
+
 // TestReadOutcomeUnknown: the state's read is a create-only compare-set of
 // the empty state; one whose outcome the store cannot tell is sent again
 // until it is told (three answers lost in a row here), and Next goes on,

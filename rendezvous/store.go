@@ -194,7 +194,22 @@ type PushPeeker interface {
 // until it is told or ctx ends. Sending it once more only was not enough:
 // at 512 agents on etcd, three agents whose leases lapsed in the crowd's
 // start lost the answer twice and ended, and the round never completed.
+//
+// Where the store peeks (Peeker), a key that exists is read, not
+// compare-set: on etcd a compare-set is a transaction logged through Raft
+// whatever its outcome, a proposal each agent of a crowd made for a key
+// the first agent had created (the job's restart counter, the rendezvous
+// state), and a crowd's proposals are what kept etcd's apply behind at
+// 1,024 agents. An absent key, or one a SealedStore refuses (which reads
+// as absent), goes to the compare-set, which creates it or says why not.
 func CreateOnce(ctx context.Context, s Store, key string, v []byte) ([]byte, error) {
+	if p, ok := s.(Peeker); ok {
+		if vs, err := p.Peek(ctx, key); err == nil && len(vs) == 1 && vs[0] != nil {
+			return vs[0], nil
+		}
+		// Absent, refused, or the peek failed (ErrNotSupported, a slow
+		// store): the compare-set decides, as it did before peeking.
+	}
 	pause := 10 * time.Millisecond
 	for {
 		b, err := s.CompareSet(ctx, key, nil, v)
