@@ -112,9 +112,15 @@ func (p *peekMemStore) casOf(k string) int {
 // every node has its rank (node i rank i) within two minutes.
 func bubbleRound(t *testing.T, p *peekMemStore, n int) []*Dynamic {
 	t.Helper()
+	return bubbleRoundOver(t, p, n)
+}
+
+// bubbleRoundOver is bubbleRound over s, p or a wrapper of it.
+func bubbleRoundOver(t *testing.T, s Store, n int) []*Dynamic {
+	t.Helper()
 	ds := make([]*Dynamic, n)
 	for i := range ds {
-		d, err := NewDynamic(p, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
+		d, err := NewDynamic(s, nd(i), []byte("x"), DynamicConfig{RunID: "job", MinNodes: n, MaxNodes: n, ShareOnly: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -141,15 +147,19 @@ func bubbleRound(t *testing.T, p *peekMemStore, n int) []*Dynamic {
 // node used to compare-set the marker, its share and the lock at each
 // look. A slow state write (6 s: a read and a write of it outlast the lock's 5-s hold) does not
 // let a second folder in: the holder renews its lock while it folds, and
-// no node pushes its request twice.
+// no node pushes its request twice. Behind the seal detector of an agent
+// without a job secret (the default) the same holds: the detector used to
+// hide the store's Peek, and every look became a compare-set.
 func TestBubblePeeks(t *testing.T) {
 	const n = 40
 	for _, tc := range []struct {
-		name string
-		slow time.Duration
+		name     string
+		slow     time.Duration
+		detector bool
 	}{
-		{"fast", 0},
-		{"slow state writes", 6 * time.Second},
+		{"fast", 0, false},
+		{"slow state writes", 6 * time.Second, false},
+		{"fast, behind a seal detector", 0, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
@@ -158,7 +168,11 @@ func TestBubblePeeks(t *testing.T) {
 				if tc.slow > 0 {
 					p.slowKey, p.slow = key, tc.slow
 				}
-				ds := bubbleRound(t, p, n)
+				var s Store = p
+				if tc.detector {
+					s = NewSealDetector(p, nil)
+				}
+				ds := bubbleRoundOver(t, s, n)
 				p.mu.Lock()
 				writes := p.writes[key]
 				p.mu.Unlock()

@@ -471,17 +471,30 @@ func TestSealedViewsNotFresh(t *testing.T) {
 }
 
 // TestSealDetector: an agent without a secret that reads a sealed record
-// fails with ErrSealedRecord; plain records pass.
+// fails with ErrSealedRecord; plain records pass. Over a store that peeks
+// the detector peeks too (and checks what it peeks); over one that does
+// not, it is no Peeker, which the rendezvous reads as "reads only by
+// waiting or by a compare-set".
 func TestSealDetector(t *testing.T) {
 	bed := newSealBed(t)
 	ctx := shortCtx(t, 20*time.Second)
 	a := bed.sealed(sealCfg("job-key-0123456789", "run", nil))
-	d := rendezvous.NewSealDetector(bed.raw(), nil)
+	if _, ok := rendezvous.NewSealDetector(bed.raw(), nil).(rendezvous.Peeker); ok {
+		t.Error("the detector of a store that cannot peek is a Peeker")
+	}
+	d := rendezvous.NewSealDetector(peekable{bed.raw()}, nil)
+	p, ok := d.(rendezvous.Peeker)
+	if !ok {
+		t.Fatal("the detector of a store that peeks is no Peeker")
+	}
 	if err := d.Set(ctx, "plain", []byte("p")); err != nil {
 		t.Fatal(err)
 	}
 	if v, err := d.Get(ctx, "plain"); err != nil || string(v) != "p" {
 		t.Fatalf("plain: %q, %v", v, err)
+	}
+	if vs, err := p.Peek(ctx, "plain", "absent"); err != nil || len(vs) != 2 || string(vs[0]) != "p" || vs[1] != nil {
+		t.Fatalf("peek plain and absent: %q, %v", vs, err)
 	}
 	if err := setSync(ctx, a, "sealed", "s"); err != nil { // else d's compare-set may overtake it and create the key
 		t.Fatal(err)
@@ -490,6 +503,7 @@ func TestSealDetector(t *testing.T) {
 		"get":         func() error { _, err := d.Get(ctx, "sealed"); return err },
 		"multi-get":   func() error { _, err := d.MultiGet(ctx, "plain", "sealed"); return err },
 		"compare-set": func() error { _, err := d.CompareSet(ctx, "sealed", nil, []byte("x")); return err },
+		"peek":        func() error { _, err := p.Peek(ctx, "plain", "sealed"); return err },
 	} {
 		if err := op(); !errors.Is(err, rendezvous.ErrSealedRecord) {
 			t.Errorf("%s: %v, want ErrSealedRecord", name, err)
