@@ -183,3 +183,67 @@ func allLeave(ctx context.Context, t *testing.T, cs ...<-chan error) {
 		}
 	}
 }
+
+// peekingStore is a Store that peeks (by Check and Get, as no c10d
+// server can in one request) and counts its compare-sets: the shape of
+// etcd's Store, where a compare-set is a Raft proposal and a peek is not.
+type peekingStore struct {
+	rendezvous.Store
+	compareSets atomic.Int32
+}
+
+func (s *peekingStore) Peek(ctx context.Context, keys ...string) ([][]byte, error) {
+	vs := make([][]byte, len(keys))
+	for i, k := range keys {
+		if ok, err := s.Check(ctx, k); err != nil || !ok {
+			if err != nil {
+				return nil, err
+			}
+			continue
+		}
+		v, err := s.Get(ctx, k)
+		if err != nil {
+			return nil, err
+		}
+		vs[i] = v
+	}
+	return vs, nil
+}
+
+func (s *peekingStore) CompareSet(ctx context.Context, key string, expected, desired []byte) ([]byte, error) {
+	s.compareSets.Add(1)
+	return s.Store.CompareSet(ctx, key, expected, desired)
+}
+
+// TestRecordOutcomeReadsWhatExists: the first outcome recorded stays, and
+// a node that finds one recorded (every node but the one that ended the
+// exit barrier) reads it where the store peeks: no compare-set, which on
+// etcd was a Raft proposal of every agent at the job's end.
+func TestRecordOutcomeReadsWhatExists(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	dial := storeServer(ctx, t)
+	stores := make([]*peekingStore, 4)
+	for i := range stores {
+		stores[i] = &peekingStore{Store: dial()}
+		j := &jobNode{cfg: &Config{}, log: zap.NewNop(), runID: "job", store: stores[i]}
+		outcome := outcomeSucceeded
+		if i > 0 {
+			outcome = outcomeFailed // too late: the first stays
+		}
+		if err := j.recordOutcome(ctx, outcome); err != nil {
+			t.Fatal(err)
+		}
+		if ok, known := j.outcome(ctx); !ok || !known {
+			t.Fatalf("node %d reads the outcome as ok %v, known %v; want the first, a success", i, ok, known)
+		}
+	}
+	if n := stores[0].compareSets.Load(); n != 1 {
+		t.Errorf("the first node compare-set the outcome %d times, want 1 (it creates it)", n)
+	}
+	for i, s := range stores[1:] {
+		if n := s.compareSets.Load(); n != 0 {
+			t.Errorf("node %d compare-set an outcome already recorded %d times, want 0", i+1, n)
+		}
+	}
+}

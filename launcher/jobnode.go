@@ -623,19 +623,30 @@ func (j *jobNode) finish(ctx context.Context, p *plan, ok bool) {
 	j.seenClosed(ctx)
 }
 
-// closeJob records the job's outcome (the first one stays; later ones
-// agree or come too late) and closes the rendezvous. The others learn the
-// end from these writes, so they are made whatever ctx says (a stop signal
-// that ended the barrier), within closeWritesTimeout.
+// closeJob records the job's outcome (recordOutcome) and closes the
+// rendezvous. The others learn the end from these writes, so they are
+// made whatever ctx says (a stop signal that ended the barrier), within
+// closeWritesTimeout.
 func (j *jobNode) closeJob(ctx context.Context, outcome string) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), closeWritesTimeout)
 	defer cancel()
-	if _, err := j.store.CompareSet(ctx, j.outcomeKey(), nil, []byte(outcome)); err != nil {
+	if err := j.recordOutcome(ctx, outcome); err != nil {
 		j.log.Debug("recording the job's outcome", zap.Error(err))
 	}
 	if err := j.dyn.SetClosed(ctx); err != nil {
 		j.log.Debug("closing the rendezvous", zap.Error(err))
 	}
+}
+
+// recordOutcome records the job's outcome unless one is recorded: the
+// first one stays; later ones agree or come too late. After a success the
+// node that ends the exit barrier records it before it writes the end, so
+// every other node finds it there; CreateOnce reads it where the store
+// peeks instead of compare-setting it, a Raft proposal each on etcd (one
+// of an agent's 18 at 64 agents).
+func (j *jobNode) recordOutcome(ctx context.Context, outcome string) error {
+	_, err := rendezvous.CreateOnce(ctx, j.store, j.outcomeKey(), []byte(outcome))
+	return err
 }
 
 // exitBarrier waits for the round's nodes (p.barrierGroup) at the exit
