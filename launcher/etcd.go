@@ -184,6 +184,10 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	e.live, err = etcd.StartLiveness(lctx, cli, etcd.LivenessConfig{
 		Dir: e.base + "alive/", Name: me, Value: []byte(e.job.addr),
 		TTL: e.settings.LeaseTTL, Logger: e.job.log.Named("liveness"),
+		// Long until this node's workers first run (watch settles it):
+		// a big job's start can leave etcd renewing no lease for longer
+		// than lease_ttl.
+		StartTTL: e.settings.StartTTL(e.job.cfg.MaxNodes),
 		OnLapse: func(name string) {
 			if name == me || e.over.Load() {
 				return // this node's own loss ends its round (watch)
@@ -220,15 +224,15 @@ func (e *etcdNode) connect(ctx context.Context, joinTimeout time.Duration) error
 	}
 	e.rdzv, e.job.store = st, etcd.NewStore(st, readTimeout)
 	ttl := e.live.TTL()
-	if ttl > e.settings.LeaseTTL+time.Second {
+	if start := e.settings.StartTTL(e.job.cfg.MaxNodes); ttl > start+time.Second {
 		e.job.log.Info("etcd raised the lease TTL to its minimum (1.5 election timeouts)",
-			zap.Duration("asked", e.settings.LeaseTTL), zap.Duration("granted", ttl))
+			zap.Duration("asked", start), zap.Duration("granted", ttl))
 	}
 	rctx, stop := context.WithCancel(context.Background())
 	e.stopExpeller, e.expellerDone = stop, make(chan struct{})
 	go e.expelLapsed(rctx)
 	e.job.log.Info("rendezvous in etcd", zap.Strings("endpoints", cli.Endpoints()),
-		zap.String("keys", e.base), zap.Duration("lease_ttl", ttl))
+		zap.String("keys", e.base), zap.Duration("lease_ttl", e.settings.LeaseTTL), zap.Duration("lease_ttl_until_workers_run", ttl))
 	return nil
 }
 
@@ -382,6 +386,9 @@ func (e *etcdNode) watchEvery(monitor time.Duration) time.Duration { return moni
 // gone; the rest (nodes waiting, the job closed) comes from the
 // rendezvous state, read every fifth of a keep-alive interval.
 func (e *etcdNode) watch(ctx context.Context) (*change, error) {
+	// This node's workers run: from now on a lost node is to be found
+	// within lease_ttl, and the crowd's start is over.
+	e.live.Settle()
 	if e.lazyMembers {
 		if e.live.Departures(e.since, e.back) {
 			if ms, err := e.job.dyn.Members(ctx); err != nil {

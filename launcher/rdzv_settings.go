@@ -100,7 +100,7 @@ func (r RendezvousConfig) settings(minNodes, maxNodes int) (rendezvousSettings, 
 // not be used.
 func checkConf(conf rendezvous.Conf) error {
 	for _, k := range []string{"join_timeout", "last_call_timeout", "close_timeout",
-		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout", "lease_ttl"} {
+		"heartbeat_timeout", "keep_alive_interval", "read_timeout", "timeout", "lease_ttl", "start_lease_ttl"} {
 		if _, err := conf.Seconds(k, 0); err != nil {
 			return invalidf("%w", err)
 		}
@@ -133,6 +133,7 @@ var knownConfKeys = []string{
 	"join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
 	"keep_alive_max_attempt", "read_timeout", "timeout", "is_host", "store_type", "use_libuv",
 	"protocol", "cacert", "cert", "key", "user", "password", "password_env", "prefix", "lease_ttl",
+	"start_lease_ttl",
 }
 
 // warnings are what Validate lets through but a user should hear of: a

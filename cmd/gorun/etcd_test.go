@@ -299,15 +299,29 @@ func TestEtcdLeaderKilledMidRun(t *testing.T) {
 // TestEtcdNodeLost: one agent of an elastic job (--nnodes 1:2) is SIGKILLed
 // with its workers. The other sees its lease expire, counts a restart and,
 // as torchrun would, re-rendezvouses and carries on alone once the last
-// call ends.
+// call ends. With a start lease longer than lease_ttl, the agents shorten
+// their leases once their workers run, and the loss is seen within about
+// lease_ttl, not start_lease_ttl.
 func TestEtcdNodeLost(t *testing.T) {
 	t.Parallel()
+	for _, tc := range []struct{ name, conf string }{
+		{"one lease", "lease_ttl=1"},
+		{"shortened once the workers run", "lease_ttl=1,start_lease_ttl=8"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			testEtcdNodeLost(t, tc.conf)
+		})
+	}
+}
+
+func testEtcdNodeLost(t *testing.T, conf string) {
 	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
 	bin := testutil.BuildGorun(t)
 	worker := worldWorker(1)
 	var agents []*agentProc
 	for range 2 {
-		agents = append(agents, startAgent(t, bin, etcdArgs(cluster, "1:2", "lease_ttl=1", "--max-restarts", "1",
+		agents = append(agents, startAgent(t, bin, etcdArgs(cluster, "1:2", conf, "--max-restarts", "1",
 			"--log-dir", t.TempDir(), "--no-python", "sh", "-c", worker)...))
 	}
 	for _, p := range agents {
@@ -315,6 +329,7 @@ func TestEtcdNodeLost(t *testing.T) {
 			t.Fatalf("round 0: world %d restarts %d; stderr:\n%s", world, restarts, p.stderr)
 		}
 	}
+	waitShortLeases(t, cluster, "/gorun/job/alive/", 2, 1, 10*time.Second)
 	survivor, lost := agents[0], agents[1]
 	lostAt := time.Now()
 	lost.cmd.Process.Signal(syscall.SIGKILL)
@@ -324,7 +339,7 @@ func TestEtcdNodeLost(t *testing.T) {
 	if world, restarts := survivor.expectRound(t, 1); world != 1 || restarts != 1 {
 		t.Fatalf("round 1: world %d restarts %d; stderr:\n%s", world, restarts, survivor.stderr)
 	}
-	t.Logf("lease_ttl=1: node lost seen after %v, survivor's round 1 after %v (last_call_timeout=1)", seen, time.Since(lostAt))
+	t.Logf("%s: node lost seen after %v, survivor's round 1 after %v (last_call_timeout=1)", conf, seen, time.Since(lostAt))
 	if seen > 4*time.Second {
 		t.Fatalf("lost node seen after %v; want about the 1s lease TTL", seen)
 	}
@@ -556,6 +571,33 @@ func TestEtcdLapseWhileTheRoundForms(t *testing.T) {
 	for i, p := range []*agentProc{a, b} {
 		if code := p.exitCode(t, 30*time.Second); code != 0 || strings.Contains(p.stderr.String(), "lost node(s)") {
 			t.Fatalf("agent %d: exit %d; want 0 and no node lost:\n%s", i, code, p.stderr)
+		}
+	}
+}
+
+// waitShortLeases waits until n presence keys under dir are each bound to
+// a lease granted for ttl seconds.
+func waitShortLeases(t *testing.T, cluster *etcdtest.Cluster, dir string, n int, ttl int64, within time.Duration) {
+	t.Helper()
+	cli := cluster.Client(t, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), within)
+	defer cancel()
+	for {
+		short := 0
+		if r, err := cli.Get(ctx, dir, clientv3.WithPrefix()); err == nil {
+			for _, kv := range r.Kvs {
+				if l, err := cli.TimeToLive(ctx, clientv3.LeaseID(kv.Lease)); err == nil && l.GrantedTTL == ttl {
+					short++
+				}
+			}
+		}
+		if short == n {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("%d of %d presence keys under %s on leases of %d s after %v", short, n, dir, ttl, within)
+		case <-time.After(50 * time.Millisecond):
 		}
 	}
 }

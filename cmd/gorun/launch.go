@@ -97,7 +97,7 @@ func launchFlags() []cli.Flag {
 		torchString(catRdzv, "rdzv-backend", "static", "rendezvous backend: static, c10d, etcd-v2 or etcd"),
 		torchString(catRdzv, "rdzv-endpoint", "", "rendezvous endpoint `HOST[:PORT]` (c10d's default port is 29400); for etcd HOST:PORT[,HOST:PORT…] (default port 2379)"),
 		torchString(catRdzv, "rdzv-id", def.Rendezvous.RunID, "job id, the same on every node"),
-		torchString(catRdzv, "rdzv-conf", "", "rendezvous options `K=V,…` (join_timeout, last_call_timeout, read_timeout, is_host, store_type, …; etcd: protocol, cacert, cert, key, user, password_env, prefix, lease_ttl)"),
+		torchString(catRdzv, "rdzv-conf", "", "rendezvous options `K=V,…` (join_timeout, last_call_timeout, read_timeout, is_host, store_type, …; etcd: protocol, cacert, cert, key, user, password_env, prefix, lease_ttl, start_lease_ttl)"),
 		torchBool(catRdzv, "standalone", "single node: host a c10d rendezvous on localhost at a free port with a random id (ignores --rdzv-*)"),
 		torchString(catRdzv, "local-addr", "", "`ADDRESS` this node advertises (default: its FQDN)"),
 

@@ -86,6 +86,7 @@ func TestParseRendezvousConf(t *testing.T) {
 		{"http with certificates", "", map[string]string{"protocol": "http", "cacert": certs.CAFile}, nil, "use protocol=https"},
 		{"relative prefix", "", map[string]string{"prefix": "gorun"}, nil, "starting with /"},
 		{"zero ttl", "", map[string]string{"lease_ttl": "0"}, nil, "lease_ttl=0"},
+		{"bad start ttl", "", map[string]string{"start_lease_ttl": "soon"}, nil, "start_lease_ttl=soon"},
 	}
 	for _, tc := range bad {
 		t.Run(tc.name, func(t *testing.T) {
@@ -100,4 +101,35 @@ func TestParseRendezvousConf(t *testing.T) {
 // envOf is a lookupEnv that sees env only.
 func envOf(env map[string]string) func(string) (string, bool) {
 	return func(k string) (string, bool) { v, ok := env[k]; return v, ok }
+}
+
+// TestStartTTL: the first lease's TTL grows with the job, 50 ms a node
+// up to 120 s, never below lease_ttl (a job of up to 100 nodes keeps one
+// lease at the defaults), and start_lease_ttl overrides the default.
+func TestStartTTL(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		conf     map[string]string
+		maxNodes int
+		want     time.Duration
+	}{
+		{"small job: lease_ttl", nil, 64, 5 * time.Second},
+		{"100 nodes: lease_ttl still", nil, 100, 5 * time.Second},
+		{"512 nodes", nil, 512, 25600 * time.Millisecond},
+		{"1,024 nodes", nil, 1024, 51200 * time.Millisecond},
+		{"10,000 nodes: capped", nil, 10000, 120 * time.Second},
+		{"a longer lease_ttl wins", map[string]string{"lease_ttl": "60"}, 512, 60 * time.Second},
+		{"start_lease_ttl given", map[string]string{"start_lease_ttl": "7"}, 2, 7 * time.Second},
+		{"start_lease_ttl below lease_ttl", map[string]string{"start_lease_ttl": "2", "lease_ttl": "3"}, 2048, 3 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := etcd.ParseRendezvousConf("", tc.conf, envOf(nil))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := s.StartTTL(tc.maxNodes); got != tc.want {
+				t.Fatalf("StartTTL(%d) = %v, want %v", tc.maxNodes, got, tc.want)
+			}
+		})
+	}
 }

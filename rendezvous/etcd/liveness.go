@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -39,6 +40,19 @@ type LivenessConfig struct {
 	// with etcd's default flags): TTL() tells what was granted. Default
 	// DefaultLeaseTTL.
 	TTL time.Duration
+	// StartTTL, when longer than TTL, is the first lease's TTL, until
+	// Settle shortens it to TTL. A big job's start swamps etcd: while its
+	// apply runs more than a second behind its log etcd renews no lease
+	// at all, and at 1,024 agents on two cores that lasted 20-32 s; a
+	// 5-s lease lapsed, its news went to every agent and the lapses fed
+	// on the load they made (BENCHMARKS.md, issue 19). A long lease while
+	// the node joins rides that out, and the short one, once its workers
+	// run, finds a lost node within TTL. It should grow with the crowd
+	// (the launcher's is 50 ms a node); Settle spreads the crowd's
+	// shortenings over a tenth of it. A node lost before its lease is
+	// shortened is found within StartTTL. Default: TTL (one lease, never
+	// shortened).
+	StartTTL time.Duration
 	// Logger receives lease losses and watch interruptions. Default: none.
 	Logger *zap.Logger
 	// OnLapse, if set, is called with the name of every node whose key
@@ -87,7 +101,13 @@ type Liveness struct {
 	// order is the order index's directory, orderKey this node's key
 	// in it (orderKeyOf).
 	order, orderKey string
-	ttl             int64 // granted, seconds
+	ttl             int64 // the current lease's, as granted, seconds
+	// startTTL and shortTTL are the TTLs to ask for (seconds): startTTL
+	// until Settle, shortTTL after (equal when cfg.StartTTL is not
+	// longer than cfg.TTL).
+	startTTL, shortTTL int64
+	// settle carries Settle's request to the renewals' loop.
+	settle chan struct{}
 
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -99,6 +119,11 @@ type Liveness struct {
 	// granted is when the lease was asked for: its TTL runs from then at
 	// the earliest, not from when the grant and the key's put answered.
 	granted time.Time
+	// keyRev is the revision of the node's last put of its key.
+	keyRev int64
+	// settled: Settle was called; a lease granted from now on is short.
+	// short: the current lease is.
+	settled, short bool
 	// nodes are the nodes the news named, by name.
 	nodes  map[string]*presence
 	rev    int64 // the news's revision the view reflects
@@ -112,6 +137,10 @@ type Liveness struct {
 	events atomic.Int64
 	// quiet: this node no longer tells of departures (Quiet).
 	quiet atomic.Bool
+	// ownLoss carries, from the news to the renewals' loop, a departure
+	// of this node's current key announced while its lease lives: the
+	// key went some other way (see hearOwnLoss).
+	ownLoss chan int64
 }
 
 // presence is one node's entry in the view.
@@ -138,6 +167,9 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 	if cfg.TTL <= 0 {
 		cfg.TTL = DefaultLeaseTTL
 	}
+	if cfg.StartTTL < cfg.TTL {
+		cfg.StartTTL = cfg.TTL
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = zap.NewNop()
 	}
@@ -148,7 +180,10 @@ func StartLiveness(ctx context.Context, cli *clientv3.Client, cfg LivenessConfig
 		news:      strings.TrimSuffix(cfg.Dir, "/") + ".news",
 		order:     strings.TrimSuffix(cfg.Dir, "/") + ".order/",
 		orderKey:  strings.TrimSuffix(cfg.Dir, "/") + ".order/" + orderKeyOf(cfg.Name),
-		ttl:       int64(math.Ceil(cfg.TTL.Seconds())),
+		shortTTL:  int64(math.Ceil(cfg.TTL.Seconds())),
+		startTTL:  int64(math.Ceil(cfg.StartTTL.Seconds())),
+		settle:    make(chan struct{}, 1),
+		ownLoss:   make(chan int64, 1),
 		nodes:     make(map[string]*presence),
 		announced: make(map[string]int64),
 	}
@@ -189,7 +224,13 @@ func (l *Liveness) registerPatiently(ctx context.Context) (int64, error) {
 // put's revision.
 func (l *Liveness) register(ctx context.Context) (int64, error) {
 	asked := time.Now() // the lease's TTL runs from no earlier than this
-	g, err := l.cli.Grant(ctx, l.ttl)
+	l.mu.Lock()
+	ask, short := l.startTTL, l.settled || l.startTTL == l.shortTTL
+	if short {
+		ask = l.shortTTL
+	}
+	l.mu.Unlock()
+	g, err := l.cli.Grant(ctx, ask)
 	if err != nil {
 		return 0, fmt.Errorf("%w: etcd lease for %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
@@ -205,13 +246,19 @@ func (l *Liveness) register(ctx context.Context) (int64, error) {
 		cancel()
 		return 0, fmt.Errorf("%w: etcd presence key %s: %w", rendezvous.ErrUnavailable, l.key, err)
 	}
+	l.adopt(g, asked, ask, short, resp.Header.Revision)
+	return resp.Header.Revision, nil
+}
+
+// adopt makes g, asked for at asked with a TTL of ask seconds, the lease
+// of this node's key, put at revision keyRev.
+func (l *Liveness) adopt(g *clientv3.LeaseGrantResponse, asked time.Time, ask int64, short bool, keyRev int64) {
 	l.mu.Lock()
-	l.lease, l.granted = g.ID, asked
+	defer l.mu.Unlock()
+	l.lease, l.granted, l.ttl, l.short, l.keyRev = g.ID, asked, ask, short, keyRev
 	if g.TTL > 0 {
 		l.ttl = g.TTL // etcd may raise it to its minimum
 	}
-	l.mu.Unlock()
-	return resp.Header.Revision, nil
 }
 
 // Lease returns the lease the node's key is bound to now, for keys that
@@ -348,16 +395,42 @@ func (l *Liveness) keepAliveLoop() {
 	// the put took seconds, and leases expired before their first
 	// renewal (45 of 512 agents in one start).
 	lastOK := l.grantedAt()
+	var shortenAt time.Time // when Settle's shortening is due; zero: none is
 	for {
 		ttl := l.TTL()
 		wait := time.Until(lastOK.Add(ttl / 3))
 		if wait <= 0 {
 			wait = min(ttl/3, 100*time.Millisecond) // failing, or due already: soon
 		}
+		if !shortenAt.IsZero() {
+			wait = max(0, min(wait, time.Until(shortenAt)))
+		}
 		select {
 		case <-l.ctx.Done():
 			return
+		case <-l.settle:
+			shortenAt = time.Now().Add(l.shortenDelay())
+			continue
+		case rev := <-l.ownLoss:
+			if rev > l.currentKeyRev() {
+				l.cfg.Logger.Warn("etcd liveness: this node's key was announced deleted while its lease lives; registering again",
+					zap.String("key", l.key))
+				lastOK = l.registerAgain()
+			}
+			continue
 		case <-time.After(wait):
+		}
+		if !shortenAt.IsZero() && !time.Now().Before(shortenAt) {
+			switch done, err := l.shorten(); {
+			case done:
+				shortenAt, lastOK = time.Time{}, l.grantedAt()
+				continue
+			case err != nil:
+				l.cfg.Logger.Debug("etcd liveness: the lease not shortened yet", zap.String("key", l.key), zap.Error(err))
+				shortenAt = time.Now().Add(ttl / 3)
+			default: // short already, or the key is off the lease: the renewal tells
+				shortenAt = time.Time{}
+			}
 		}
 		l.mu.Lock()
 		id := l.lease
@@ -375,32 +448,127 @@ func (l *Liveness) keepAliveLoop() {
 		l.cfg.Logger.Warn("etcd lease lost (etcd knows it no more); registering again", zap.String("key", l.key),
 			zap.Int64("lease", int64(id)), zap.Duration("since_last_renewal", time.Since(lastOK).Round(time.Millisecond)),
 			zap.String("hint", lapseHint))
-		for l.ctx.Err() == nil {
-			ctx, cancel := context.WithTimeout(l.ctx, ttl)
-			rev, err := l.register(ctx)
-			cancel()
-			if err == nil {
-				// Its return, which tells its departure as well (hear):
-				// one event to every watcher, not a "lost" and a "back".
-				// Its successor, unless it is alone or its successor is
-				// gone as well, may have told the departure already; it
-				// tells it no more once it has heard the return. Beside
-				// this loop, which must renew the new lease while a slow
-				// etcd takes the news.
-				l.wg.Add(1)
-				go func() {
-					defer l.wg.Done()
-					l.announce(l.ctx, newsBack, l.cfg.Name, rev)
-				}()
+		lastOK = l.registerAgain()
+	}
+}
+
+// registerAgain registers this node with a new lease, trying until it
+// is registered or the liveness is closed, announces its return, and
+// returns when the new lease was asked for.
+func (l *Liveness) registerAgain() time.Time {
+	for l.ctx.Err() == nil {
+		ctx, cancel := context.WithTimeout(l.ctx, l.TTL())
+		rev, err := l.register(ctx)
+		cancel()
+		if err == nil {
+			// Its return, which tells its departure as well (hear): one
+			// event to every watcher, not a "lost" and a "back". Its
+			// successor, unless it is alone or its successor is gone as
+			// well, may have told the departure already; it tells it no
+			// more once it has heard the return. Beside the renewals'
+			// loop, which must renew the new lease while a slow etcd
+			// takes the news.
+			l.wg.Add(1)
+			go func() {
+				defer l.wg.Done()
+				l.announce(l.ctx, newsBack, l.cfg.Name, rev)
+			}()
+			return l.grantedAt()
+		}
+		if !sleepCtx(l.ctx, 200*time.Millisecond) {
+			break
+		}
+	}
+	return time.Time{}
+}
+
+// Settle shortens this node's lease from StartTTL to TTL (see
+// LivenessConfig.StartTTL), to be called once the node's workers run,
+// and every lease granted after a loss is short from then on. It returns
+// at once: the renewals' loop moves the key onto a short lease after a
+// random delay of up to a tenth of StartTTL, so that a crowd that settles
+// together (every node of a round starts its workers at once) grants its
+// leases at a rate that does not grow with the crowd: with the launcher's
+// StartTTL of 50 ms a node, two proposals per node over 5 ms a node, 400
+// a second. It is idempotent.
+func (l *Liveness) Settle() {
+	l.mu.Lock()
+	first, long := !l.settled, !l.short
+	l.settled = true
+	l.mu.Unlock()
+	if first && long {
+		select {
+		case l.settle <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// shortenDelay is how long after Settle the lease is shortened: random,
+// up to a tenth of StartTTL.
+func (l *Liveness) shortenDelay() time.Duration {
+	return rand.N(time.Duration(l.startTTL) * time.Second / 10)
+}
+
+// currentKeyRev is the revision of this node's last put of its key.
+func (l *Liveness) currentKeyRev() int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.keyRev
+}
+
+// shorten moves this node's key and its order index entry onto a new
+// lease of TTL, from the long one they are on. The long lease is left to
+// expire: the tokens a Storage put under it live until then, and a retry
+// within its OpTimeout finds its token (etcd.StorageConfig.Lease). It
+// reports whether it moved the key; false and no error when the lease is
+// short already or the key is off it (lost: the next renewal tells).
+//
+// When it cannot tell (etcd unanswering for half a TTL), the key may be
+// on the new lease, which then expires unrenewed: the key's successor
+// announces the node lost, and the node, hearing that while its old lease
+// lives, registers again (ownLoss).
+func (l *Liveness) shorten() (bool, error) {
+	l.mu.Lock()
+	old, short := l.lease, l.short
+	l.mu.Unlock()
+	if short {
+		return false, nil
+	}
+	ctx, cancel := context.WithTimeout(l.ctx, time.Duration(l.shortTTL)*time.Second/2)
+	defer cancel()
+	asked := time.Now()
+	g, err := l.cli.Grant(ctx, l.shortTTL)
+	if err != nil {
+		return false, fmt.Errorf("etcd: a short lease for %s: %w", l.key, err)
+	}
+	for {
+		// Only from the old lease: a key put again meanwhile (the old
+		// lease lapsed and the node registered again) is not moved.
+		// The Else tells a try whose answer was lost and that applied.
+		resp, err := l.cli.Txn(ctx).If(clientv3.Compare(clientv3.LeaseValue(l.key), "=", old)).Then(
+			clientv3.OpPut(l.key, string(l.cfg.Value), clientv3.WithLease(g.ID)),
+			clientv3.OpPut(l.orderKey, "", clientv3.WithLease(g.ID)),
+		).Else(clientv3.OpGet(l.key)).Commit()
+		if err == nil {
+			rev := resp.Header.Revision
+			moved := resp.Succeeded
+			if kvs := resp.Responses[0].GetResponseRange().GetKvs(); !moved && len(kvs) == 1 && kvs[0].Lease == int64(g.ID) {
+				moved, rev = true, kvs[0].ModRevision
 			}
-			if err == nil {
-				lastOK = l.grantedAt()
-				break
+			if !moved {
+				rctx, rcancel := context.WithTimeout(l.ctx, time.Second)
+				l.cli.Revoke(rctx, g.ID)
+				rcancel()
+				return false, nil
 			}
-			select {
-			case <-l.ctx.Done():
-			case <-time.After(200 * time.Millisecond):
-			}
+			l.adopt(g, asked, l.shortTTL, true, rev)
+			l.cfg.Logger.Debug("etcd liveness: lease shortened", zap.String("key", l.key),
+				zap.Int64("from", int64(old)), zap.Int64("to", int64(g.ID)), zap.Int64("ttl", l.ttl))
+			return true, nil
+		}
+		if !retriable(ctx, err) || !sleepCtx(ctx, 100*time.Millisecond) {
+			return false, fmt.Errorf("etcd: moving %s onto its short lease: %w", l.key, err)
 		}
 	}
 }
@@ -547,6 +715,21 @@ func (l *Liveness) hear(ev *clientv3.Event) {
 	}
 	if keyRev > p.keyRev {
 		p.alive, p.keyRev = f[0] == newsBack, keyRev
+	}
+	if f[0] == newsLost && f[1] == l.cfg.Name && keyRev > l.keyRev {
+		l.hearOwnLoss(keyRev)
+	}
+}
+
+// hearOwnLoss hands the renewals' loop a departure of this node's key
+// announced after its last put (at revision keyRev): the key went while
+// the lease the node renews may live (shorten could not tell which lease
+// the key was on; an operator deleted it), and a node whose renewals
+// succeed would never register again. The loop registers it again.
+func (l *Liveness) hearOwnLoss(keyRev int64) {
+	select {
+	case l.ownLoss <- keyRev:
+	default: // one is waiting already: the loop reads the key's revision afresh
 	}
 }
 

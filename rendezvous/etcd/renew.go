@@ -100,6 +100,10 @@ func (r *leaseRenewer) renew(id clientv3.LeaseID, ttl, timeout time.Duration) (i
 	case <-late.C:
 		return 0, time.Time{}, fmt.Errorf("etcd lease keep-alive of %x: %w (sent %v ago)", int64(id), errNoAnswer,
 			time.Since(r.sent).Round(time.Millisecond))
+	case <-r.ctx.Done():
+		// Closed: not a third of a TTL later (with a start lease of a
+		// big job, StartTTL/3 is many seconds).
+		return 0, time.Time{}, fmt.Errorf("etcd lease keep-alive of %x: %w", int64(id), r.ctx.Err())
 	}
 }
 
@@ -121,6 +125,9 @@ func (r *leaseRenewer) open(timeout time.Duration) error {
 	go func() {
 		for {
 			resp, err := s.Recv()
+			if ctx.Err() != nil {
+				return // given up or closed: nobody waits for it
+			}
 			select {
 			case answers <- renewAnswer{resp, err}:
 			case <-ctx.Done():
