@@ -897,6 +897,13 @@ func (l *Liveness) watchRing(pred string, rev, start int64) (next, compacted int
 				if evRev > rev {
 					return 0, 0
 				}
+			case ev.Type == mvccpb.DELETE && name == pred:
+				// Gone by rev although its order index entry was there
+				// at rev: the presence key went without its entry (an
+				// operator's delete; a lease's expiry takes both in one
+				// revision). Gone all the same; the ring stays, as the
+				// index tells, until the entry goes too.
+				l.lapsed(name, evRev)
 			case ev.Type == mvccpb.PUT && evRev > rev && l.between(pred, name):
 				return evRev, 0
 			}
