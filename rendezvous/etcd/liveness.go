@@ -413,25 +413,17 @@ func (l *Liveness) keepAliveLoop() {
 			continue
 		case rev := <-l.ownLoss:
 			if rev > l.currentKeyRev() {
-				l.cfg.Logger.Warn("etcd liveness: this node's key was announced deleted while its lease lives; registering again",
+				l.cfg.Logger.Warn("etcd liveness: this node's key was announced deleted before its renewals found its lease gone; registering again",
 					zap.String("key", l.key))
 				lastOK = l.registerAgain()
 			}
 			continue
 		case <-time.After(wait):
 		}
-		if !shortenAt.IsZero() && !time.Now().Before(shortenAt) {
-			switch done, err := l.shorten(); {
-			case done:
-				shortenAt, lastOK = time.Time{}, l.grantedAt()
-				continue
-			case err != nil:
-				l.cfg.Logger.Debug("etcd liveness: the lease not shortened yet", zap.String("key", l.key), zap.Error(err))
-				shortenAt = time.Now().Add(ttl / 3)
-			default: // short already, or the key is off the lease: the renewal tells
-				shortenAt = time.Time{}
-			}
-		}
+		// A shortening due is preceded by a renewal, early if need be,
+		// which shows whether etcd keeps up (renewals are not Raft
+		// proposals; a grant and a put are).
+		shortenDue := !shortenAt.IsZero() && !time.Now().Before(shortenAt)
 		l.mu.Lock()
 		id := l.lease
 		l.mu.Unlock()
@@ -441,8 +433,17 @@ func (l *Liveness) keepAliveLoop() {
 			return
 		case err == nil && left > 0:
 			lastOK = sent
+			if shortenDue {
+				shortenAt = l.shortenIfPrompt(sent, ttl)
+				if shortenAt.IsZero() {
+					lastOK = l.grantedAt()
+				}
+			}
 			continue
 		case err != nil:
+			if shortenDue {
+				shortenAt = time.Now().Add(min(ttl/3, shortenRetry))
+			}
 			continue // not known lost: the next attempt may get through
 		}
 		l.cfg.Logger.Warn("etcd lease lost (etcd knows it no more); registering again", zap.String("key", l.key),
@@ -450,6 +451,37 @@ func (l *Liveness) keepAliveLoop() {
 			zap.String("hint", lapseHint))
 		lastOK = l.registerAgain()
 	}
+}
+
+// promptRenewal is how soon a renewal must be answered for the lease to
+// be shortened after it: etcd answers a renewal only once its apply has
+// caught up with its log, giving up after a second, so a prompt answer
+// says etcd keeps up now. At 512 agents, shortening while etcd lagged
+// (its grants timing out, tried again, each perhaps granted all the same)
+// added thousands of proposals to a start that was behind already.
+const promptRenewal = 250 * time.Millisecond
+
+// shortenRetry bounds how long a shortening waits for etcd to keep up
+// again after a renewal that was not prompt or a shortening that failed.
+const shortenRetry = 2 * time.Second
+
+// shortenIfPrompt shortens the lease (shorten) if the renewal sent at sent
+// that just succeeded was answered promptly, and returns when to try
+// again: zero when there is nothing more to do.
+func (l *Liveness) shortenIfPrompt(sent time.Time, ttl time.Duration) time.Time {
+	if rtt := time.Since(sent); rtt > promptRenewal {
+		l.cfg.Logger.Debug("etcd liveness: etcd answers renewals late; the lease stays long for now",
+			zap.String("key", l.key), zap.Duration("renewal", rtt.Round(time.Millisecond)))
+		return time.Now().Add(min(ttl/3, shortenRetry))
+	}
+	switch done, err := l.shorten(); {
+	case done:
+		return time.Time{}
+	case err != nil:
+		l.cfg.Logger.Debug("etcd liveness: the lease not shortened yet", zap.String("key", l.key), zap.Error(err))
+		return time.Now().Add(min(ttl/3, shortenRetry))
+	}
+	return time.Time{} // short already, or the key is off the lease: the renewals tell
 }
 
 // registerAgain registers this node with a new lease, trying until it

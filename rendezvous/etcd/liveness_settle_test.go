@@ -208,3 +208,32 @@ func TestLivenessCloseAtOnce(t *testing.T) {
 		t.Fatalf("Close took %v while a renewal waited for its answer; want at once", took)
 	}
 }
+
+// TestLivenessSettleWaitsForPromptRenewals: the lease is shortened only
+// after a renewal that etcd answered promptly (etcd keeps up): while the
+// renewals' answers come late, as from an etcd whose apply lags, the long
+// lease stays, and no grant is added to the load.
+func TestLivenessSettleWaitsForPromptRenewals(t *testing.T) {
+	cluster := etcdtest.Start(t, 1, etcdtest.Options{})
+	dir := fmt.Sprintf("/test/%s/alive/", t.Name())
+	var late atomic.Int32
+	const lateAnswered = 3
+	cli := lateAnswersClient(t, cluster, func(s grpc.ClientStream) grpc.ClientStream {
+		return &lateAnswers{ClientStream: s, late: &late, by: 500 * time.Millisecond, first: lateAnswered}
+	})
+	ctx := testCtx(t, 30*time.Second)
+	a, err := etcd.StartLiveness(ctx, cli, etcd.LivenessConfig{Dir: dir, Name: "a", TTL: time.Second, StartTTL: 6 * time.Second})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close(context.Background()) })
+	long := a.LeaseID()
+	a.Settle()
+	waitNewLease(t, a, long, 20*time.Second)
+	if n := late.Load(); n != lateAnswered {
+		t.Fatalf("shortened after %d late answers; want after all %d, at the first prompt one", n, lateAnswered)
+	}
+	if got := a.TTL(); got != time.Second {
+		t.Fatalf("TTL after shortening %v, want 1s", got)
+	}
+}
