@@ -642,8 +642,8 @@ func (j *jobNode) closeJob(ctx context.Context, outcome string) {
 // first one stays; later ones agree or come too late. After a success the
 // node that ends the exit barrier records it before it writes the end, so
 // every other node finds it there; CreateOnce reads it where the store
-// peeks instead of compare-setting it, a Raft proposal each on etcd (one
-// of an agent's 18 at 64 agents).
+// peeks instead of compare-setting it, a Raft proposal each on etcd, one
+// per agent at the job's end.
 func (j *jobNode) recordOutcome(ctx context.Context, outcome string) error {
 	_, err := rendezvous.CreateOnce(ctx, j.store, j.outcomeKey(), []byte(outcome))
 	return err
