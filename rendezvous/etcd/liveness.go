@@ -93,6 +93,9 @@ type LivenessConfig struct {
 // successor has seen it deleted, and it announces its return, which
 // tells the departure too: every view, its own included, reports it lost
 // (Lost), as any node announced since a mark.
+//
+// A node may start on a longer lease (LivenessConfig.StartTTL) and move
+// its key onto one of TTL once its workers run (Settle).
 type Liveness struct {
 	cli  *clientv3.Client
 	cfg  LivenessConfig
@@ -442,7 +445,7 @@ func (l *Liveness) keepAliveLoop() {
 			continue
 		case err != nil:
 			if shortenDue {
-				shortenAt = time.Now().Add(min(ttl/3, shortenRetry))
+				shortenAt = shortenRetryAt(ttl)
 			}
 			continue // not known lost: the next attempt may get through
 		}
@@ -465,6 +468,10 @@ const promptRenewal = 250 * time.Millisecond
 // again after a renewal that was not prompt or a shortening that failed.
 const shortenRetry = 2 * time.Second
 
+// shortenRetryAt is when a shortening put off is tried again, for a
+// lease of ttl.
+func shortenRetryAt(ttl time.Duration) time.Time { return time.Now().Add(min(ttl/3, shortenRetry)) }
+
 // shortenIfPrompt shortens the lease (shorten) if the renewal sent at sent
 // that just succeeded was answered promptly, and returns when to try
 // again: zero when there is nothing more to do.
@@ -472,14 +479,14 @@ func (l *Liveness) shortenIfPrompt(sent time.Time, ttl time.Duration) time.Time 
 	if rtt := time.Since(sent); rtt > promptRenewal {
 		l.cfg.Logger.Debug("etcd liveness: etcd answers renewals late; the lease stays long for now",
 			zap.String("key", l.key), zap.Duration("renewal", rtt.Round(time.Millisecond)))
-		return time.Now().Add(min(ttl/3, shortenRetry))
+		return shortenRetryAt(ttl)
 	}
 	switch done, err := l.shorten(); {
 	case done:
 		return time.Time{}
 	case err != nil:
 		l.cfg.Logger.Debug("etcd liveness: the lease not shortened yet", zap.String("key", l.key), zap.Error(err))
-		return time.Now().Add(min(ttl/3, shortenRetry))
+		return shortenRetryAt(ttl)
 	}
 	return time.Time{} // short already, or the key is off the lease: the renewals tell
 }
